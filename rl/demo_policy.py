@@ -1,0 +1,179 @@
+"""The demo's tiny policy: a character-level tokenizer and a small Llama-style causal LM.
+
+Built locally (no hub), saved with `save_pretrained` as a normal HF checkpoint folder, so the
+trainer and engines load it exactly like a user's own checkpoint.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# Characters of the synthetic arithmetic task; special tokens come first.
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+CHARS = list("0123456789+-*=() ")
+
+
+def build_tokenizer():
+    """Character-level `PreTrainedTokenizerFast` (each character is one token)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+        clean_up_tokenization_spaces=False)
+
+
+def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, mlp: int = 512,
+                max_positions: int = 128, seed: int = 0):
+    """A randomly initialised Llama-style causal LM sized for the tokenizer."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def save_policy(model, tokenizer, out_dir: str | Path) -> Path:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Supervised warm-up: makes the random policy partially competent so that RL has signal
+# (GRPO needs some correct samples per group; from a random model every reward is 0).
+
+
+def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded "prompt + answer + eos" with labels only on answer + eos (-100 elsewhere)."""
+    from rl.data import encode_prompt
+
+    prompts = encode_prompt(tokenizer, [r["prompt"] for r in rows])
+    answers = tokenizer([str(r["label"]) for r in rows], add_special_tokens=False)["input_ids"]
+    seqs = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers)]
+    T = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)  # [B, T]
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)  # [B, T]
+    for i, (p, s) in enumerate(zip(prompts, seqs)):
+        ids[i, : len(s)] = torch.tensor(s)
+        attn[i, : len(s)] = 1
+        labels[i, len(p) : len(s)] = torch.tensor(s[len(p):])
+    return ids, attn, labels
+
+
+def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
+           seed: int = 0, progress: bool = True) -> dict:
+    """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
+
+    Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step.
+    Returns {"steps", "loss_first", "loss_last" (mean of the last 10 steps), "seconds"}.
+    """
+    import time
+    from tqdm import tqdm
+
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+    losses, t0 = [], time.perf_counter()
+    bar = tqdm(range(steps), desc="warm-up", disable=not progress, leave=False)
+    for _ in bar:
+        pick = torch.randint(len(train_rows), (batch,), generator=gen).tolist()
+        ids, attn, labels = _answer_batch(tokenizer, [train_rows[i] for i in pick])
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-10:]
+    return {"steps": steps, "loss_first": losses[0] if losses else None,
+            "loss_last": sum(tail) / len(tail) if tail else None, "seconds": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
+    """Greedy continuations of equal-length prompts (no padding needed), KV-cached, stop at eos."""
+    ids = torch.tensor(prompt_ids, dtype=torch.long)  # [B, P]
+    out = model(input_ids=ids, use_cache=True)
+    past, new = out.past_key_values, []
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool)  # [B]
+    for _ in range(max_new_tokens):
+        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        new.append(nxt)
+        done |= nxt == eos_id
+        if bool(done.all()):
+            break
+        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
+        past = out.past_key_values
+    toks = torch.stack(new, dim=1).tolist()  # [B, n]
+    return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch: int = 256) -> float:
+    """Share of rows whose greedy response is exactly the label followed by eos.
+
+    Plain batched decoding for the bootstrap report only (the rollout engine is separate).
+    Rows are grouped by prompt length so no padding is needed.
+    """
+    from rl.data import encode_prompt
+
+    if not rows:
+        return 0.0
+    model.eval()
+    prompts = encode_prompt(tokenizer, [r["prompt"] for r in rows])
+    by_len: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        by_len.setdefault(len(p), []).append(i)
+    correct, eos = 0, tokenizer.eos_token_id
+    for idx in by_len.values():
+        for s in range(0, len(idx), batch):
+            chunk = idx[s : s + batch]
+            outs = _greedy_same_length(model, [prompts[i] for i in chunk], max_new_tokens, eos)
+            for i, toks in zip(chunk, outs):
+                text = tokenizer.decode(toks, skip_special_tokens=True)
+                correct += int(bool(toks) and toks[-1] == eos and text == str(rows[i]["label"]))
+    return correct / len(rows)
+
+
+def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: int = 5000, num_eval: int = 200,
+              steps: int = 350, batch: int = 64, lr: float = 1e-3, hidden: int = 128, layers: int = 4,
+              heads: int = 4, mlp: int = 512, progress: bool = True) -> dict:
+    """Build the demo policy, warm it up on the train split, save it (HF folder) + bootstrap.json.
+
+    The problems are `rl.demo_task.make_problems(seed, num_train, num_eval, digits)`: an RL run
+    keeps its held-out split unseen only if it uses the same data.seed / num_eval / digits.
+    """
+    import json
+    import time
+
+    from rl.demo_task import make_problems
+
+    t0 = time.perf_counter()
+    train, held_out = make_problems(seed, num_train, num_eval, digits)
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, seed=seed)
+    max_new = digits + 2  # longest answer (digits + 1) plus eos
+    before = greedy_accuracy(model, tokenizer, held_out, max_new)
+    metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress)
+    after = greedy_accuracy(model, tokenizer, held_out, max_new)
+    out = save_policy(model, tokenizer, out_dir)
+    report = {"seed": seed, "digits": digits, "num_train": num_train, "num_eval": num_eval,
+              "eval_accuracy_before": before, "eval_accuracy_after": after,
+              "train_accuracy_after": greedy_accuracy(model, tokenizer, train[:num_eval], max_new),
+              "num_parameters": sum(p.numel() for p in model.parameters()),
+              "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out)}
+    (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
+    return report

@@ -1,0 +1,88 @@
+"""Typed records handed between stages (generate -> reward -> advantages -> train).
+
+Plain Python lists, no tensors: a `RolloutBatch` is what lives in the Ray object store between
+stages and what is written as `rollouts.parquet`. `to_train_tensors` turns it into the padded
+tensors the trainer consumes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+
+@dataclass
+class Prompt:
+    """One prompt of the dataset: its text, token ids and whatever the verifier needs."""
+
+    index: int  # position in the dataset (the data-loader cursor counts these)
+    text: str
+    input_ids: list[int]
+    label: Any = None  # ground truth handed to the reward function
+
+
+@dataclass
+class RolloutBatch:
+    """`n` sampled responses for each of P prompts, prompt-major (p0s0..p0s(n-1), p1s0, ...)."""
+
+    group_index: list[int]  # [P*n] which prompt of this batch (0..P-1) the sample belongs to
+    prompt_text: list[str]
+    prompt_ids: list[list[int]]
+    response_text: list[str]
+    response_ids: list[list[int]]
+    rollout_logprobs: list[list[float]]  # engine logprobs of each response token
+    finish_reason: list[str]  # "stop" | "length" | "abort"
+    label: list[Any]
+    policy_version: int = 0
+    rewards: list[float] | None = None
+    advantages: list[float] | None = None  # one per sample (GRPO: sequence-level)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def n_groups(self) -> int:
+        return (max(self.group_index) + 1) if self.group_index else 0
+
+    def with_(self, **kw) -> "RolloutBatch":
+        return replace(self, **kw)
+
+    def select(self, idx: list[int]) -> "RolloutBatch":
+        """Sub-batch of the given sample positions (used to shard over data-parallel ranks)."""
+        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        return RolloutBatch(
+            group_index=pick(self.group_index), prompt_text=pick(self.prompt_text),
+            prompt_ids=pick(self.prompt_ids), response_text=pick(self.response_text),
+            response_ids=pick(self.response_ids), rollout_logprobs=pick(self.rollout_logprobs),
+            finish_reason=pick(self.finish_reason), label=pick(self.label),
+            policy_version=self.policy_version, rewards=pick(self.rewards),
+            advantages=pick(self.advantages), extra=dict(self.extra),
+        )
+
+
+def to_train_tensors(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded tensors for a causal LM forward pass over prompt+response.
+
+    Position t of the `[B, T-1]` tensors scores token t+1 of `input_ids` (the usual shift):
+    `loss_mask` is 1 exactly where that token is a response token.
+    """
+    seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    B, T = len(seqs), max(len(s) for s in seqs)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)  # [B, T]
+    attention_mask = torch.zeros((B, T), dtype=torch.long)  # [B, T]
+    loss_mask = torch.zeros((B, T - 1), dtype=torch.float32)  # [B, T-1]
+    rollout_lp = torch.zeros((B, T - 1), dtype=torch.float32)  # [B, T-1]
+    for i, (p, r) in enumerate(zip(batch.prompt_ids, batch.response_ids)):
+        n = len(p) + len(r)
+        input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, :n] = 1
+        if r:
+            loss_mask[i, len(p) - 1 : n - 1] = 1.0
+            rollout_lp[i, len(p) - 1 : n - 1] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
+    out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
+           "rollout_logprobs": rollout_lp}
+    if batch.advantages is not None:
+        out["advantages"] = torch.tensor(batch.advantages, dtype=torch.float32)  # [B]
+    return out
