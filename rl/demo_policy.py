@@ -5,6 +5,7 @@ trainer and engines load it exactly like a user's own checkpoint.
 """
 from __future__ import annotations
 
+import inspect
 from pathlib import Path
 
 import torch
@@ -73,42 +74,64 @@ def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tens
     return ids, attn, labels
 
 
+def _sft_step(model, opt, tokenizer, rows: list[dict]) -> float:
+    ids, attn, labels = _answer_batch(tokenizer, rows)  # [B, T] each
+    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
-           seed: int = 0, progress: bool = True) -> dict:
+           seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
+           check_rows: list[dict] | None = None, check_every: int = 25) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
-    Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step.
-    Returns {"steps", "loss_first", "loss_last" (mean of the last 10 steps), "seconds"}.
+    Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
+    `stop_accuracy`, every `check_every` steps the greedy accuracy on `check_rows` (default: the
+    first 200 train rows) is measured and training stops once it reaches the target, so `steps`
+    is then a maximum. Why: accuracy rises steeply and the step where it does varies by ~±50
+    between seeds, so a fixed step count lands anywhere from 0.15 to 0.55.
+    Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
+    "seconds"}.
     """
     import time
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
-    model.train()
-    losses, t0 = [], time.perf_counter()
-    bar = tqdm(range(steps), desc="warm-up", disable=not progress, leave=False)
-    for _ in bar:
+    check_rows = check_rows if check_rows is not None else train_rows[:200]
+    max_new = 1 + max((len(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"])
+                       for r in check_rows), default=0)  # longest answer + eos
+    losses, acc, t0 = [], None, time.perf_counter()
+    bar = tqdm(range(1, steps + 1), desc="warm-up", disable=not progress, leave=False)
+    for step in bar:
+        model.train()
         pick = torch.randint(len(train_rows), (batch,), generator=gen).tolist()
-        ids, attn, labels = _answer_batch(tokenizer, [train_rows[i] for i in pick])
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick]))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc)
+        if stop_accuracy is not None and step % check_every == 0:
+            acc = greedy_accuracy(model, tokenizer, check_rows, max_new)
+            if acc >= stop_accuracy:
+                break
     model.eval()
     tail = losses[-10:]
-    return {"steps": steps, "loss_first": losses[0] if losses else None,
-            "loss_last": sum(tail) / len(tail) if tail else None, "seconds": time.perf_counter() - t0}
+    return {"steps": len(losses), "loss_first": losses[0] if losses else None,
+            "loss_last": sum(tail) / len(tail) if tail else None, "check_accuracy": acc,
+            "seconds": time.perf_counter() - t0}
 
 
 @torch.no_grad()
 def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
     """Greedy continuations of equal-length prompts (no padding needed), KV-cached, stop at eos."""
+    from transformers import DynamicCache
+
     ids = torch.tensor(prompt_ids, dtype=torch.long)  # [B, P]
-    out = model(input_ids=ids, use_cache=True)
-    past, new = out.past_key_values, []
+    # transformers 5.x renamed `past_key_values` to `cache`; the cache object is updated in place
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kv = {key: DynamicCache(config=model.config), "use_cache": True}
+    out, new = model(input_ids=ids, **kv), []
     done = torch.zeros(len(prompt_ids), dtype=torch.bool)  # [B]
     for _ in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(-1)  # [B]
@@ -116,8 +139,7 @@ def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int,
         done |= nxt == eos_id
         if bool(done.all()):
             break
-        out = model(input_ids=nxt[:, None], past_key_values=past, use_cache=True)
-        past = out.past_key_values
+        out = model(input_ids=nxt[:, None], **kv)
     toks = torch.stack(new, dim=1).tolist()  # [B, n]
     return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
 
@@ -149,9 +171,13 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
 
 
 def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: int = 5000, num_eval: int = 200,
-              steps: int = 350, batch: int = 64, lr: float = 1e-3, hidden: int = 128, layers: int = 4,
-              heads: int = 4, mlp: int = 512, progress: bool = True) -> dict:
+              steps: int = 500, batch: int = 64, lr: float = 1e-3, target_accuracy: float | None = 0.4,
+              hidden: int = 128, layers: int = 4, heads: int = 4, mlp: int = 512, progress: bool = True) -> dict:
     """Build the demo policy, warm it up on the train split, save it (HF folder) + bootstrap.json.
+
+    Warm-up stops once greedy accuracy on the first `num_eval` train rows reaches
+    `target_accuracy` (at most `steps` steps; None = exactly `steps`). The default 0.4 leaves a
+    partially competent policy (held-out ~0.3-0.5) so that GRPO groups have mixed rewards.
 
     The problems are `rl.demo_task.make_problems(seed, num_train, num_eval, digits)`: an RL run
     keeps its held-out split unseen only if it uses the same data.seed / num_eval / digits.
@@ -167,12 +193,12 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
     model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, seed=seed)
     max_new = digits + 2  # longest answer (digits + 1) plus eos
     before = greedy_accuracy(model, tokenizer, held_out, max_new)
-    metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress)
+    metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
+                     stop_accuracy=target_accuracy, check_rows=train[:num_eval])
     after = greedy_accuracy(model, tokenizer, held_out, max_new)
     out = save_policy(model, tokenizer, out_dir)
     report = {"seed": seed, "digits": digits, "num_train": num_train, "num_eval": num_eval,
               "eval_accuracy_before": before, "eval_accuracy_after": after,
-              "train_accuracy_after": greedy_accuracy(model, tokenizer, train[:num_eval], max_new),
               "num_parameters": sum(p.numel() for p in model.parameters()),
               "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out)}
     (out / "bootstrap.json").write_text(json.dumps(report, indent=2))

@@ -1,0 +1,454 @@
+"""Generation core of the embedded engine: batched sampling with a KV cache on a HF causal LM.
+
+No HTTP here. `Generator.generate` takes token-id prompts and SGLang-style sampling params and
+returns one SGLang-shaped record per sample, prompt-major (p0s0..p0s(n-1), p1s0, ...).
+
+Semantics follow SGLang 0.5.23 (see /work/shared/SGLANG_API.md) because importance ratios in
+the trainer depend on them:
+- logprob of a token = log_softmax(logits / temperature) taken BEFORE top-p/top-k/min-p
+  filtering; greedy (temperature < 1e-6) reports plain log_softmax(logits).
+- min_new_tokens masks every stop token to -inf while too short, and the returned logprobs see
+  that mask (SGLang applies it as a logit penalty before sampling).
+- finish checks run stop string -> stop token -> length; `ignore_eos` disables every
+  token-based stop (eos and stop_token_ids), exactly as SGLang does.
+- output_ids keep the matched stop token; `text` drops it unless `no_stop_trim`.
+- `sampling_seed` makes a sample a function of (seed, position) only, so two samples of the
+  same request with the same seed are identical (as in SGLang).
+Departure: penalties, logit_bias, grammars and stop_regex are not implemented (the HTTP layer
+rejects them with a 400 instead of silently ignoring them).
+
+Speed: finished rows leave the running batch (the KV cache is index-selected and leading
+all-padding columns are cut), so a batch with widely varying response lengths only pays for
+rows still running. A prompt sampled `n` times is prefilled once and its cache repeated.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import math
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+SAMPLING_EPS = 1e-6  # temperature below this means greedy (SGLang's _SAMPLING_EPS)
+TOP_K_ALL = 1 << 30
+
+# Between decode steps the generator calls checkpoint(rids of running rows) -> {rid: message}.
+# It may block (pause) and returns the rows to abort. Called without the model lock held.
+Checkpoint = Callable[[list[str]], dict[str, str]]
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """The sampling parameters the embedded engine implements (SGLang names and defaults)."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    sampling_seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "SamplingConfig":
+        """Build from an SGLang sampling_params dict (`n` and None values are skipped)."""
+        kw = {k: v for k, v in (d or {}).items() if v is not None and k != "n"}
+        if isinstance(kw.get("stop"), str):
+            kw["stop"] = (kw["stop"],)
+        if "stop" in kw:
+            kw["stop"] = tuple(kw["stop"])
+        if "stop_token_ids" in kw:
+            kw["stop_token_ids"] = frozenset(int(t) for t in kw["stop_token_ids"])
+        unknown = set(kw) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"sampling params not supported by the embedded engine: {sorted(unknown)}")
+        cfg = cls(**kw)
+        cfg.verify()
+        return cfg
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+    def verify(self) -> None:
+        """Range checks with SGLang's messages (SamplingParams.verify)."""
+        if not math.isfinite(self.temperature) or self.temperature < 0.0:
+            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.top_k < 1 and self.top_k != -1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
+                             f"got {self.min_new_tokens}.")
+
+
+# ---------------------------------------------------------------- pure sampling math
+
+
+def filter_probs(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                 min_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tokens top-p / top-k / min-p exclude (unnormalised; the top token always stays).
+
+    probs [B, V]; top_p, min_p [B] float; top_k [B] long (TOP_K_ALL = keep all).
+    """
+    sorted_p, idx = probs.sort(dim=-1, descending=True)  # [B, V]
+    ranks = torch.arange(probs.shape[-1], device=probs.device)  # [V]
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # [B, V] probability mass ranked above each token
+    drop = mass_before > top_p[:, None]  # [B, V]
+    drop |= ranks[None, :] >= top_k[:, None]
+    drop |= sorted_p < sorted_p[:, :1] * min_p[:, None]
+    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  top_k: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor | None):
+    """One sampling step. Returns (tokens [B] long, logprobs [B] float).
+
+    logits [B, V] float32; temperature [B] (< SAMPLING_EPS = greedy); noise [B, V] Exp(1) draws
+    (None when every row is greedy). Sampling is the exponential race argmax(p / E), which draws
+    from p normalised, so the filtered probs need no renormalisation. The logprob is SGLang's:
+    log_softmax(logits / T) of the chosen token, before filtering.
+    """
+    greedy = temperature < SAMPLING_EPS  # [B]
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
+    logprobs = torch.log_softmax(logits / t[:, None], dim=-1)  # [B, V]
+    tokens = logits.argmax(-1)  # [B]
+    if noise is not None and not bool(greedy.all()):
+        probs = logprobs.exp()  # [B, V]
+        if bool((top_p < 1.0).any() | (top_k < probs.shape[-1]).any() | (min_p > 0).any()):
+            probs = filter_probs(probs, top_p, top_k, min_p)
+        sampled = (probs / noise.clamp_min(1e-20)).argmax(-1)  # [B]
+        tokens = torch.where(greedy, tokens, sampled)
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
+    return tokens, chosen.clamp_min(torch.finfo(chosen.dtype).min)  # as SGLang: never -inf in JSON
+
+
+def _seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
+    """Exp(1) noise [V] that depends only on (seed, position): batch-independent determinism."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63))
+    return torch.empty(vocab).exponential_(generator=g)  # [V]
+
+
+# ---------------------------------------------------------------- KV cache
+
+
+def _new_cache(capacity: int):
+    """A DynamicCache whose layers preallocate `capacity` positions (see _PreallocLayer)."""
+    cache = DynamicCache()
+    if hasattr(cache, "layer_class_to_replicate"):  # transformers >= 5: layers are made on first use
+        cache.layer_class_to_replicate = functools.partial(_PreallocLayer, capacity)
+    return cache
+
+
+class _PreallocLayer(DynamicLayer):
+    """A DynamicLayer whose keys/values are views into a buffer sized for the whole generation.
+
+    DynamicLayer appends with torch.cat, re-copying the cache every step (quadratic in length; a
+    quarter of decode time at batch 256 here). This one writes the new position in place.
+    """
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n, add = self.get_seq_length(), key_states.shape[-2]
+        if not self.is_initialized:
+            B, H, _, D = key_states.shape
+            self.device = key_states.device
+            self._k = key_states.new_empty(B, H, max(self.capacity, add), D)  # [B, H, cap, D]
+            self._v = value_states.new_empty(B, H, max(self.capacity, add), value_states.shape[-1])
+            self.is_initialized = True
+        if n + add > self._k.shape[-2]:  # more than planned (never for the generator): grow
+            self._k = torch.cat([self._k, torch.empty_like(self._k)], dim=-2)
+            self._v = torch.cat([self._v, torch.empty_like(self._v)], dim=-2)
+        self._k[:, :, n:n + add] = key_states
+        self._v[:, :, n:n + add] = value_states
+        self.keys, self.values = self._k[:, :, :n + add], self._v[:, :, :n + add]
+        return self.keys, self.values
+
+    def select(self, rows: torch.Tensor, first: int = 0) -> None:
+        """Keep batch `rows` (repeats allowed) and drop the first `first` positions."""
+        n = self.get_seq_length()
+        self._k, self._v = self._k[rows, :, first:], self._v[rows, :, first:]
+        self.keys, self.values = self._k[:, :, :n - first], self._v[:, :, :n - first]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.select(indices)
+
+
+# ---------------------------------------------------------------- per-sample bookkeeping
+
+
+@dataclass
+class _Row:
+    """One sample being generated."""
+
+    prompt: list[int]
+    cfg: SamplingConfig
+    rid: str  # the request id aborts refer to
+    sample_id: str  # meta_info.id of this sample
+    stop_ids: frozenset[int]  # token ids that end this row (empty when ignore_eos)
+    mask_ids: list[int]  # token ids masked while shorter than min_new_tokens
+    max_new: int
+    out: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish: dict | None = None
+
+
+class Generator:
+    """Batched generation on a HF causal LM (see module docstring for semantics)."""
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None):
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.weight_version = "default"
+        self.lock = threading.RLock()  # held for each forward pass and each weight write
+        cfg = model.config
+        self.vocab_size = int(cfg.vocab_size)
+        self.context_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
+        self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None))
+        self.eos_ids = self._eos_ids()
+        self._params = dict(model.state_dict(keep_vars=True))  # name -> Parameter/buffer (tied aliases too)
+        # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns)
+        fwd = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        gen_cfg = getattr(self.model, "generation_config", None)
+        for src in (self.model.config.eos_token_id, getattr(gen_cfg, "eos_token_id", None),
+                    self.tokenizer.eos_token_id):
+            if src is not None:
+                ids.update([src] if isinstance(src, int) else src)
+        return frozenset(ids)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    # ------------------------------------------------------------ public generation API
+
+    def generate(self, prompts: list[list[int]], params: list[dict] | dict | None = None,
+                 n: int | list[int] = 1, rids: list[str] | None = None,
+                 checkpoint: Checkpoint | None = None) -> list[dict]:
+        """Sample `n` completions per prompt; records are prompt-major.
+
+        params: one dict per prompt, or one dict for all. n: int, or one per prompt.
+        rids: request id per prompt (for aborts and meta ids; random when None).
+        """
+        rows = self._make_rows(prompts, params, n, rids)
+        todo = [r for r in rows if r.finish is None]
+        for start in range(0, len(todo), self.max_batch_size):
+            self._run_chunk(todo[start:start + self.max_batch_size], checkpoint)
+        return [self._record(r) for r in rows]
+
+    def _make_rows(self, prompts, params, n, rids) -> list[_Row]:
+        P = len(prompts)
+        params = params if isinstance(params, list) else [params] * P
+        ns = n if isinstance(n, list) else [n] * P
+        if len(params) != P or len(ns) != P:
+            raise ValueError(f"got {P} prompts but {len(params)} sampling params and {len(ns)} n values")
+        rows = []
+        for i, (prompt, p, k) in enumerate(zip(prompts, params, ns)):
+            cfg = p if isinstance(p, SamplingConfig) else SamplingConfig.from_dict(p)
+            rid = rids[i] if rids else uuid.uuid4().hex
+            prompt = list(prompt)  # one list per prompt: its samples share one prefill
+            for _ in range(k):
+                rows.append(self._new_row(prompt, cfg, rid, rid if k == 1 else uuid.uuid4().hex))
+        return rows
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        """Raise ValueError for a prompt this model cannot take (checked before batching)."""
+        if not prompt:
+            raise ValueError("a prompt must have at least one token")
+        if len(prompt) >= self.context_len:
+            raise ValueError(f"the input ({len(prompt)} tokens) is longer than the model's context "
+                             f"length ({self.context_len} tokens); shorten the prompt")
+        if max(prompt) >= self.vocab_size or min(prompt) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size - 1}]")
+
+    def _new_row(self, prompt: list[int], cfg: SamplingConfig, rid: str, sample_id: str) -> _Row:
+        self.check_prompt(prompt)
+        stops = frozenset(cfg.stop_token_ids) | self.eos_ids
+        row = _Row(prompt=prompt, cfg=cfg, rid=rid, sample_id=sample_id,
+                   stop_ids=frozenset() if cfg.ignore_eos else stops, mask_ids=sorted(stops),
+                   max_new=min(cfg.max_new_tokens, self.context_len - len(prompt)))
+        if row.max_new == 0:
+            row.finish = {"type": "length", "length": row.max_new}
+        return row
+
+    def _record(self, r: _Row) -> dict:
+        return {
+            "output_ids": list(r.out), "text": self._text(r), "finish_reason": r.finish,
+            "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.out)],
+            "prompt_tokens": len(r.prompt), "completion_tokens": len(r.out), "id": r.sample_id,
+        }
+
+    def _text(self, r: _Row) -> str:
+        ids, matched = r.out, (r.finish or {}).get("matched")
+        if isinstance(matched, int) and not r.cfg.no_stop_trim and ids:
+            ids = ids[:-1]  # SGLang trims the matched stop token from the text only
+        text = self.tokenizer.decode(ids, skip_special_tokens=r.cfg.skip_special_tokens)
+        if isinstance(matched, str) and (pos := text.find(matched)) >= 0:
+            text = text[:pos + len(matched)] if r.cfg.no_stop_trim else text[:pos]
+        return text
+
+    # ------------------------------------------------------------ the decode loop
+
+    @torch.inference_mode()
+    def _run_chunk(self, rows: list[_Row], checkpoint: Checkpoint | None) -> None:
+        """Prefill the chunk's distinct prompts once, then decode until every row finishes."""
+        cache, logits, mask, pos = self._prefill(rows)
+        active = list(range(len(rows)))  # row index of each batch slot
+        while True:
+            tokens, lps = self._sample(logits, [rows[i] for i in active])
+            for slot, i in enumerate(active):
+                self._append(rows[i], int(tokens[slot]), float(lps[slot]))
+            if checkpoint is not None:
+                self._apply_aborts(rows, active, checkpoint)
+            keep = [s for s, i in enumerate(active) if rows[i].finish is None]
+            if not keep:
+                return
+            if len(keep) < len(active):
+                mask = self._compact(cache, mask, keep)
+                tokens, pos = tokens[keep], pos[keep]
+                active = [active[s] for s in keep]
+            mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)  # [B, T+1]
+            pos = pos + 1  # [B]
+            logits = self._forward(tokens[:, None], mask, pos[:, None], cache)
+
+    def _prefill(self, rows: list[_Row]):
+        """Left-padded prefill of the distinct prompts; cache and logits repeated per row."""
+        uniq: dict[int, int] = {}  # id(prompt list) -> position among distinct prompts
+        for r in rows:
+            uniq.setdefault(id(r.prompt), len(uniq))
+        prompts = {id(r.prompt): r.prompt for r in rows}
+        order = sorted(uniq, key=uniq.get)
+        T = max(len(prompts[k]) for k in order)
+        ids = torch.full((len(order), T), self.pad_id, dtype=torch.long)  # [U, T]
+        mask = torch.zeros((len(order), T), dtype=torch.long)  # [U, T]
+        for u, k in enumerate(order):
+            p = prompts[k]
+            ids[u, T - len(p):] = torch.tensor(p)
+            mask[u, T - len(p):] = 1
+        pos_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [U, T] positions restart at each prompt
+        cache = _new_cache(capacity=T + max(r.max_new for r in rows))
+        logits = self._forward(ids, mask, pos_ids, cache)  # [U, V]
+        sel = torch.tensor([uniq[id(r.prompt)] for r in rows])  # [B]
+        if len(sel) != len(order) or bool((sel != torch.arange(len(sel))).any()):
+            cache.batch_select_indices(sel)  # n > 1: repeat each prompt's cache per sample
+        return cache, logits[sel], mask[sel], pos_ids[sel, -1]
+
+    def _forward(self, ids, mask, pos_ids, cache) -> torch.Tensor:
+        """Logits of the last position, float32 [B, V]; the lock keeps weight writes out."""
+        with self.lock:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos_ids,
+                             use_cache=True, logits_to_keep=1, **{self._cache_kw: cache})
+        return out.logits[:, -1].float()
+
+    @staticmethod
+    def _compact(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
+        """Drop finished rows from the cache and mask, then cut columns that are padding for all."""
+        idx = torch.tensor(keep)
+        mask = mask[idx]  # [B', T]
+        if not all(isinstance(layer, _PreallocLayer) for layer in cache.layers):
+            cache.batch_select_indices(idx)  # a layer kind we do not own: rows only
+            return mask
+        first = int(mask.any(0).long().argmax())  # first column some remaining row attends to
+        for layer in cache.layers:
+            layer.select(idx, first)
+        return mask[:, first:]
+
+    def _sample(self, logits: torch.Tensor, rows: list[_Row]):
+        """Build the per-row parameter tensors (min_new_tokens mask, seeded noise) and sample."""
+        B, V = logits.shape
+        for b, r in enumerate(rows):
+            if len(r.out) < r.cfg.min_new_tokens and r.mask_ids:
+                logits[b, r.mask_ids] = float("-inf")
+        cfgs = [r.cfg for r in rows]
+        temp = torch.tensor([c.temperature for c in cfgs])  # [B]
+        top_p = torch.tensor([c.top_p for c in cfgs])  # [B]
+        top_k = torch.tensor([TOP_K_ALL if c.top_k == -1 else c.top_k for c in cfgs])  # [B]
+        min_p = torch.tensor([c.min_p for c in cfgs])  # [B]
+        noise = None
+        if not all(c.greedy for c in cfgs):
+            noise = torch.empty(B, V).exponential_()  # [B, V]
+            for b, r in enumerate(rows):
+                if r.cfg.sampling_seed is not None and not r.cfg.greedy:
+                    noise[b] = _seeded_noise(r.cfg.sampling_seed, len(r.prompt) + len(r.out), V)
+        return sample_tokens(logits, temp, top_p, top_k, min_p, noise)
+
+    def _append(self, r: _Row, token: int, logprob: float) -> None:
+        """Record one token and run SGLang's finish checks: stop string, stop token, length."""
+        r.out.append(token)
+        r.logprobs.append(logprob)
+        if r.cfg.stop and (s := self._matched_stop_str(r)) is not None:
+            r.finish = {"type": "stop", "matched": s}
+        elif token in r.stop_ids:
+            r.finish = {"type": "stop", "matched": token}
+        elif len(r.out) >= r.max_new:
+            r.finish = {"type": "length", "length": r.max_new}
+
+    def _matched_stop_str(self, r: _Row) -> str | None:
+        tail = self.tokenizer.decode(r.out[-(max(len(s) for s in r.cfg.stop) + 1):])
+        return next((s for s in r.cfg.stop if s and s in tail), None)
+
+    @staticmethod
+    def _apply_aborts(rows: list[_Row], active: list[int], checkpoint: Checkpoint) -> None:
+        running = [i for i in active if rows[i].finish is None]
+        aborted = checkpoint(sorted({rows[i].rid for i in running}))
+        for i in running:
+            if rows[i].rid in aborted:
+                rows[i].finish = {"type": "abort", "message": aborted[rows[i].rid]}
+
+    # ------------------------------------------------------------ weights
+
+    def load_named_tensors(self, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """Copy tensors into the model in place (cast to the model dtype); strict on names/shapes.
+
+        Everything is checked before anything is written, so a bad call leaves the model intact.
+        Returns the number of tensors written.
+        """
+        for name, t in named_tensors:
+            p = self._params.get(name)
+            if p is None:
+                raise KeyError(f"unknown weight name {name!r}: the engine's model has no such tensor "
+                               f"(names look like {next(iter(self._params))!r}); send HF parameter names")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
+                                 f"engine has {tuple(p.shape)}")
+        with self.lock, torch.no_grad():
+            for name, t in named_tensors:
+                self._params[name].data.copy_(t)
+        return len(named_tensors)
+
+    def get_weight(self, name: str) -> torch.Tensor:
+        """A detached copy of one model tensor, by HF name."""
+        if name not in self._params:
+            raise KeyError(f"unknown weight name {name!r}")
+        with self.lock:
+            return self._params[name].detach().clone()
+
+    def weight_names(self) -> list[str]:
+        return list(self._params)

@@ -1,0 +1,169 @@
+"""The one client for rollout engines: the embedded engine and a real SGLang server alike.
+
+Every method is one SGLang native endpoint (see /work/shared/SGLANG_API.md); callers never
+branch on the backend. Any non-2xx answer raises `EngineError` naming URL, endpoint, status and
+the server's own message.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+
+class EngineError(RuntimeError):
+    """An engine answered a request with an error status (or not at all)."""
+
+    def __init__(self, url: str, endpoint: str, status: int | None, message: str):
+        self.url, self.endpoint, self.status, self.message = url, endpoint, status, message
+        super().__init__(f"engine {url} {endpoint} -> {status if status is not None else 'no answer'}: {message}")
+
+
+def _server_message(r: httpx.Response) -> str:
+    """SGLang puts errors in {"error": str | {"message"}}, {"message"}, {"detail"} or plain text."""
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text.strip()[:2000] or r.reason_phrase
+    if isinstance(body, dict):
+        err = body.get("error", body.get("message", body.get("detail", body)))
+        if isinstance(err, dict):
+            err = err.get("message", err)
+        return str(err)[:2000]
+    return str(body)[:2000]
+
+
+class EngineClient:
+    """HTTP client for one engine. `timeout` bounds each request (generation included)."""
+
+    def __init__(self, url: str, timeout: float = 600.0):
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0))
+
+    def __repr__(self) -> str:
+        return f"EngineClient({self.url!r})"
+
+    def __reduce__(self):  # picklable (e.g. into a Ray task): reconnects on the other side
+        return (EngineClient, (self.url, self.timeout))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, endpoint: str, body: dict | None = None, parse: str = "json") -> Any:
+        try:
+            r = self._http.request(method, endpoint, json=body)
+        except httpx.HTTPError as e:
+            raise EngineError(self.url, endpoint, None, f"{type(e).__name__}: {e}") from e
+        if r.status_code >= 300:
+            raise EngineError(self.url, endpoint, r.status_code, _server_message(r))
+        if parse == "text" or not r.content:
+            return r.text
+        return r.json()
+
+    # ------------------------------------------------------------ data plane
+
+    def generate(self, input_ids: list[int] | list[list[int]] | None = None,
+                 sampling_params: dict | list[dict] | None = None, *, text: str | list[str] | None = None,
+                 return_logprob: bool = False, rid: str | list[str] | None = None, **extra: Any) -> Any:
+        """Raw POST /generate: one result dict for one prompt (n=1), else a list."""
+        body: dict[str, Any] = {"sampling_params": sampling_params or {}, "return_logprob": return_logprob, **extra}
+        if input_ids is not None:
+            body["input_ids"] = input_ids
+        if text is not None:
+            body["text"] = text
+        if rid is not None:
+            body["rid"] = rid
+        return self._call("POST", "/generate", body)
+
+    def health_generate(self) -> bool:
+        self._call("GET", "/health_generate", parse="text")
+        return True
+
+    def model_info(self) -> dict:
+        return self._call("GET", "/model_info")
+
+    def server_info(self) -> dict:
+        return self._call("GET", "/server_info")
+
+    def abort_request(self, rid: str | None = None, abort_all: bool = False) -> None:
+        self._call("POST", "/abort_request", {"rid": rid, "abort_all": abort_all} if rid else {"abort_all": abort_all})
+
+    # ------------------------------------------------------------ control plane
+
+    def flush_cache(self) -> str:
+        return self._call("POST", "/flush_cache", parse="text")
+
+    def pause_generation(self, mode: str = "abort") -> dict:
+        return self._call("POST", "/pause_generation", {"mode": mode})
+
+    def continue_generation(self) -> dict:
+        return self._call("POST", "/continue_generation", {})
+
+    def begin_weight_update(self, selector: str = "all") -> dict:
+        return self._call("POST", "/begin_weight_update", {"selector": selector})
+
+    def end_weight_update(self) -> dict:
+        return self._call("POST", "/end_weight_update", {})
+
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
+                                   flush_cache: bool = True, weight_version: str | None = None) -> dict:
+        """`serialized_named_tensors`: one payload per TP rank (engines.tensor_bucket makes them)."""
+        return self._call("POST", "/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "flush_cache": flush_cache, "weight_version": weight_version})
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 weight_version: str | None = None) -> dict:
+        return self._call("POST", "/update_weights_from_disk", {
+            "model_path": model_path, "load_format": load_format, "weight_version": weight_version})
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The parameter as float32 nested lists, its first `truncate_size` rows (SGLang's shape)."""
+        return self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._call("POST", "/release_memory_occupation", {"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        self._call("POST", "/resume_memory_occupation", {"tags": tags})
+
+
+def _shards(count: int, parts: int) -> list[tuple[int, int]]:
+    """Contiguous [start, end) ranges, sizes differing by at most one, empty ones dropped."""
+    base, extra = divmod(count, parts)
+    bounds, start = [], 0
+    for i in range(parts):
+        end = start + base + (i < extra)
+        if end > start:
+            bounds.append((start, end))
+        start = end
+    return bounds
+
+
+def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampling_params: dict, n: int = 1,
+                   return_logprob: bool = True) -> list[dict]:
+    """Generate `n` samples per prompt over several engines; results prompt-major.
+
+    Prompts are split into contiguous shards, one per engine, sent concurrently; result
+    i*n + j is sample j of prompt i. Each result is SGLang's dict (text, output_ids, meta_info).
+    """
+    if not clients:
+        raise ValueError("generate_batch needs at least one engine client")
+    if not prompts:
+        return []
+    sp = {**sampling_params, "n": n}
+
+    def run(client: EngineClient, lo: int, hi: int) -> list[dict]:
+        out = client.generate(input_ids=[list(p) for p in prompts[lo:hi]], sampling_params=sp,
+                              return_logprob=return_logprob)
+        if not isinstance(out, list) or len(out) != (hi - lo) * n:
+            got = len(out) if isinstance(out, list) else type(out).__name__
+            raise EngineError(client.url, "/generate", 200, f"expected {(hi - lo) * n} results, got {got}")
+        return out
+
+    shards = _shards(len(prompts), len(clients))
+    with ThreadPoolExecutor(max_workers=len(shards)) as pool:
+        futures = [pool.submit(run, clients[i], lo, hi) for i, (lo, hi) in enumerate(shards)]
+        return [rec for f in futures for rec in f.result()]

@@ -1,0 +1,254 @@
+"""Weight payloads for `/update_weights_from_tensor`, wire-compatible with SGLang 0.5.23.
+
+A bucket is many tensors packed into one uint8 buffer plus metadata, as SGLang's
+`FlattenedTensorBucket`; one HTTP call then carries one buffer handle instead of one per tensor.
+The payload is a ForkingPickler pickle, base64-encoded: torch's reductions turn a CPU tensor into
+a shared-memory *handle* (no bytes travel over HTTP; on GPU the same path carries CUDA IPC).
+
+Two details make the handles and the pickle usable by the receiver:
+- sharing strategy "file_system": the default "file_descriptor" strategy hands the fd over a
+  multiprocessing connection keyed to the parent process, which unrelated processes (two Ray
+  actors, a trainer and an HTTP server) do not share. A named /dev/shm file works for any process
+  on the host. It lives while the sender holds the tensor, so a payload is a `Payload` (a str
+  that also holds its buffers): keep that object alive until the receiving call has returned.
+- metadata entries pickle as `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`
+  (a class on SGLang's unpickling allow-list, read by attribute), written by name so sglang need
+  not be installed here. The receiving side below maps that name back to a local stand-in.
+
+In Python the metadata is a list of plain tuples
+`(name, shape tuple, dtype str e.g. "torch.float32", start_idx, end_idx, numel)`, with byte
+offsets into the buffer (numel counts bytes, as in SGLang). Starts are aligned to 16 bytes so
+every slice can be viewed as its dtype.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+import copyreg
+import io
+import pickle
+from collections import ChainMap
+from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+import torch.multiprocessing  # registers torch's ForkingPickler reductions
+
+SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+_ALIGN = 16
+MetaTuple = tuple  # (name, shape, dtype str, start_idx, end_idx, numel)
+
+
+class BucketError(ValueError):
+    """A weight payload is malformed, unsafe, or cannot be rebuilt in this process."""
+
+
+@dataclass
+class FlattenedTensorMetadata:
+    """Local stand-in for SGLang's class of the same name (same fields, same pickled form)."""
+
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    start_idx: int
+    end_idx: int
+    numel: int
+
+
+def _dtype_str(dtype: torch.dtype) -> str:
+    return str(dtype)  # "torch.float32"
+
+
+def _parse_dtype(d) -> torch.dtype:
+    if isinstance(d, torch.dtype):
+        return d
+    dt = getattr(torch, str(d).removeprefix("torch."), None)
+    if not isinstance(dt, torch.dtype):
+        raise BucketError(f"unknown dtype {d!r} in bucket metadata")
+    return dt
+
+
+def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False):
+    """Pack tensors into one uint8 buffer. Returns (flat [N] uint8, list of metadata tuples).
+
+    shared=True allocates the buffer in shared memory directly (saves the copy pickling makes).
+    """
+    if not named_tensors:
+        raise BucketError("cannot build an empty tensor bucket")
+    metadata, offset = [], 0
+    for name, t in named_tensors:
+        start = -(-offset // _ALIGN) * _ALIGN
+        nbytes = t.numel() * t.element_size()
+        metadata.append((name, tuple(t.shape), _dtype_str(t.dtype), start, start + nbytes, nbytes))
+        offset = start + nbytes
+    flat = torch.empty(offset, dtype=torch.uint8)  # [N]
+    if shared:
+        _use_file_system_sharing()
+        flat.share_memory_()
+    for (_, _, _, start, end, _), (_, t) in zip(metadata, named_tensors):
+        flat[start:end] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    return flat, metadata
+
+
+def _meta_fields(m) -> tuple:
+    if isinstance(m, tuple):
+        if len(m) != 6:
+            raise BucketError(f"bucket metadata tuple must have 6 fields, got {len(m)}: {m!r}")
+        return m
+    return (m.name, m.shape, m.dtype, m.start_idx, m.end_idx, m.numel)
+
+
+def unflatten(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
+    """Views into `flat` per metadata entry (tuples, or objects with SGLang's attribute names)."""
+    if flat.dtype != torch.uint8 or flat.dim() != 1:
+        raise BucketError(f"flattened_tensor must be 1-D uint8, got {flat.dtype} {tuple(flat.shape)}")
+    out = []
+    for m in metadata:
+        name, shape, dtype, start, end, _ = _meta_fields(m)
+        if not 0 <= start <= end <= flat.numel():
+            raise BucketError(f"bucket entry {name!r} spans bytes [{start}, {end}) outside a "
+                              f"{flat.numel()}-byte buffer")
+        out.append((name, flat[start:end].view(_parse_dtype(dtype)).reshape(tuple(shape))))
+    return out
+
+
+# ---------------------------------------------------------------- sender side
+
+
+class _WirePickler(pickle._Pickler):
+    """ForkingPickler's reductions on the pure-Python pickler, which lets the stand-in metadata
+    class be written under SGLang's module path without importing sglang."""
+
+    dispatch_table = ChainMap(ForkingPickler._extra_reducers, copyreg.dispatch_table)
+
+    def save_global(self, obj, name=None):
+        if obj is FlattenedTensorMetadata:
+            self.save(SGLANG_META[0])
+            self.save(SGLANG_META[1])
+            self.write(pickle.STACK_GLOBAL)
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+
+class Payload(str):
+    """A base64 payload that also holds the shared buffers its handles point to.
+
+    It is a plain `str` to JSON encoders. The handles stay valid while this object lives, so
+    keep it until the receiving HTTP call has returned (a copy such as `str(p)` does not count).
+    """
+
+    buffers: list
+
+
+def _use_file_system_sharing() -> None:
+    """Before anything is shared: a storage shared by fd cannot be re-shared by file name."""
+    if torch.multiprocessing.get_sharing_strategy() != "file_system":
+        torch.multiprocessing.set_sharing_strategy("file_system")
+
+
+def _dumps(obj, buffers: list) -> Payload:
+    _use_file_system_sharing()
+    buf = io.BytesIO()
+    _WirePickler(buf, protocol=4).dump(obj)
+    payload = Payload(base64.b64encode(buf.getvalue()).decode("ascii"))
+    payload.buffers = buffers
+    return payload
+
+
+def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Payload:
+    """Payload (a str) for load_format="flattened_bucket": one shared uint8 buffer + metadata."""
+    flat, meta = flatten(named_tensors, shared=True)
+    wire_meta = [FlattenedTensorMetadata(n, torch.Size(s), _parse_dtype(d), a, b, k) for n, s, d, a, b, k in meta]
+    return _dumps({"flattened_tensor": flat, "metadata": wire_meta}, [flat])
+
+
+def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> Payload:
+    """Payload (a str) for load_format None/"direct": a pickled list of (name, tensor) handles."""
+    _use_file_system_sharing()
+    shared = [(n, t.detach().to("cpu").contiguous().clone().share_memory_()) for n, t in named_tensors]
+    return _dumps(shared, [t for _, t in shared])
+
+
+# ---------------------------------------------------------------- receiver side
+
+
+def _allowed_globals() -> dict[tuple[str, str], object]:
+    """Exactly what torch's CPU shared-memory rebuild needs, plus plain containers."""
+    import builtins
+
+    import torch.multiprocessing.reductions as red
+
+    allowed = {("builtins", n): getattr(builtins, n)
+               for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bool", "bytes")}
+    allowed.update({
+        ("copyreg", "__newobj__"): copyreg.__newobj__,  # builds the metadata dataclass
+        ("torch", "Tensor"): torch.Tensor, ("torch", "Size"): torch.Size,
+        ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+        ("torch.storage", "UntypedStorage"): torch.storage.UntypedStorage,
+        ("torch", "UntypedStorage"): torch.UntypedStorage,
+        ("torch.storage", "TypedStorage"): torch.storage.TypedStorage,
+        ("torch.multiprocessing.reductions", "rebuild_tensor"): red.rebuild_tensor,
+        ("torch.multiprocessing.reductions", "rebuild_storage_filename"): red.rebuild_storage_filename,
+        ("torch.multiprocessing.reductions", "rebuild_storage_empty"): red.rebuild_storage_empty,
+        ("torch.multiprocessing.reductions", "rebuild_typed_storage"): red.rebuild_typed_storage,
+        SGLANG_META: FlattenedTensorMetadata,
+        (__name__, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
+    })
+    dtypes = {n: getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
+    allowed.update({("torch", n): dt for n, dt in dtypes.items()})
+    return allowed
+
+
+_HINTS = {
+    "rebuild_storage_fd": "the sender shared memory by file descriptor, which only works between a parent "
+                          "and its children: call torch.multiprocessing.set_sharing_strategy('file_system') "
+                          "before sharing (engines.tensor_bucket.serialize_bucket does)",
+    "rebuild_cuda_tensor": "the payload holds CUDA IPC handles but this engine runs on CPU",
+}
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Refuses every global outside the allow-list (a pickle can otherwise run any code)."""
+
+    _allowed: dict | None = None
+
+    def find_class(self, module, name):
+        if _SafeUnpickler._allowed is None:
+            _SafeUnpickler._allowed = _allowed_globals()
+        if (module, name) in _SafeUnpickler._allowed:
+            return _SafeUnpickler._allowed[(module, name)]
+        hint = _HINTS.get(name, "only torch tensors, storages, dtypes and SGLang bucket metadata are allowed")
+        raise BucketError(f"refused to unpickle global {module}.{name} in a weight payload: {hint}")
+
+
+def deserialize_bucket(payload: str | bytes):
+    """Unpickle one payload (base64 str or raw pickle bytes) through the allow-list."""
+    try:
+        data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
+    except (binascii.Error, ValueError) as e:
+        raise BucketError(f"weight payload is not valid base64: {e}") from e
+    try:
+        return _SafeUnpickler(io.BytesIO(data)).load()
+    except BucketError:
+        raise
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:
+        raise BucketError(f"could not rebuild the weight payload ({type(e).__name__}: {e}); the sender must "
+                          f"keep its shared buffers alive until this call returns") from e
+
+
+def load_payload(payload: str | bytes, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors from a payload of the given load_format (None, "direct", "flattened_bucket")."""
+    obj = deserialize_bucket(payload)
+    if load_format == "flattened_bucket":
+        if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
+            raise BucketError("a flattened_bucket payload must be a dict with 'flattened_tensor' and 'metadata'")
+        return unflatten(obj["flattened_tensor"], obj["metadata"])
+    if load_format in (None, "direct"):
+        ok = isinstance(obj, (list, tuple)) and all(
+            isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], torch.Tensor)
+            for e in obj)
+        if not ok:
+            raise BucketError(f"a load_format={load_format!r} payload must be a list of (name, tensor) pairs")
+        return [(n, t) for n, t in obj]
+    raise BucketError(f"unknown load_format {load_format!r}: use null, 'direct' or 'flattened_bucket'")

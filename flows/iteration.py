@@ -1,0 +1,50 @@
+"""One rollout iteration = one Prefect flow run: generate -> reward -> advantages -> train -> push -> report."""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+
+from prefect import flow
+
+from infra.config import RunConfig
+from tasks.report import report
+from tasks.rollout import advantages, generate, reward
+from tasks.train import push_weights, train
+
+
+class StageTimer:
+    """Wall-clock seconds per stage, reported as `time_<stage>` metrics."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[f"time_{stage}"] = time.perf_counter() - t0
+
+
+@flow(name="iteration", flow_run_name="{config.experiment}-iter-{iteration:04d}", log_prints=True)
+def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
+    """Rollout iteration `iteration` (0-based); leaves the engines on policy version iteration+1."""
+    t0 = time.perf_counter()
+    timer = StageTimer()
+    with timer("generate"):
+        batch = generate(config, iteration)
+    with timer("reward"):
+        batch = reward(config, batch)
+    with timer("advantages"):
+        batch = advantages(config, batch)
+    with timer("train"):
+        train_metrics = train(config, batch)
+    with timer("push"):
+        push_metrics = push_weights(config, iteration + 1)
+    metrics = {**batch.stats, **train_metrics, **push_metrics, **timer.seconds}
+    with timer("report"):
+        report(config, iteration, batch, metrics)
+    metrics["time_report"] = timer.seconds["time_report"]
+    metrics["time_iteration"] = time.perf_counter() - t0
+    return metrics

@@ -1,0 +1,53 @@
+"""Connecting to Ray: `RAY_ADDRESS` (or the config's address) when set, else a local cluster.
+
+Actors of one experiment live in the namespace `<prefix>-<experiment>`, so two experiments on
+one cluster never collide and a later driver finds an experiment's actors by name.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import ray
+
+log = logging.getLogger("reflow.ray")
+
+# Passed to every worker so actors find the same JIT-extension cache and stay quiet.
+_WORKER_ENV_KEYS = ("TORCH_EXTENSIONS_DIR", "REFLOW_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+
+
+def namespace_for(prefix: str, experiment: str) -> str:
+    return f"{prefix}-{experiment}"
+
+
+def worker_env() -> dict[str, str]:
+    env = {k: os.environ[k] for k in _WORKER_ENV_KEYS if k in os.environ}
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    return env
+
+
+def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
+    """Attach to (or start) Ray; return a short description for the logs.
+
+    Already-initialised Ray (tests, a notebook) is reused as it is.
+    """
+    if ray.is_initialized():
+        return "reusing the Ray cluster this process is already connected to"
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        # Ray >= 2.5x uses token auth: "auto" finds the local head and its token; an explicit
+        # host:port needs RAY_AUTH_MODE=token in the environment (see ENVIRONMENT.md).
+        ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
+                 log_to_driver=True)
+        return f"connected to Ray at {address}"
+    # A fresh temp dir: a stale ray_current_cluster file from an earlier `ray stop` would make
+    # ray.init try to join a dead cluster.
+    tmp = tempfile.mkdtemp(prefix="reflow_ray_")
+    cpus = num_cpus or max(4, os.cpu_count() or 1)
+    ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=tmp,
+             runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+    return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp})"

@@ -1,0 +1,162 @@
+"""Prompt data: load rows, validate and tokenize them, and sample batches resumably.
+
+Rows handed between these functions are dicts `{"prompt": str, "label": Any}` (label optional).
+
+Sources (`load_prompt_rows`):
+  * task "addition": the synthetic task of `rl.demo_task` (seed, num_train, num_eval, digits).
+  * task "file": a jsonl (`.jsonl`/`.json`, one object per line) or parquet (`.parquet`/`.pq`)
+    file at a local path or any fsspec URL (s3://, file://, ...), read with pandas; columns
+    `prompt_key` and `label_key` become "prompt" and "label". The held-out split is `eval_path`
+    when given (the whole file), else the LAST `num_eval` rows of `path` (the rest train). File
+    order is kept, so put held-out rows at the end or pass a separate file.
+"""
+from __future__ import annotations
+
+import math
+import random
+from typing import Any, Sequence
+
+from rl.types import Prompt
+
+_MAX_LISTED = 5  # bad rows quoted in an error message; the rest are counted
+
+
+def _read_table(path: str):
+    import pandas as pd
+
+    name = path.lower().split("?")[0]
+    if name.endswith((".parquet", ".pq")):
+        return pd.read_parquet(path)
+    if name.endswith((".jsonl", ".json")):
+        return pd.read_json(path, lines=True, dtype=False)
+    raise ValueError(f"data.path={path!r}: unknown file type; expected .jsonl, .json (lines) or .parquet")
+
+
+def _is_missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def read_rows(path: str, prompt_key: str, label_key: str) -> list[dict]:
+    """All rows of a jsonl/parquet file as {"prompt", "label"} dicts; a row whose prompt cell is
+    empty keeps no "prompt" key (reported by `tokenize_prompts`), a missing label becomes None."""
+    df = _read_table(path)
+    for key, field in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+        if key not in df.columns:
+            raise ValueError(f"{path!r} has no column {key!r} ({field}); columns: {list(df.columns)}")
+    rows = []
+    for prompt, label in zip(df[prompt_key].tolist(), df[label_key].tolist()):
+        row = {"label": None if _is_missing(label) else label}
+        if not _is_missing(prompt):
+            row["prompt"] = prompt
+        rows.append(row)
+    return rows
+
+
+def load_prompt_rows(task: str, path: str | None, prompt_key: str, label_key: str, seed: int,
+                     num_train: int, num_eval: int, digits: int,
+                     eval_path: str | None = None) -> tuple[list[dict], list[dict]]:
+    """(train_rows, eval_rows) for `task` ("addition" or "file"; see the module docstring)."""
+    if task == "addition":
+        from rl.demo_task import make_problems
+        return make_problems(seed, num_train, num_eval, digits)
+    if task != "file":
+        raise ValueError(f"data.task={task!r}: expected 'addition' or 'file'")
+    if not path:
+        raise ValueError("data.task='file' needs data.path (a jsonl or parquet file or URL)")
+    rows = read_rows(path, prompt_key, label_key)
+    if eval_path:
+        return rows, read_rows(eval_path, prompt_key, label_key)
+    if num_eval >= len(rows):
+        raise ValueError(f"{path!r} has {len(rows)} rows; holding out the last num_eval={num_eval} "
+                         f"leaves none to train on (lower data.num_eval or give an eval file)")
+    return rows[: len(rows) - num_eval], rows[len(rows) - num_eval:]
+
+
+def encode_prompt(tokenizer, texts: Sequence[str]) -> list[list[int]]:
+    """Token ids of prompt texts, exactly as the engines will see them (tokenizer's own specials)."""
+    return tokenizer(list(texts), add_special_tokens=True)["input_ids"]
+
+
+def _row_problem(row: Any) -> str | None:
+    if not isinstance(row, dict):
+        return f"is a {type(row).__name__}, not a mapping"
+    if "prompt" not in row:
+        return "has no prompt (missing key or empty cell)"
+    if not isinstance(row["prompt"], str):
+        return f"prompt is a {type(row['prompt']).__name__}, not a string"
+    if not row["prompt"].strip():
+        return "prompt is empty"
+    return None
+
+
+def _raise_bad(bad: list[tuple[int, str]], total: int) -> None:
+    listed = "; ".join(f"row {i}: {msg}" for i, msg in bad[:_MAX_LISTED])
+    more = f" (and {len(bad) - _MAX_LISTED} more)" if len(bad) > _MAX_LISTED else ""
+    raise ValueError(f"{len(bad)} of {total} prompt rows are invalid: {listed}{more}")
+
+
+def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_len: int) -> list[Prompt]:
+    """Validate and tokenize every row; one `Prompt` per row, `index` = row position.
+
+    Nothing is dropped silently: all malformed rows (not a dict, missing/non-string/empty prompt)
+    and prompts longer than `max_prompt_len` tokens (data.max_prompt_len) are collected and
+    reported together in one ValueError.
+    """
+    bad = [(i, msg) for i, row in enumerate(rows) if (msg := _row_problem(row))]
+    if bad:
+        _raise_bad(bad, len(rows))
+    ids = encode_prompt(tokenizer, [row["prompt"] for row in rows]) if rows else []
+    too_long = [(i, f"{len(x)} tokens > data.max_prompt_len={max_prompt_len}")
+                for i, x in enumerate(ids) if len(x) > max_prompt_len]
+    if too_long:
+        _raise_bad(too_long, len(rows))
+    return [Prompt(index=i, text=row["prompt"], input_ids=list(x), label=row.get("label"))
+            for i, (row, x) in enumerate(zip(rows, ids))]
+
+
+class PromptSampler:
+    """Shuffled passes over the prompts; each epoch uses a fresh permutation derived from
+    (seed, epoch), so `state_dict()` = {epoch, cursor} is enough to resume exactly.
+
+    A batch that runs past the end of an epoch continues into the next epoch's permutation.
+    """
+
+    def __init__(self, prompts: Sequence[Prompt], seed: int = 0):
+        if not prompts:
+            raise ValueError("PromptSampler needs at least one prompt")
+        self.prompts = list(prompts)
+        self.seed = seed
+        self.epoch = 0
+        self.cursor = 0
+        self._order = self._permutation(0)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        order = list(range(len(self.prompts)))
+        random.Random(f"reflow-sampler:{self.seed}:{epoch}").shuffle(order)  # str seed: stable across runs
+        return order
+
+    def next_batch(self, k: int) -> list[Prompt]:
+        if k < 1:
+            raise ValueError(f"next_batch needs k >= 1, got {k}")
+        out = []
+        while len(out) < k:
+            if self.cursor == len(self._order):
+                self.epoch, self.cursor = self.epoch + 1, 0
+                self._order = self._permutation(self.epoch)
+            take = min(k - len(out), len(self._order) - self.cursor)
+            out.extend(self.prompts[j] for j in self._order[self.cursor : self.cursor + take])
+            self.cursor += take
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor, "seed": self.seed, "num_prompts": len(self.prompts)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("num_prompts", len(self.prompts)) != len(self.prompts):
+            raise ValueError(f"sampler state is for {state['num_prompts']} prompts, this dataset has "
+                             f"{len(self.prompts)}: resuming would not replay the same order")
+        if not 0 <= state["cursor"] <= len(self.prompts):
+            raise ValueError(f"sampler cursor {state['cursor']} out of range 0..{len(self.prompts)}")
+        self.seed = state.get("seed", self.seed)
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._permutation(self.epoch)

@@ -1,0 +1,55 @@
+"""The demo's verifiable task: integer addition, "12+34=" -> "46" then eos.
+
+Reward contract (every reward function, built-in or user-supplied via `data.reward_fn`):
+
+    fn(prompt: str, response: str, label) -> float        # or `async def`
+
+`prompt` is the prompt text, `response` the generated text after the prompt with special tokens
+already stripped (whether generation ended with eos or hit the length limit is reported separately
+as `finish_reason`), `label` the row's ground truth as loaded. Return a finite float; raising or
+returning a non-number is an error that stops the run (see `rl.rewards.compute_rewards`).
+"""
+from __future__ import annotations
+
+import random
+
+
+def _operand_range(digits: int) -> tuple[int, int]:
+    if digits < 1:
+        raise ValueError(f"digits must be >= 1, got {digits}")
+    return (10 ** (digits - 1) if digits > 1 else 0), 10**digits - 1
+
+
+def format_prompt(a: int, b: int) -> str:
+    return f"{a}+{b}="
+
+
+def make_problems(seed: int, num_train: int, num_eval: int, digits: int = 2) -> tuple[list[dict], list[dict]]:
+    """Disjoint train / held-out splits of distinct "a+b=" problems, deterministic in `seed`.
+
+    Operands have exactly `digits` digits (10..99 for 2). Distinct ordered pairs are drawn without
+    replacement, so no (a, b) appears twice; the held-out split is drawn first so that it does not
+    change when `num_train` does. Rows are `{"prompt": "12+34=", "label": "46"}`.
+    """
+    lo, hi = _operand_range(digits)
+    span = hi - lo + 1
+    total = num_train + num_eval
+    if total > span * span:
+        raise ValueError(f"{digits}-digit addition has only {span * span} distinct problems; "
+                         f"asked for num_train + num_eval = {total}")
+    rng = random.Random(seed)
+    codes = rng.sample(range(span * span), total)  # distinct pair codes a_idx * span + b_idx
+    rows = []
+    for code in codes:
+        a, b = lo + code // span, lo + code % span
+        rows.append({"prompt": format_prompt(a, b), "label": str(a + b)})
+    return rows[num_eval:], rows[:num_eval]
+
+
+def reward(prompt: str, response: str, label) -> float:
+    """1.0 when the response is exactly the label (no spaces, nothing after), else 0.0.
+
+    Whether the model also emitted eos is the engine's `finish_reason`; a response cut at the
+    length limit can only be correct if it equals the label exactly.
+    """
+    return 1.0 if response == str(label) else 0.0

@@ -1,0 +1,160 @@
+"""Token-level policy-gradient math: log-probs, entropy, KL estimators, PPO-clip loss.
+
+Pure torch (no ray / deepspeed / prefect). Shapes: B sequences, T positions (already shifted so
+position t scores token t+1), V vocabulary. `mask` is 1 on response tokens and 0 on prompt and
+padding; every reduction here ignores masked positions, even when they hold inf or NaN.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AggMode = Literal["token-mean", "seq-mean-token-mean"]
+KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+
+# Log-ratios are clamped before exp() so one wild token cannot overflow to inf (verl does the same).
+_LOG_RATIO_CLAMP = 20.0
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of `x` over positions where `mask` != 0 (weighted by `mask`); 0 where nothing is kept.
+
+    Masked-out entries are replaced by 0 before multiplying, so inf/NaN in padding cannot leak.
+    """
+    mask = mask.to(x.dtype) if x.is_floating_point() else mask.float()
+    weighted = x * mask
+    kept = torch.where(mask != 0, weighted, torch.zeros_like(weighted))
+    if dim is None:
+        num, den = kept.sum(), mask.sum()
+    else:
+        num, den = kept.sum(dim), mask.sum(dim)
+    return torch.where(den != 0, num / torch.where(den != 0, den, torch.ones_like(den)), torch.zeros_like(num))
+
+
+def _effective_temperature(temperature: float) -> float:
+    """Greedy decoding (temperature ~0) reports the untempered distribution, as engines do."""
+    return 1.0 if temperature <= 1e-6 else float(temperature)
+
+
+def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature)[labels], per position.
+
+    logits [B, T, V], labels [B, T] -> [B, T] float32. Computed one sequence at a time (upcast to
+    fp32 per row), so the only full-size intermediate kept is the log-softmax autograd saves.
+    """
+    t = _effective_temperature(temperature)
+    rows = []
+    for b in range(logits.shape[0]):
+        row = logits[b].float()  # [T, V]
+        if t != 1.0:
+            row = row / t
+        lp = torch.log_softmax(row, dim=-1)  # [T, V]
+        rows.append(lp.gather(-1, labels[b].long().unsqueeze(-1)).squeeze(-1))  # [T]
+    if not rows:
+        return logits.new_zeros(labels.shape, dtype=torch.float32)
+    return torch.stack(rows, dim=0)  # [B, T]
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) per position: H = logsumexp(l) - sum_v p_v * l_v.
+
+    logits [B, T, V] -> [B, T] float32, one sequence at a time (fp32).
+    """
+    rows = []
+    for b in range(logits.shape[0]):
+        row = logits[b].float()  # [T, V]
+        p = torch.softmax(row, dim=-1)  # [T, V]
+        rows.append(torch.logsumexp(row, dim=-1) - (p * row).sum(-1))  # [T]
+    if not rows:
+        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
+    return torch.stack(rows, dim=0)  # [B, T]
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind) -> Tensor:
+    """Per-token estimator of KL(pi || ref) from samples of pi (Schulman, "Approximating KL
+    divergence", 2020). With log r = logr - logp:
+
+    k1 = -log r (unbiased, high variance, can be negative); k2 = 0.5 (log r)^2 (biased, low
+    variance); k3 = r - 1 - log r (unbiased, always >= 0). "low_var_kl" is verl's k3 variant:
+    log r clamped to [-20, 20] and the result clamped to [-10, 10].
+    """
+    log_r = ref_logprobs - logprobs  # [B, T]
+    if kind == "k1":
+        return -log_r
+    if kind == "k2":
+        return 0.5 * log_r.square()
+    if kind == "k3":
+        return torch.exp(log_r) - 1.0 - log_r
+    if kind == "low_var_kl":
+        log_r = log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+        return (torch.exp(log_r) - 1.0 - log_r).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; expected one of k1, k2, k3, low_var_kl")
+
+
+def aggregate(values: Tensor, mask: Tensor, mode: AggMode) -> Tensor:
+    """Reduce per-token values [B, T] to a scalar.
+
+    "token-mean": sum(v * m) / sum(m) — every token weighs the same (DAPO, Yu et al. 2025 §3.3).
+    "seq-mean-token-mean": mean over sequences with >= 1 token of each sequence's token mean —
+    the original GRPO objective (Shao et al. 2024, eq. 3), where long responses weigh less per
+    token. Sequences without tokens are skipped (not counted as 0). Empty mask -> 0.
+    """
+    if mode == "token-mean":
+        return masked_mean(values, mask)
+    if mode == "seq-mean-token-mean":
+        per_seq = masked_mean(values, mask, dim=-1)  # [B]
+        has_tokens = (mask != 0).any(dim=-1).float()  # [B]
+        return masked_mean(per_seq, has_tokens)
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected token-mean or seq-mean-token-mean")
+
+
+def _ppo_terms(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
+    """ratio [B, T], unclipped and clipped per-token losses [B, T] (PPO eq. 7, negated)."""
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)  # [B, 1] broadcast over tokens
+    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    loss_unclipped = -advantages * ratio  # [B, T]
+    loss_clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)  # [B, T]
+    return ratio, loss_unclipped, loss_clipped
+
+
+def policy_loss_tokens(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                       clip_eps_low: float, clip_eps_high: float) -> Tensor:
+    """Unreduced PPO-clip loss per token [B, T], 0 where `mask` is 0.
+
+    loss_t = max(-A ratio_t, -A clip(ratio_t, 1 - eps_low, 1 + eps_high)), ratio_t =
+    exp(logp_t - old_t): the negated clipped surrogate of Schulman et al. 2017, eq. 7, with the
+    decoupled bounds of DAPO's clip-higher (Yu et al. 2025 §3.1). Departure: the log-ratio is
+    clamped to [-20, 20] before exp. A trainer doing gradient accumulation sums these itself.
+    """
+    _, loss_unclipped, loss_clipped = _ppo_terms(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
+    loss = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
+    return torch.where(mask != 0, loss * mask.to(loss.dtype), torch.zeros_like(loss))
+
+
+def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                clip_eps_low: float, clip_eps_high: float, agg_mode: AggMode) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO-clip loss reduced with `aggregate(…, agg_mode)`, plus detached scalar metrics over the
+    masked tokens: clip_frac (share of tokens whose clipped branch is strictly larger, i.e. the
+    gradient is cut), ratio_mean / ratio_min / ratio_max (1.0 with no tokens), approx_kl
+    (mean of old - logp, the k1 estimate of KL(old || new)).
+    """
+    loss_tok = policy_loss_tokens(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high)
+    loss = aggregate(loss_tok, mask, agg_mode)
+    with torch.no_grad():
+        ratio, loss_unclipped, loss_clipped = _ppo_terms(
+            logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
+        keep = mask != 0  # [B, T]
+        any_tok = bool(keep.any())
+        one = torch.ones((), dtype=ratio.dtype)
+        metrics = {
+            "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
+            "ratio_mean": masked_mean(ratio, mask) if any_tok else one,
+            "ratio_min": ratio[keep].min() if any_tok else one,
+            "ratio_max": ratio[keep].max() if any_tok else one,
+            "approx_kl": masked_mean(old_logprobs - logprobs, mask),
+        }
+    return loss, {k: v.detach() for k, v in metrics.items()}

@@ -1,0 +1,111 @@
+"""Loading and calling reward functions (the `data.reward_fn` extension point).
+
+Contract (see `rl.demo_task`): `fn(prompt: str, response: str, label) -> float`, sync or
+`async def`. Async functions of one batch run concurrently (asyncio.gather), so a verifier that
+calls out to a sandbox or a judge does not serialise the batch. Any failure — the function
+raising, returning a non-number, a bool, NaN or inf — raises `RewardError` naming the function,
+the sample index and the (truncated) prompt and response; the original exception is chained.
+"""
+from __future__ import annotations
+
+import asyncio
+import importlib
+import inspect
+import math
+import numbers
+from typing import Any, Callable, Sequence
+
+RewardFn = Callable[[str, str, Any], float]
+
+
+class RewardError(RuntimeError):
+    """A reward function failed or returned something that is not a finite number."""
+
+
+def _short(text: str, limit: int = 120) -> str:
+    text = str(text)
+    return text if len(text) <= limit else text[:limit] + f"...(+{len(text) - limit} chars)"
+
+
+def _fn_name(fn: Callable) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """Import `module:function` (e.g. "rl.demo_task:reward"); errors name `data.reward_fn`."""
+    if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
+        raise ValueError(f"data.reward_fn must look like 'package.module:function', got {spec!r}")
+    mod_name, attr = spec.split(":")
+    try:
+        module = importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"data.reward_fn={spec!r}: module {mod_name!r} not found ({e}); "
+                         f"is it on PYTHONPATH of every process that scores rollouts?") from e
+    fn = module
+    for part in attr.split("."):
+        if not hasattr(fn, part):
+            raise ValueError(f"data.reward_fn={spec!r}: module {mod_name!r} has no attribute {attr!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise ValueError(f"data.reward_fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _check_value(fn: Callable, i: int, prompt: str, response: str, value: Any) -> float:
+    bad = None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        bad = f"returned {type(value).__name__} {_short(repr(value), 60)}, expected a float"
+    elif not math.isfinite(float(value)):
+        bad = f"returned {value}, expected a finite float"
+    if bad:
+        raise RewardError(f"reward function {_fn_name(fn)} {bad} for sample {i} "
+                          f"(prompt={_short(prompt)!r}, response={_short(response)!r})")
+    return float(value)
+
+
+def _wrap_error(fn: Callable, i: int, prompt: str, response: str, exc: BaseException) -> RewardError:
+    return RewardError(f"reward function {_fn_name(fn)} raised {type(exc).__name__}: {exc} on sample {i} "
+                       f"(prompt={_short(prompt)!r}, response={_short(response)!r})")
+
+
+async def _gather_async(fn, prompts, responses, labels) -> list:
+    async def one(i, p, r, lab):
+        try:
+            return await fn(p, r, lab)
+        except Exception as e:  # re-raised with the sample named; not swallowed
+            raise _wrap_error(fn, i, p, r, e) from e
+    return await asyncio.gather(*(one(i, p, r, lab) for i, (p, r, lab) in
+                                  enumerate(zip(prompts, responses, labels))))
+
+
+def _run_coroutine(coro):
+    """asyncio.run, or a worker thread's loop when called from inside a running loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _is_async(fn: Callable) -> bool:
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+
+
+def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
+                    labels: Sequence[Any]) -> list[float]:
+    """Score each (prompt, response, label); one float per sample, in order."""
+    if not (len(prompts) == len(responses) == len(labels)):
+        raise ValueError(f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, "
+                         f"{len(labels)} labels; expected equal lengths")
+    if _is_async(fn):
+        values = _run_coroutine(_gather_async(fn, prompts, responses, labels))
+    else:
+        values = []
+        for i, (p, r, lab) in enumerate(zip(prompts, responses, labels)):
+            try:
+                values.append(fn(p, r, lab))
+            except Exception as e:  # re-raised with the sample named; not swallowed
+                raise _wrap_error(fn, i, p, r, e) from e
+    return [_check_value(fn, i, p, r, v) for i, (p, r, v) in enumerate(zip(prompts, responses, values))]

@@ -1,0 +1,395 @@
+"""The embedded engine against SGLang's contract: numbers, shapes, errors, weight sync.
+
+Most tests run a real EmbeddedEngine (uvicorn on a free port) in this process; one runs the
+engine and a pusher as two Ray actors to prove the shared-memory handles cross processes.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from engines.embedded_engine import EmbeddedEngine
+from engines.generator import Generator
+from engines.hf_io import load_causal_lm, load_tokenizer
+from engines.rollout_client import EngineClient, EngineError, generate_batch
+from engines.tensor_bucket import BucketError, flatten, load_payload, serialize_bucket, unflatten
+from engines.weight_push import WeightSyncError, push_weights, verify_weights
+from rl.demo_policy import build_model
+
+PROMPTS = ["12+34=", "5+6=", "(3+4)*5=", "7*8=", "99-1=", "1+1=", "2*(3+4)=", "10+20+30="]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_policy):
+    return load_tokenizer(str(tiny_policy))
+
+
+@pytest.fixture(scope="module")
+def model(tiny_policy):
+    return load_causal_lm(str(tiny_policy))
+
+
+@pytest.fixture(scope="module")
+def gen(model, tok):
+    return Generator(model, tok, max_batch_size=64, threads=1)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_policy):
+    e = EmbeddedEngine(str(tiny_policy), "test-engine", threads=1)
+    assert e.ready()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture()
+def fresh_engine(tiny_policy):
+    """An engine whose weights a test may change."""
+    e = EmbeddedEngine(str(tiny_policy), "scratch-engine", threads=1)
+    e.ready()
+    yield e
+    e.shutdown()
+
+
+@pytest.fixture()
+def client(engine):
+    return EngineClient(engine.url(), timeout=60)
+
+
+def _ids(tok, texts):
+    return [tok.encode(t) for t in texts]
+
+
+def _argmax_loop(model, prompt, max_new, eos):
+    """Reference: plain full-sequence forward passes, no cache, no padding."""
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            if t in eos:
+                break
+            ids.append(t)
+    return out
+
+
+# ---------------------------------------------------------------- generation numbers
+
+
+def test_greedy_equals_argmax_loop(gen, model, tok):
+    prompts = _ids(tok, PROMPTS)
+    recs = gen.generate(prompts, {"temperature": 0.0, "max_new_tokens": 24})
+    for p, r in zip(prompts, recs):
+        assert r["output_ids"] == _argmax_loop(model, p, 24, gen.eos_ids)
+
+
+def test_logprobs_are_log_softmax_of_tempered_logits_before_filtering(gen, model, tok):
+    prompts = _ids(tok, PROMPTS[:3])
+    T, k = 0.7, 5
+    sp = {"temperature": T, "top_p": 0.9, "top_k": k, "min_p": 0.02, "max_new_tokens": 12, "sampling_seed": 11}
+    for sp_ in (sp, {"temperature": 0.0, "max_new_tokens": 12}):
+        recs = gen.generate(prompts, sp_, n=2)
+        for i, r in enumerate(recs):
+            p, out = prompts[i // 2], r["output_ids"]
+            with torch.no_grad():
+                logits = model(torch.tensor([p + out])).logits[0, len(p) - 1:-1].float()  # [L, V]
+            t = sp_["temperature"] or 1.0
+            want = torch.log_softmax(logits / t, -1).gather(-1, torch.tensor(out)[:, None])[:, 0]  # [L]
+            got = torch.tensor([lp for lp, _, _ in r["output_token_logprobs"]])
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            assert [tid for _, tid, _ in r["output_token_logprobs"]] == out
+            if sp_["temperature"]:  # every sampled token survived top-k
+                assert all(o in logits[j].topk(k).indices for j, o in enumerate(out))
+
+
+def test_n_samples_are_prompt_major(gen, tok):
+    prompts = _ids(tok, ["1+1=", "(3+4)*5=", "99-1="])
+    recs = gen.generate(prompts, {"max_new_tokens": 5}, n=3)
+    assert len(recs) == 9
+    assert [r["prompt_tokens"] for r in recs] == [len(p) for p in prompts for _ in range(3)]
+    assert len({r["id"] for r in recs}) == 9
+
+
+def test_finish_reasons_stop_token_ids_and_min_new_tokens(gen, model, tok):
+    p = tok.encode("12+34=")
+    ref = _argmax_loop(model, p, 10, set())
+    greedy = {"temperature": 0.0, "max_new_tokens": 10, "ignore_eos": True}
+    r = gen.generate([p], greedy)[0]
+    assert r["finish_reason"] == {"type": "length", "length": 10} and r["output_ids"] == ref
+    stop = ref[3]
+    r = gen.generate([p], {**greedy, "ignore_eos": False, "stop_token_ids": [stop]})[0]
+    cut = ref.index(stop) + 1
+    assert r["finish_reason"] == {"type": "stop", "matched": stop}
+    assert r["output_ids"] == ref[:cut] and r["completion_tokens"] == cut
+    assert r["text"] == tok.decode(ref[:cut - 1])  # the matched stop token is trimmed from text only
+    r = gen.generate([p], {**greedy, "ignore_eos": False, "stop_token_ids": [ref[0]], "min_new_tokens": 3})[0]
+    assert len(r["output_ids"]) >= 3 and ref[0] not in r["output_ids"][:3]
+    r = gen.generate([p], {"temperature": 0.0, "max_new_tokens": 0})[0]
+    assert r["output_ids"] == [] and r["finish_reason"] == {"type": "length", "length": 0}
+
+
+def test_stop_string(gen, model, tok):
+    p = tok.encode("12+34=")
+    ref_text = tok.decode(_argmax_loop(model, p, 12, set()))
+    stop = ref_text[4:6]
+    r = gen.generate([p], {"temperature": 0.0, "max_new_tokens": 12, "stop": [stop]})[0]
+    assert r["finish_reason"] == {"type": "stop", "matched": stop}
+    assert r["text"] == ref_text[:ref_text.index(stop)]
+
+
+def test_sampling_seed_is_deterministic_and_batch_independent(gen, tok):
+    p = tok.encode("5+6=")
+    sp = {"temperature": 1.0, "max_new_tokens": 16, "sampling_seed": 1234}
+    alone = gen.generate([p], sp)[0]["output_ids"]
+    batched = gen.generate(_ids(tok, PROMPTS[:4]) + [p], [{"max_new_tokens": 16}] * 4 + [sp])[-1]["output_ids"]
+    assert alone == batched == gen.generate([p], sp)[0]["output_ids"]
+    others = {tuple(gen.generate([p], {**sp, "sampling_seed": s})[0]["output_ids"]) for s in range(4)}
+    assert len(others) > 1
+
+
+def test_compaction_matches_batch_size_one(model, tok, monkeypatch):
+    gen = Generator(model, tok, max_batch_size=5, threads=1)
+    prompts = _ids(tok, PROMPTS) + [tok.encode("(1+2)*(3+4)*(5+6)=")]
+    params = [{"temperature": 0.0, "max_new_tokens": m, "ignore_eos": True} for m in (1, 9, 3, 17, 5, 2, 12, 7, 1)]
+    sizes = []
+    real = gen._forward
+    monkeypatch.setattr(gen, "_forward", lambda ids, *a: sizes.append(tuple(ids.shape)) or real(ids, *a))
+    batched = gen.generate(prompts, params)
+    monkeypatch.undo()
+    single = [gen.generate([p], [sp])[0] for p, sp in zip(prompts, params)]
+    assert [r["output_ids"] for r in batched] == [r["output_ids"] for r in single]
+    assert [len(r["output_ids"]) for r in batched] == [sp["max_new_tokens"] for sp in params]
+    assert [b for b, t in sizes if t > 1] == [5, 4]  # two chunks of at most 5 prefilled
+    decode_batches = [b for b, t in sizes if t == 1]
+    assert decode_batches[0] == 4 and min(decode_batches) == 1  # rows leave the batch as they finish
+
+
+# ---------------------------------------------------------------- HTTP contract
+
+
+def test_generate_response_shape(client, tok, engine):
+    single = client.generate(input_ids=tok.encode("1+1="), sampling_params={"max_new_tokens": 3}, return_logprob=True)
+    assert set(single) == {"text", "output_ids", "meta_info"}
+    meta = single["meta_info"]
+    assert {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "weight_version",
+            "output_token_logprobs"} <= set(meta)
+    assert meta["weight_version"] == client.model_info()["weight_version"] == "default"
+    assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == 3
+    many = client.generate(text=["1+1=", "2+2="], sampling_params={"max_new_tokens": 2, "n": 2})
+    assert isinstance(many, list) and len(many) == 4 and "output_token_logprobs" not in many[0]["meta_info"]
+    out = generate_batch([client, EngineClient(engine.url())], _ids(tok, PROMPTS[:5]), {"max_new_tokens": 4}, n=2)
+    assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(p) for p in _ids(tok, PROMPTS[:5]) for _ in "ab"]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": "5"}}, 'invalid type: string "5", expected i64'),
+    ({"input_ids": [5, 6], "sampling_params": {"foo": 1}}, "unknown field `foo`"),
+    ({"input_ids": [5, 6], "sampling_params": {"top_p": 0.0}}, "top_p must be in (0, 1]"),
+    ({"input_ids": [5, 6], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
+    ({"input_ids": [5, 6], "sampling_params": {"temperature": -1}}, "temperature must be a non-negative"),
+    ({"sampling_params": {}}, "Either text or input_ids"),
+    ({"input_ids": [5, 6], "stream": True}, "stream=true is not supported"),
+    ({"input_ids": "abc"}, "input_ids must be a non-empty list"),
+    ({"input_ids": [5, 999]}, "prompt token ids must be in"),
+    ({"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}}, "not supported by the embedded engine"),
+    ({"input_ids": [5], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens must be in"),
+])
+def test_malformed_generate_is_400_with_message(engine, body, message):
+    r = httpx.post(engine.url() + "/generate", json=body)
+    err = r.json()["error"]  # SGLang: a string for contract errors, {"message"} for the others
+    assert r.status_code == 400 and message in (err if isinstance(err, str) else err["message"])
+
+
+def test_weight_session_and_memory_state_errors(client):
+    named = [("model.norm.weight", torch.ones(32))]
+    with pytest.raises(EngineError, match="outside a weight-update session") as e:
+        client.update_weights_from_tensor([serialize_bucket(named)], "flattened_bucket")
+    assert e.value.status == 400 and e.value.endpoint == "/update_weights_from_tensor"
+    with pytest.raises(EngineError, match="no weight-update session is open"):
+        client.end_weight_update()
+    client.begin_weight_update()
+    with pytest.raises(EngineError, match="already open"):
+        client.begin_weight_update()
+    with pytest.raises(EngineError, match="unknown weight name 'nope'"):
+        client.update_weights_from_tensor([serialize_bucket([("nope", torch.ones(2))])], "flattened_bucket")
+    client.end_weight_update()
+    client.release_memory_occupation()
+    with pytest.raises(EngineError, match="already released"):
+        client.release_memory_occupation(["weights"])
+    with pytest.raises(EngineError, match="memory is released"):
+        client.generate(input_ids=[5, 6])
+    client.resume_memory_occupation()
+    with pytest.raises(EngineError, match="not released"):
+        client.resume_memory_occupation()
+    out = client.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["completion_tokens"] == 1
+
+
+def test_pause_parks_generation_and_abort_returns_partial_output(client, engine, tok):
+    result = {}
+    long = {"max_new_tokens": 100, "ignore_eos": True, "temperature": 1.0}
+    rids = [f"r{i}" for i in range(256)]
+    worker = threading.Thread(target=lambda: result.update(
+        out=client.generate(input_ids=_ids(tok, PROMPTS) * 32, sampling_params=long, rid=rids)))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while httpx.get(engine.url() + "/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline
+    client.pause_generation("in_place")
+    assert client.flush_cache()  # parked requests do not block a flush
+    client.abort_request(abort_all=True)
+    late = threading.Thread(target=lambda: result.update(late=client.generate(input_ids=[5, 6])))
+    late.start()  # arrives while paused: must wait for continue, and is not aborted
+    worker.join(0.3)
+    assert worker.is_alive() and late.is_alive()  # nothing finishes while paused
+    client.continue_generation()
+    worker.join(10)
+    late.join(10)
+    reasons = {o["meta_info"]["finish_reason"]["type"] for o in result["out"]}
+    assert reasons == {"abort"} and all(0 < len(o["output_ids"]) < 100 for o in result["out"])
+    assert result["late"]["meta_info"]["finish_reason"]["type"] in ("stop", "length")
+
+
+def test_concurrent_requests_merge_without_mixing(engine, model, tok):
+    prompts = _ids(tok, PROMPTS)
+    results = [None] * len(prompts)
+
+    def one(i):
+        c = EngineClient(engine.url())
+        sp = {"temperature": 0.0, "max_new_tokens": 4 + 3 * i, "ignore_eos": True}
+        results[i] = c.generate(input_ids=prompts[i], sampling_params=sp, rid=f"req-{i}")
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for i, r in enumerate(results):
+        assert r["meta_info"]["id"] == f"req-{i}"
+        assert r["output_ids"] == _argmax_loop(model, prompts[i], 4 + 3 * i, set())
+
+
+# ---------------------------------------------------------------- tensor buckets and weight push
+
+
+def test_bucket_roundtrip_and_unsafe_pickle_refused():
+    named = [("a", torch.randn(3, 5)), ("b", torch.arange(7)), ("c", torch.randn(3, dtype=torch.bfloat16))]
+    flat, meta = flatten(named)
+    assert meta[0] == ("a", (3, 5), "torch.float32", 0, 60, 60) and flat.dtype == torch.uint8
+    for (n, t), (n2, t2) in zip(named, unflatten(flat, meta)):
+        assert n == n2 and torch.equal(t, t2)
+    for fmt, payload in (("flattened_bucket", serialize_bucket(named)), ("direct", None)):
+        if payload is None:
+            from engines.tensor_bucket import serialize_named_tensors
+            payload = serialize_named_tensors(named)
+        assert all(torch.equal(t, t2) for (_, t), (_, t2) in zip(named, load_payload(payload, fmt)))
+    import base64
+    import os
+    import pickle
+    with pytest.raises(BucketError, match="refused to unpickle global posix.system"):
+        load_payload(base64.b64encode(pickle.dumps(os.system)).decode(), "flattened_bucket")
+
+
+# The subset of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (sglang/srt/utils/common.py) that
+# a CPU payload can need: the real server refuses anything else.
+SGLANG_ALLOWED = {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"),
+                  ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage"), ("copyreg", "__newobj__"),
+                  ("torch.multiprocessing.reductions", "rebuild_tensor"),
+                  ("torch.multiprocessing.reductions", "rebuild_storage_filename"),
+                  ("torch.multiprocessing.reductions", "rebuild_typed_storage"),
+                  ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata"),
+                  ("torch", "float32"), ("torch", "bfloat16"), ("torch", "uint8"), ("torch", "int64")}
+
+
+def test_payload_globals_are_on_sglangs_allow_list():
+    import base64
+    import io
+
+    from engines.tensor_bucket import _SafeUnpickler, serialize_named_tensors
+
+    seen = set()
+
+    class Recording(_SafeUnpickler):
+        def find_class(self, module, name):
+            seen.add((module, name))
+            return super().find_class(module, name)
+
+    named = [("a", torch.randn(3, 2)), ("b", torch.randn(2, dtype=torch.bfloat16)), ("c", torch.arange(3))]
+    for payload in (serialize_bucket(named), serialize_named_tensors(named)):
+        Recording(io.BytesIO(base64.b64decode(payload))).load()
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in seen
+    assert seen <= SGLANG_ALLOWED, seen - SGLANG_ALLOWED
+
+
+def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
+    c = EngineClient(fresh_engine.url())
+    new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=7)
+    named = list(new.state_dict().items())
+    stats = push_weights([c], named, "v1", bucket_bytes=16 << 10, verify="full")
+    assert stats["buckets"] > 1 and stats["verified_tensors"] == len(named)
+    assert c.model_info()["weight_version"] == "v1"
+    p = tok.encode("(3+4)*5=")
+    out = c.generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 12})
+    assert out["output_ids"] == _argmax_loop(new, p, 12, {tok.eos_token_id})
+    assert out["meta_info"]["weight_version"] == "v1"
+    bad = [(n, t + 1e-3 if n == "model.layers.1.mlp.up_proj.weight" else t) for n, t in named]
+    with pytest.raises(WeightSyncError, match=r"model\.layers\.1\.mlp\.up_proj\.weight.*max abs diff 0\.001"):
+        verify_weights([c], bad, "v1", "full")
+    with pytest.raises(WeightSyncError, match="weight_version 'v1', expected 'v2'"):
+        verify_weights([c], named, "v2", "sample", 3)
+    with pytest.raises(EngineError, match="shape mismatch for 'model.norm.weight'"):
+        push_weights([c], [("model.norm.weight", torch.ones(3))], "v3", 1 << 20, "off")
+    c.begin_weight_update()  # the failed push left no session open and generation running
+    c.end_weight_update()
+    assert c.generate(input_ids=p, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_update_weights_from_disk_and_get_weights_by_name(fresh_engine, tok, tmp_path):
+    from rl.demo_policy import save_policy
+
+    c = EngineClient(fresh_engine.url())
+    new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=5)
+    path = str(save_policy(new, tok, tmp_path / "new_policy"))
+    out = c.update_weights_from_disk(path, weight_version="disk-1")  # no session needed
+    assert out["success"] and out["num_paused_requests"] == 0
+    info = c.model_info()
+    assert info["weight_version"] == "disk-1" and info["model_path"] == path
+    rows = c.get_weights_by_name("model.embed_tokens.weight", truncate_size=3)  # SGLang: first rows, nested
+    torch.testing.assert_close(torch.tensor(rows), new.model.embed_tokens.weight[:3].detach(), rtol=0, atol=0)
+    p = tok.encode("7*8=")
+    got = c.generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 8})["output_ids"]
+    assert got == _argmax_loop(new, p, 8, {tok.eos_token_id})
+    with pytest.raises(EngineError, match="does not exist"):
+        c.update_weights_from_disk(str(tmp_path / "missing"))
+
+
+def test_push_between_two_ray_actors(ray_cluster, tiny_policy, tok):
+    import ray
+
+    class Pusher:  # defined here so Ray ships it by value
+        def push(self, url, named, version):
+            from engines.rollout_client import EngineClient as Client
+            from engines.weight_push import push_weights as push
+
+            return push([Client(url)], named, version, bucket_bytes=32 << 10, verify="full")
+
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "ray-engine", threads=1)
+    pusher = ray.remote(Pusher).options(num_cpus=1).remote()
+    try:
+        url = ray.get(engine.url.remote())
+        assert ray.get(engine.ready.remote())
+        new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=3)
+        stats = ray.get(pusher.push.remote(url, list(new.state_dict().items()), "ray-v1"), timeout=60)
+        assert stats["verified_tensors"] == len(new.state_dict())
+        p = tok.encode("12+34=")
+        out = EngineClient(url).generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 10})
+        assert out["output_ids"] == _argmax_loop(new, p, 10, {tok.eos_token_id})
+        assert out["meta_info"]["weight_version"] == "ray-v1"
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=10)
+        ray.kill(engine)
+        ray.kill(pusher)

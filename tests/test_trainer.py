@@ -1,0 +1,204 @@
+"""DeepSpeed trainer ranks on a real local Ray cluster (CPU, gloo).
+
+The numbers are checked against a plain single-process torch computation of the same objective:
+at the first mini-batch the policy equals the old policy, so the trainer's pre-clip gradient norm
+must equal that of `policy_loss` over the *whole* batch. That holds only if the loss is normalised
+by the global token count across micro-batches and ranks.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import ray
+import torch
+
+from engines.hf_io import load_causal_lm, load_tokenizer
+from engines.trainer import ds_config, lr_multiplier
+from engines.trainer_group import TrainerGroup
+from rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, token_logprobs
+from rl.types import RolloutBatch, to_train_tensors
+
+pytestmark = pytest.mark.slow
+
+NAMESPACE = "test-trainer"
+TEMPERATURE = 0.7
+# Prompts and responses of different lengths, so per-micro-batch means differ from the global mean.
+PROBLEMS = [("12+34=", "46<eos>"), ("5+7=", "1"), ("99+1=", "100<eos>"), ("3+3=", "6<eos>"),
+            ("40+2=", "42"), ("7+8=", "15<eos>"), ("11+11=", "2222"), ("60+39=", "9<eos>")]
+ADVANTAGES = [1.0, -0.5, 0.3, -1.2, 0.8, -0.1, 1.5, -1.0]
+
+RANK_KW = dict(precision="fp32", lr=1e-3, lr_schedule="constant", warmup_steps=0, total_steps=10,
+               weight_decay=0.01, grad_clip=1.0, micro_batch_size=2, threads=1, seed=0,
+               zero3_param_persistence_threshold=0)  # partition even this tiny model's tensors
+
+
+def _train_kw(pad_id: int, **over) -> dict:
+    kw = dict(minibatches=1, temperature=TEMPERATURE, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0,
+              kl_estimator="low_var_kl", entropy_coef=0.0, loss_agg="token-mean", pad_id=pad_id)
+    return kw | over
+
+
+def _batch(policy, advantages=ADVANTAGES) -> RolloutBatch:
+    tok = load_tokenizer(str(policy))
+    ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompts, responses = zip(*PROBLEMS)
+    return RolloutBatch(
+        group_index=[i // 2 for i in range(len(PROBLEMS))], prompt_text=list(prompts),
+        prompt_ids=[ids(p) for p in prompts], response_text=list(responses),
+        response_ids=[ids(r) for r in responses], rollout_logprobs=[[0.0] * len(ids(r)) for r in responses],
+        finish_reason=["stop"] * len(PROBLEMS), label=[None] * len(PROBLEMS), advantages=list(advantages))
+
+
+def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-mean"):
+    """Single-process objective on the whole batch with weights `named`: (batch with engine-like
+    rollout logprobs at TEMPERATURE, loss, pre-clip gradient norm)."""
+    model = load_causal_lm(str(policy)).eval()
+    model.load_state_dict(dict(named))
+    pad = load_tokenizer(str(policy)).pad_token_id
+    t = to_train_tensors(batch, pad)
+    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1]  # [B, T-1, V]
+    logp = token_logprobs(logits, t["input_ids"][:, 1:], TEMPERATURE)  # [B, T-1]
+    mask = t["loss_mask"]
+    pg, _ = policy_loss(logp, logp.detach(), t["advantages"], mask, 0.2, 0.2, agg)
+    kl = aggregate(kl_estimate(logp, logp.detach(), "low_var_kl"), mask, agg)
+    ent = aggregate(entropy_from_logits(logits / TEMPERATURE), mask, agg)
+    loss = pg + kl_coef * kl - entropy_coef * ent
+    loss.backward()
+    norm = math.sqrt(sum(float(p.grad.square().sum()) for p in model.parameters() if p.grad is not None))
+    rollout = [logp[i][mask[i] != 0].tolist() for i in range(len(batch))]
+    return batch.with_(rollout_logprobs=rollout), float(loss.detach()), norm
+
+
+def _create(prefix, num_ranks, policy, **kw) -> TrainerGroup:
+    return TrainerGroup.create(num_ranks, NAMESPACE, prefix, model_path=str(policy), init_timeout_s=300,
+                               **(RANK_KW | kw))
+
+
+def _one_iteration(group, policy, **train_over):
+    """Train one iteration; check it against the reference and the ranks against each other."""
+    named = ray.get(group.named_weights()[0])
+    batch, ref_loss, ref_norm = _reference(policy, named, _batch(policy), train_over.get("kl_coef", 0.0),
+                                           train_over.get("entropy_coef", 0.0))
+    before = ray.get(group.weights_checksum())
+    pad = load_tokenizer(str(policy)).pad_token_id
+    metrics = ray.get(group.train_iteration(batch, **_train_kw(pad, **train_over)))
+    after = ray.get(group.weights_checksum())
+    m = metrics[0]
+    assert all(x == m for x in metrics), "ranks must return the same all-reduced metrics"
+    assert all(math.isfinite(v) for v in m.values()), m
+    assert m["response_tokens"] == sum(len(r) for r in batch.response_ids)
+    assert m["logprob_mismatch"] < 1e-5 and m["logprob_mismatch_max"] < 1e-4  # same temperature scaling
+    assert m["grad_norm"] == pytest.approx(ref_norm, rel=1e-4)
+    assert m["loss"] == pytest.approx(ref_loss, rel=1e-4, abs=1e-6)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and m["clip_frac"] == 0.0
+    assert len(set(after)) == 1, "ranks disagree on the weights"
+    assert after[0] != before[0], "the optimizer step changed nothing"
+    return m
+
+
+@pytest.fixture(scope="module")
+def zero3(ray_cluster, tiny_policy):
+    group = _create("z3", 2, tiny_policy, zero_stage=3, ref_model_path=str(tiny_policy))
+    yield group
+    group.kill()
+
+
+def test_lr_multiplier_and_config_checks():
+    assert [lr_multiplier(s, "constant", 2, 10) for s in range(3)] == [0.5, 1.0, 1.0]
+    assert lr_multiplier(2, "cosine", 2, 10) == 1.0 and lr_multiplier(10, "cosine", 2, 10) == pytest.approx(0.0)
+    assert lr_multiplier(6, "linear", 2, 10) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="zero_stage >= 1"):
+        ds_config(0, "bf16", 1.0, 2, 1, 0)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_two_ranks_one_iteration(ray_cluster, tiny_policy, stage):
+    group = _create(f"z{stage}", 2, tiny_policy, zero_stage=stage)
+    try:
+        _one_iteration(group, tiny_policy, entropy_coef=0.01)
+    finally:
+        group.kill()
+
+
+def test_zero3_one_iteration_with_reference_model(zero3, tiny_policy):
+    m = _one_iteration(zero3, tiny_policy, kl_coef=0.1, kl_estimator="low_var_kl")
+    assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first step
+
+
+def test_nan_loss_raises_and_leaves_weights_untouched(zero3, tiny_policy):
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    # Sample 7 is on rank 1 only: rank 0 must skip its update too.
+    bad = _batch(tiny_policy, advantages=ADVANTAGES[:7] + [float("nan")])
+    before = ray.get(zero3.weights_checksum())
+    with pytest.raises(ray.exceptions.RayTaskError, match=r"train_iteration #\d+, mini-batch 1/1: the loss was NaN"):
+        ray.get(zero3.train_iteration(bad, **_train_kw(pad)))
+    assert ray.get(zero3.weights_checksum()) == before
+    # No NaN gradient survives into the next step.
+    m = ray.get(zero3.train_iteration(_batch(tiny_policy), **_train_kw(pad)))[0]
+    assert math.isfinite(m["grad_norm"]) and ray.get(zero3.weights_checksum()) != before
+
+
+def test_save_hf_loads_with_transformers(zero3, tiny_policy, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    paths = ray.get(zero3.save_hf(str(tmp_path / "hf")))
+    assert paths[0] == str(tmp_path / "hf") and paths[1] is None
+    loaded = AutoModelForCausalLM.from_pretrained(paths[0]).state_dict()
+    named = dict(ray.get(zero3.named_weights()[1]))  # rank 1's gathered view
+    assert set(named) <= set(loaded)
+    for name, tensor in named.items():
+        torch.testing.assert_close(loaded[name], tensor, rtol=0, atol=0, msg=name)
+    assert AutoTokenizer.from_pretrained(paths[0]).pad_token == "<pad>"
+
+
+def test_fill_weights_then_push_to_an_engine(zero3, tiny_policy):
+    """ZeRO-3 gathered weights reach an embedded engine; a known constant proves they are the trainer's."""
+    from engines.embedded_engine import EmbeddedEngine
+    from engines.rollout_client import EngineClient
+
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "trainer-test-engine")
+    try:
+        url = ray.get(engine.url.remote())
+        assert ray.get(engine.ready.remote())
+        ray.get(zero3.fill_weights(0.25))
+        for named in ray.get(zero3.named_weights()):
+            assert named and all(bool((t == 0.25).all()) for _, t in named)
+        reports = ray.get(zero3.push_weights([url], "filled", 32 << 10, "full"))
+        assert reports[1] == {} and reports[0]["verified_tensors"] == len(named)
+        assert EngineClient(url).get_weights_by_name("model.norm.weight") == pytest.approx([0.25] * 32)
+    finally:
+        ray.get(engine.shutdown.remote(), timeout=10)
+        ray.kill(engine)
+
+
+def test_micro_batch_accumulation_matches_one_micro_batch(ray_cluster, tiny_policy):
+    """Per step, 4 micro-batches of 1 sample must give the same update as 1 micro-batch of 4."""
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    small = _create("acc1", 1, tiny_policy, zero_stage=0, micro_batch_size=1)
+    whole = _create("acc4", 1, tiny_policy, zero_stage=0, micro_batch_size=4)
+    try:
+        kw = _train_kw(pad, minibatches=2, loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+        batch = ray.put(_batch(tiny_policy))
+        m_small, m_whole = ray.get([small.train_iteration(batch, **kw)[0], whole.train_iteration(batch, **kw)[0]])
+        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
+            assert m_small[key] == pytest.approx(m_whole[key], rel=1e-5), key
+        w_small, w_whole = ray.get([small.named_weights()[0], whole.named_weights()[0]])
+        for (name, a), (_, b) in zip(w_small, w_whole):
+            torch.testing.assert_close(a, b, msg=name)
+    finally:
+        small.kill()
+        whole.kill()
+
+
+def test_bf16_zero2_two_ranks(ray_cluster, tiny_policy):
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    group = _create("bf16", 2, tiny_policy, zero_stage=2, precision="bf16", lr=1e-2)
+    try:
+        before = ray.get(group.weights_checksum())
+        m = ray.get(group.train_iteration(_batch(tiny_policy), **_train_kw(pad)))[0]
+        after = ray.get(group.weights_checksum())
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert len(set(after)) == 1 and after[0] != before[0]
+    finally:
+        group.kill()
