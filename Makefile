@@ -25,6 +25,7 @@ $(BIN)/.installed: pyproject.toml
 setup: $(BIN)/.installed
 
 demo: setup
+	mkdir -p $(PREFECT_HOME)
 	$(BIN)/reflow demo $(ARGS)
 
 test: setup

@@ -32,7 +32,8 @@ def cmd_config(args) -> None:
 def cmd_bootstrap(args) -> None:
     from rl.demo_policy import bootstrap
 
-    report = bootstrap(args.out, seed=args.seed, digits=args.digits, steps=args.steps)
+    kw = {"steps": args.steps} if args.steps is not None else {}
+    report = bootstrap(args.out, seed=args.seed, digits=args.digits, **kw)
     print(json.dumps(report, indent=2))
 
 
@@ -108,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("reflow").setLevel(logging.INFO)
     args.fn(args)
 
 

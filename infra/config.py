@@ -78,7 +78,7 @@ class TrainerConfig(_Strict):
 
 
 class WeightSyncConfig(_Strict):
-    verify: Literal["full", "sample", "off"] = Field("full", description="Check engine weights after each push: every tensor, a sample, or not at all.")
+    verify: Literal["full", "sample", "off"] = Field("sample", description="Check engine weights after each push: every tensor, a sample, or not at all.")
     verify_sample: int = Field(4, ge=1, description="Tensors compared when verify=sample.")
     bucket_mb: int = Field(512, ge=1, description="Flattened bucket size for update_weights_from_tensor.")
 

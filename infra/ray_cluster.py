@@ -27,6 +27,8 @@ def worker_env() -> dict[str, str]:
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path.cwd() / ".cache" / "torch_extensions"))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no weight-loading bars from every actor
+    env.setdefault("TRANSFORMERS_VERBOSITY", "error")
     return env
 
 

@@ -22,7 +22,7 @@ def e2e_config(policy, tmp_path, *extra):
         "data.num_train=64", "data.num_eval=16", "rollout.prompts_per_iteration=4",
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "trainer.num_ranks=2",
         "trainer.zero_stage=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
-        "algorithm.kl_coef=0.01", f"storage.root=file://{tmp_path}/runs", *extra])
+        "algorithm.kl_coef=0.01", "weight_sync.verify=full", f"storage.root=file://{tmp_path}/runs", *extra])
 
 
 async def _flow_runs():
