@@ -20,7 +20,7 @@ def e2e_config(policy, tmp_path, *extra):
     return load_config(None, [
         "experiment=e2e", f"model.path={policy}", "num_iterations=3", "eval_interval=2",
         "data.num_train=64", "data.num_eval=16", "rollout.prompts_per_iteration=4",
-        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "trainer.num_ranks=2",
+        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "rollout.num_engines=2", "trainer.num_ranks=2",
         "trainer.zero_stage=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         "algorithm.kl_coef=0.01", "weight_sync.verify=full", f"storage.root=file://{tmp_path}/runs", *extra])
 
@@ -83,3 +83,14 @@ def test_raising_reward_function_is_named(ray_cluster, prefect_server, tiny_poli
         train(cfg)
     msg = str(e.value)
     assert "raising_reward" in msg and "sample 0" in msg and "verifier has no answer key" in msg
+
+
+def test_debug_exit_after_stops_early(ray_cluster, prefect_server, tiny_policy, tmp_path):
+    from flows.train import train
+
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-debug", "trainer.num_ranks=1",
+                     "rollout.num_engines=1", "debug_exit_after=1", "eval_before_train=false")
+    summary = train(cfg)
+    assert summary["iterations"] == 1 and len(summary["history"]) == 1
+    assert sorted(summary["evals"]) == [1]  # the last iteration of this invocation is evaluated
+    assert not (tmp_path / "runs" / "e2e-debug" / "iterations" / "000001" / "metrics.json").exists()
