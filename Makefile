@@ -19,7 +19,14 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(BIN)/pip install -q -e .
+	touch $@
+
+# Test extras, plus SGLang's own request/response/bucket code for the contract tests: the
+# sglang wheel only (~200 MB, no CUDA stack), which `pip install -e .[test]` cannot say (--no-deps).
+$(BIN)/.installed-test: $(BIN)/.installed
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
 	touch $@
 
 setup: $(BIN)/.installed
@@ -28,10 +35,10 @@ demo: setup
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/reflow demo $(ARGS)
 
-test: setup
+test: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -q --timeout=1200 tests $(ARGS)
 
-test-fast: setup
+test-fast: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 
 clean:

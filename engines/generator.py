@@ -23,175 +23,23 @@ rows still running. A prompt sampled `n` times is prefilled once and its cache r
 """
 from __future__ import annotations
 
-import functools
 import inspect
-import math
 import threading
 import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
-SAMPLING_EPS = 1e-6  # temperature below this means greedy (SGLang's _SAMPLING_EPS)
-TOP_K_ALL = 1 << 30
+from engines.kv_cache import _new_cache, _PreallocLayer
+from engines.sampling import SAMPLING_EPS, TOP_K_ALL, SamplingConfig, _seeded_noise, filter_probs, sample_tokens
+
+__all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
+
 
 # Between decode steps the generator calls checkpoint(rids of running rows) -> {rid: message}.
 # It may block (pause) and returns the rows to abort. Called without the model lock held.
 Checkpoint = Callable[[list[str]], dict[str, str]]
-
-
-@dataclass(frozen=True)
-class SamplingConfig:
-    """The sampling parameters the embedded engine implements (SGLang names and defaults)."""
-
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    no_stop_trim: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    sampling_seed: int | None = None
-
-    @classmethod
-    def from_dict(cls, d: dict | None) -> "SamplingConfig":
-        """Build from an SGLang sampling_params dict (`n` and None values are skipped)."""
-        kw = {k: v for k, v in (d or {}).items() if v is not None and k != "n"}
-        if isinstance(kw.get("stop"), str):
-            kw["stop"] = (kw["stop"],)
-        if "stop" in kw:
-            kw["stop"] = tuple(kw["stop"])
-        if "stop_token_ids" in kw:
-            kw["stop_token_ids"] = frozenset(int(t) for t in kw["stop_token_ids"])
-        unknown = set(kw) - set(cls.__dataclass_fields__)
-        if unknown:
-            raise ValueError(f"sampling params not supported by the embedded engine: {sorted(unknown)}")
-        cfg = cls(**kw)
-        cfg.verify()
-        return cfg
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature < SAMPLING_EPS
-
-    def verify(self) -> None:
-        """Range checks with SGLang's messages (SamplingParams.verify)."""
-        if not math.isfinite(self.temperature) or self.temperature < 0.0:
-            raise ValueError(f"temperature must be a non-negative finite number, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.top_k < 1 and self.top_k != -1:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {self.max_new_tokens}.")
-        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({self.max_new_tokens})], "
-                             f"got {self.min_new_tokens}.")
-
-
-# ---------------------------------------------------------------- pure sampling math
-
-
-def filter_probs(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                 min_p: torch.Tensor) -> torch.Tensor:
-    """Zero the tokens top-p / top-k / min-p exclude (unnormalised; the top token always stays).
-
-    probs [B, V]; top_p, min_p [B] float; top_k [B] long (TOP_K_ALL = keep all).
-    """
-    sorted_p, idx = probs.sort(dim=-1, descending=True)  # [B, V]
-    ranks = torch.arange(probs.shape[-1], device=probs.device)  # [V]
-    mass_before = sorted_p.cumsum(-1) - sorted_p  # [B, V] probability mass ranked above each token
-    drop = mass_before > top_p[:, None]  # [B, V]
-    drop |= ranks[None, :] >= top_k[:, None]
-    drop |= sorted_p < sorted_p[:, :1] * min_p[:, None]
-    return torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
-
-
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor | None):
-    """One sampling step. Returns (tokens [B] long, logprobs [B] float).
-
-    logits [B, V] float32; temperature [B] (< SAMPLING_EPS = greedy); noise [B, V] Exp(1) draws
-    (None when every row is greedy). Sampling is the exponential race argmax(p / E), which draws
-    from p normalised, so the filtered probs need no renormalisation. The logprob is SGLang's:
-    log_softmax(logits / T) of the chosen token, before filtering.
-    """
-    greedy = temperature < SAMPLING_EPS  # [B]
-    t = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
-    logprobs = torch.log_softmax(logits / t[:, None], dim=-1)  # [B, V]
-    tokens = logits.argmax(-1)  # [B]
-    if noise is not None and not bool(greedy.all()):
-        probs = logprobs.exp()  # [B, V]
-        if bool((top_p < 1.0).any() | (top_k < probs.shape[-1]).any() | (min_p > 0).any()):
-            probs = filter_probs(probs, top_p, top_k, min_p)
-        sampled = (probs / noise.clamp_min(1e-20)).argmax(-1)  # [B]
-        tokens = torch.where(greedy, tokens, sampled)
-    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
-    return tokens, chosen.clamp_min(torch.finfo(chosen.dtype).min)  # as SGLang: never -inf in JSON
-
-
-def _seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [V] that depends only on (seed, position): batch-independent determinism."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63))
-    return torch.empty(vocab).exponential_(generator=g)  # [V]
-
-
-# ---------------------------------------------------------------- KV cache
-
-
-def _new_cache(capacity: int):
-    """A DynamicCache whose layers preallocate `capacity` positions (see _PreallocLayer)."""
-    cache = DynamicCache()
-    if hasattr(cache, "layer_class_to_replicate"):  # transformers >= 5: layers are made on first use
-        cache.layer_class_to_replicate = functools.partial(_PreallocLayer, capacity)
-    return cache
-
-
-class _PreallocLayer(DynamicLayer):
-    """A DynamicLayer whose keys/values are views into a buffer sized for the whole generation.
-
-    DynamicLayer appends with torch.cat, re-copying the cache every step (quadratic in length; a
-    quarter of decode time at batch 256 here). This one writes the new position in place.
-    """
-
-    def __init__(self, capacity: int):
-        super().__init__()
-        self.capacity = capacity
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n, add = self.get_seq_length(), key_states.shape[-2]
-        if not self.is_initialized:
-            B, H, _, D = key_states.shape
-            self.device = key_states.device
-            self._k = key_states.new_empty(B, H, max(self.capacity, add), D)  # [B, H, cap, D]
-            self._v = value_states.new_empty(B, H, max(self.capacity, add), value_states.shape[-1])
-            self.is_initialized = True
-        if n + add > self._k.shape[-2]:  # more than planned (never for the generator): grow
-            self._k = torch.cat([self._k, torch.empty_like(self._k)], dim=-2)
-            self._v = torch.cat([self._v, torch.empty_like(self._v)], dim=-2)
-        self._k[:, :, n:n + add] = key_states
-        self._v[:, :, n:n + add] = value_states
-        self.keys, self.values = self._k[:, :, :n + add], self._v[:, :, :n + add]
-        return self.keys, self.values
-
-    def select(self, rows: torch.Tensor, first: int = 0) -> None:
-        """Keep batch `rows` (repeats allowed) and drop the first `first` positions."""
-        n = self.get_seq_length()
-        self._k, self._v = self._k[rows, :, first:], self._v[rows, :, first:]
-        self.keys, self.values = self._k[:, :, :n - first], self._v[:, :, :n - first]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.select(indices)
 
 
 # ---------------------------------------------------------------- per-sample bookkeeping

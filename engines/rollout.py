@@ -6,6 +6,7 @@ HTTP API, so the same code drives the embedded engine and a real SGLang server.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Any
 
@@ -13,7 +14,8 @@ import pandas as pd
 import torch
 
 from engines.rollout_client import EngineClient, generate_batch
-from rl.advantages import grpo_advantages
+from rl.algorithms import sequence_advantages
+from rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from rl.rewards import compute_rewards, load_reward_fn
 from rl.types import Prompt, RolloutBatch
 
@@ -28,10 +30,22 @@ def sampling_params(temperature: float, top_p: float, top_k: int, max_new_tokens
     return sp
 
 
+def sample_seeds(seed: int, version: int, count: int) -> list[int]:
+    """One sampling_seed per sample, a pure function of (seed, version, sample index), so a resumed
+    run samples exactly what the uninterrupted one did, whatever the engine's batching."""
+    def one(j: int) -> int:
+        digest = hashlib.sha256(f"reflow-sample:{seed}:{version}:{j}".encode()).digest()
+        return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    return [one(j) for j in range(count)]
+
+
 def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
-             timeout: float) -> RolloutBatch:
+             timeout: float, seed: int | None = None) -> RolloutBatch:
+    """n samples per prompt, prompt-major. With `seed`, every sample gets its own sampling_seed
+    (see `sample_seeds`); without, the engines' own random state decides."""
     clients = [EngineClient(u, timeout=timeout) for u in urls]
-    outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n)
+    seeds = sample_seeds(seed, version, len(prompts) * n) if seed is not None else None
+    outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds)
     if len(outs) != len(prompts) * n:
         raise RuntimeError(f"engines returned {len(outs)} samples for {len(prompts)} prompts x n={n}")
     gi = [i // n for i in range(len(outs))]
@@ -48,30 +62,63 @@ def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int,
     )
 
 
-def score(batch: RolloutBatch, reward_fn: str) -> tuple[RolloutBatch, dict[str, float]]:
+def score(batch: RolloutBatch, reward_fn: str, max_new_tokens: int = 0, overlong_buffer: int = 0,
+          overlong_factor: float = 0.0) -> tuple[RolloutBatch, dict[str, float]]:
+    """Rewards from the reward function plus DAPO's soft overlong penalty (0 when the buffer is 0).
+
+    `reward_mean` reports the reward function alone (task accuracy); the batch carries the sum.
+    """
     fn = load_reward_fn(reward_fn)
     rewards = compute_rewards(fn, batch.prompt_text, batch.response_text, batch.label)
     lengths = [len(r) for r in batch.response_ids]
+    penalty = [overlong_penalty(n, max_new_tokens, overlong_buffer, overlong_factor) for n in lengths]
     stats = {
         "reward_mean": sum(rewards) / max(len(rewards), 1),
+        "overlong_penalty_mean": sum(penalty) / max(len(penalty), 1),
         "response_len_mean": sum(lengths) / max(len(lengths), 1),
         "response_len_max": float(max(lengths, default=0)),
         "truncated_frac": sum(f == "length" for f in batch.finish_reason) / max(len(batch), 1),
     }
-    return batch.with_(rewards=rewards), stats
+    return batch.with_(rewards=[r + p for r, p in zip(rewards, penalty)]), stats
 
 
-def advantages(batch: RolloutBatch, normalize_std: bool) -> tuple[RolloutBatch, dict[str, float]]:
+def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[Prompt]], sp: dict[str, Any],
+                 n: int, version: int, timeout: float, reward_fn: str, score_kw: dict[str, Any],
+                 target_groups: int, seed: int | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+    """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
+    scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
+    the rounds run out), then keep exactly `target_groups` groups (`rl.algorithms.dapo.fill_groups`).
+    With `seed`, round r samples with seed + 7919 * r, so a resumed run redraws the same rounds."""
+    rounds = [first]
+    informative = len(groups_with_spread(first)[0])
+    for r, prompts in enumerate(extra_prompts, start=1):
+        if informative >= target_groups:
+            break
+        round_seed = None if seed is None else seed + 7919 * r
+        scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed), reward_fn, **score_kw)
+        rounds.append(scored)
+        informative += len(groups_with_spread(scored)[0])
+    batch, filler = fill_groups(rounds, target_groups)
+    return batch, {"sampling_rounds": float(len(rounds)), "dynamic_filler_groups": float(filler),
+                   "first_round_signal_frac": len(groups_with_spread(first)[0]) / max(first.n_groups, 1)}
+
+
+def advantages(batch: RolloutBatch, normalize_std: bool = True, kind: str = "grpo",
+               kl_in_reward: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+    """Sequence-level advantages of `kind` (rl.algorithms); with `kl_in_reward` the batch carries
+    per-sequence scores that the trainer turns into token-level advantages (flagged in `extra`)."""
     r = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
     g = torch.tensor(batch.group_index, dtype=torch.long)  # [N]
-    adv = grpo_advantages(r, g, normalize_std=normalize_std)  # [N]
+    lengths = torch.tensor([len(x) for x in batch.response_ids], dtype=torch.float32)  # [N]
+    adv = sequence_advantages(kind, r, g, lengths, normalize_std=normalize_std, kl_in_reward=kl_in_reward)  # [N]
     n_groups = batch.n_groups
     spread = sum(1 for k in range(n_groups) if r[g == k].unique().numel() > 1)
     stats = {"adv_abs_mean": adv.abs().mean().item() if len(adv) else 0.0,
              "groups_with_signal_frac": spread / max(n_groups, 1)}
     if not all(math.isfinite(a) for a in adv.tolist()):
         raise FloatingPointError("advantages contain NaN/inf; rewards were " + repr(batch.rewards[:16]))
-    return batch.with_(advantages=adv.tolist()), stats
+    extra = {**batch.extra, "advantages_are_scores": bool(kl_in_reward)}
+    return batch.with_(advantages=adv.tolist(), extra=extra), stats
 
 
 def rollout_table(batch: RolloutBatch) -> pd.DataFrame:

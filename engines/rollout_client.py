@@ -119,6 +119,24 @@ class EngineClient:
         return self._call("POST", "/update_weights_from_disk", {
             "model_path": model_path, "load_format": load_format, "weight_version": weight_version})
 
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> dict:
+        """Blocks until the whole group has joined (the trainer joins as rank 0 concurrently)."""
+        return self._call("POST", "/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", load_format: str | None = None,
+                                        weight_version: str | None = None, flush_cache: bool = True) -> dict:
+        """Returns once the engine has received the trainer's broadcast and loaded it."""
+        return self._call("POST", "/update_weights_from_distributed", {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "load_format": load_format, "weight_version": weight_version, "flush_cache": flush_cache})
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
+        return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The parameter as float32 nested lists, its first `truncate_size` rows (SGLang's shape)."""
         return self._call("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size})
@@ -142,22 +160,36 @@ def _shards(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
+def _request(prompts: list[list[int]], sampling_params: dict, n: int, seeds: list[int] | None,
+             lo: int, hi: int) -> tuple[list[list[int]], dict | list[dict]]:
+    """(input_ids, sampling_params) of prompts[lo:hi]. SGLang gives every one of the `n` samples of
+    a request the same `sampling_seed`, hence identical samples: seeded requests instead repeat
+    each prompt n times with n=1 and one seed per entry (seeds are prompt-major, like results)."""
+    if seeds is None:
+        return [list(p) for p in prompts[lo:hi]], {**sampling_params, "n": n}
+    ids = [list(p) for p in prompts[lo:hi] for _ in range(n)]
+    sps = [{**sampling_params, "n": 1, "sampling_seed": int(s)} for s in seeds[lo * n:hi * n]]
+    return ids, sps
+
+
 def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampling_params: dict, n: int = 1,
-                   return_logprob: bool = True) -> list[dict]:
+                   return_logprob: bool = True, seeds: list[int] | None = None) -> list[dict]:
     """Generate `n` samples per prompt over several engines; results prompt-major.
 
     Prompts are split into contiguous shards, one per engine, sent concurrently; result
     i*n + j is sample j of prompt i. Each result is SGLang's dict (text, output_ids, meta_info).
+    `seeds` (len(prompts) * n, prompt-major) makes every sample reproducible (see `_request`).
     """
     if not clients:
         raise ValueError("generate_batch needs at least one engine client")
     if not prompts:
         return []
-    sp = {**sampling_params, "n": n}
+    if seeds is not None and len(seeds) != len(prompts) * n:
+        raise ValueError(f"generate_batch: {len(seeds)} seeds for {len(prompts)} prompts x n={n}")
 
     def run(client: EngineClient, lo: int, hi: int) -> list[dict]:
-        out = client.generate(input_ids=[list(p) for p in prompts[lo:hi]], sampling_params=sp,
-                              return_logprob=return_logprob)
+        ids, sp = _request(prompts, sampling_params, n, seeds, lo, hi)
+        out = client.generate(input_ids=ids, sampling_params=sp, return_logprob=return_logprob)
         if not isinstance(out, list) or len(out) != (hi - lo) * n:
             got = len(out) if isinstance(out, list) else type(out).__name__
             raise EngineError(client.url, "/generate", 200, f"expected {(hi - lo) * n} results, got {got}")

@@ -173,6 +173,29 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> Pa
 # ---------------------------------------------------------------- receiver side
 
 
+def _sglang_meta_class():
+    """SGLang's own metadata class when sglang is installed (so its bucket code reads it), else ours."""
+    from engines import sglang_contract
+
+    contract = sglang_contract.load()
+    return contract.FlattenedTensorMetadata if contract is not None else FlattenedTensorMetadata
+
+
+def rebuild_bucket(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors of a flattened bucket, rebuilt by SGLang's own FlattenedTensorBucket when
+    installed (bounds are checked here first: SGLang trusts its sender), else by `unflatten`."""
+    from engines import sglang_contract
+
+    views = unflatten(flat, metadata)  # validates dtype, layout and bounds
+    contract = sglang_contract.load()
+    if contract is None:
+        return views
+    meta = [m if isinstance(m, contract.FlattenedTensorMetadata) else
+            contract.FlattenedTensorMetadata(n, torch.Size(t.shape), t.dtype, *_meta_fields(m)[3:])
+            for m, (n, t) in zip(metadata, views)]
+    return contract.FlattenedTensorBucket(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
+
+
 def _allowed_globals() -> dict[tuple[str, str], object]:
     """Exactly what torch's CPU shared-memory rebuild needs, plus plain containers."""
     import builtins
@@ -192,7 +215,7 @@ def _allowed_globals() -> dict[tuple[str, str], object]:
         ("torch.multiprocessing.reductions", "rebuild_storage_filename"): red.rebuild_storage_filename,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"): red.rebuild_storage_empty,
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"): red.rebuild_typed_storage,
-        SGLANG_META: FlattenedTensorMetadata,
+        SGLANG_META: _sglang_meta_class(),
         (__name__, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
     })
     dtypes = {n: getattr(torch, n) for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)}
@@ -243,7 +266,7 @@ def load_payload(payload: str | bytes, load_format: str | None) -> list[tuple[st
     if load_format == "flattened_bucket":
         if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
             raise BucketError("a flattened_bucket payload must be a dict with 'flattened_tensor' and 'metadata'")
-        return unflatten(obj["flattened_tensor"], obj["metadata"])
+        return rebuild_bucket(obj["flattened_tensor"], obj["metadata"])
     if load_format in (None, "direct"):
         ok = isinstance(obj, (list, tuple)) and all(
             isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], torch.Tensor)

@@ -14,9 +14,11 @@ Loss normalisation: one optimizer step minimises the aggregate over the whole *g
 `aggregate(..., "token-mean")` on a micro-batch divides by that micro-batch's tokens, so averaging
 micro-batch means would weigh tokens unequally. Each micro-batch therefore back-propagates
     aggregate(micro) * units(micro) / units(global mini-batch) * world_size,
-units being response tokens (token-mean) or sequences with >= 1 response token
-(seq-mean-token-mean, as `aggregate` counts them). DeepSpeed averages gradients over the W ranks,
-so the accumulated gradient is exactly that of the global aggregate. Accumulation boundaries are
+units being response tokens (token-mean), sequences with >= 1 response token
+(seq-mean-token-mean, seq-mean-token-sum, as `aggregate` counts them) or all rows
+(seq-mean-token-sum-norm, whose per-row normaliser is the constant `loss_norm_len`).
+DeepSpeed averages gradients over the W ranks, so the accumulated gradient is exactly that of the
+global aggregate. Accumulation boundaries are
 set by hand (`set_gradient_accumulation_boundary`) with DeepSpeed's gradient_accumulation_steps=1,
 so DeepSpeed never rescales the loss and the micro-batch count may differ between calls.
 
@@ -38,11 +40,12 @@ import torch
 import torch.distributed as dist
 
 from engines.hf_io import load_causal_lm, load_tokenizer
-from rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, token_logprobs
+from rl.algorithms.reinforce_pp import kl_shaped_returns, moments, whiten_from_moments
+from rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, tis_weights, token_logprobs
 from rl.types import RolloutBatch, to_train_tensors
 
 # Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
-_SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tokens",
+_SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tokens",
              "mismatch_sum", "mismatch_tokens")
 _MAX_KEYS = ("ratio_max", "neg_ratio_min", "logprob_mismatch_max", "step_time_s", "old_logprob_time_s")
 
@@ -142,8 +145,12 @@ def _hf_name(name: str) -> str:
 
 
 def _units(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
-    """What `aggregate` divides by: response tokens, or sequences with >= 1 response token."""
-    return mask.sum() if agg_mode == "token-mean" else (mask != 0).any(dim=-1).sum().to(mask.dtype)
+    """What `aggregate` divides by: response tokens, sequences with >= 1 response token, or rows."""
+    if agg_mode == "token-mean":
+        return mask.sum()
+    if agg_mode == "seq-mean-token-sum-norm":
+        return torch.tensor(float(mask.shape[0]), dtype=mask.dtype)
+    return (mask != 0).any(dim=-1).sum().to(mask.dtype)
 
 
 def _rows(t: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
@@ -203,19 +210,31 @@ class TrainerRank:
 
     def train_iteration(self, batch: RolloutBatch, *, minibatches: int, temperature: float, clip_eps_low: float,
                         clip_eps_high: float, kl_coef: float, kl_estimator: str, entropy_coef: float,
-                        loss_agg: str, pad_id: int) -> dict[str, float]:
-        """Recompute old (and ref) logprobs, then one optimizer step per mini-batch. Collective."""
+                        loss_agg: str, pad_id: int, dual_clip_c: float | None = None,
+                        tis_cap: float | None = None, ratio_level: str = "token",
+                        loss_norm_len: int | None = None, kl_in_reward: float = 0.0) -> dict[str, float]:
+        """Recompute old (and ref) logprobs, then one optimizer step per mini-batch. Collective.
+
+        Loss options are those of `rl.losses.policy_loss`; `kl_in_reward` > 0 turns the batch's
+        per-sequence scores into token-level REINFORCE++ advantages first (`_kl_reward_advantages`).
+        """
         t0 = time.perf_counter()
         self.iteration += 1
-        if kl_coef > 0 and self.ref_model is None:
-            raise ValueError("kl_coef > 0 needs a reference model: create the trainer with ref_model_path")
+        if (kl_coef > 0 or kl_in_reward > 0) and self.ref_model is None:
+            raise ValueError("kl_coef > 0 or kl_in_reward > 0 needs a reference model: create the trainer "
+                             "with ref_model_path")
+        if kl_in_reward > 0 and not batch.extra.get("advantages_are_scores"):
+            raise ValueError("kl_in_reward > 0 needs per-sequence scores from the rollout stage "
+                             "(advantages computed with kl_in_reward=True), not finished advantages")
         shard = self._shard(batch, minibatches, pad_id)
         acc = dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0)
         acc["neg_ratio_min"] = -math.inf
-        self._old_logprobs(shard, temperature, need_ref=kl_coef > 0, acc=acc)
+        self._old_logprobs(shard, temperature, need_ref=kl_coef > 0 or kl_in_reward > 0, acc=acc)
+        kl_reward = self._kl_reward_advantages(shard, kl_in_reward, kl_estimator) if kl_in_reward > 0 else {}
         acc["old_logprob_time_s"] = time.perf_counter() - t0
         hp = dict(temperature=temperature, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-                  kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg)
+                  kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
+                  dual_clip_c=dual_clip_c, tis_cap=tis_cap, ratio_level=ratio_level, loss_norm_len=loss_norm_len)
         m = shard["input_ids"].shape[0] // minibatches
         minis = [{k: v[i * m:(i + 1) * m] for k, v in shard.items()} for i in range(minibatches)]
         units = torch.stack([_units(mb["loss_mask"], loss_agg) for mb in minis]).double()  # [minibatches]
@@ -226,8 +245,20 @@ class TrainerRank:
             grad_norms.append(self._train_minibatch(mb, float(units[k]), k, minibatches, hp, acc))
         acc["step_time_s"] = time.perf_counter() - t0
         out = self._reduce_metrics(acc, minibatches)
-        out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)))
+        out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)), **kl_reward)
         return out
+
+    def _kl_reward_advantages(self, shard: dict, coef: float, kl_estimator: str) -> dict[str, float]:
+        """Replace the per-sequence scores in `shard["advantages"]` [B] by REINFORCE++ token-level
+        advantages [B, T-1]: returns of score - coef * KL_t (KL of the old policy against the
+        reference), whitened over the response tokens of *all* ranks. Collective."""
+        mask = shard["loss_mask"]  # [B, T-1]
+        kl = kl_estimate(shard["old_logprobs"], shard["ref_logprobs"], kl_estimator)  # [B, T-1]
+        returns = kl_shaped_returns(shard["advantages"], kl, mask, coef)  # [B, T-1]
+        m = torch.cat([moments(returns, mask), moments(kl, mask)[1:2]])  # [4]: n, sum, sum sq, kl sum
+        dist.all_reduce(m)
+        shard["advantages"] = whiten_from_moments(returns, mask, m[:3])  # [B, T-1]
+        return {"kl_in_reward_mean": float(m[3] / m[0]) if m[0] > 0 else 0.0}
 
     def _shard(self, batch: RolloutBatch, minibatches: int, pad_id: int) -> dict[str, torch.Tensor]:
         n, W = len(batch), self.world_size
@@ -288,15 +319,19 @@ class TrainerRank:
         logits = self._logits(self.engine, mb)  # [b, L-1, V]
         labels, mask = mb["input_ids"][:, 1:], mb["loss_mask"]  # [b, L-1]
         logp = token_logprobs(logits, labels, hp["temperature"])  # [b, L-1]
-        pg, pm = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask,
-                             hp["clip_eps_low"], hp["clip_eps_high"], agg)
-        kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp["kl_estimator"]), mask, agg) \
+        norm_len = hp["loss_norm_len"]
+        isw = tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, hp["tis_cap"]) \
+            if hp["tis_cap"] is not None else None  # [b, L-1]
+        pg, pm = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps_low"],
+                             hp["clip_eps_high"], agg, norm_len=norm_len, dual_clip_c=hp["dual_clip_c"],
+                             is_weights=isw, ratio_level=hp["ratio_level"])
+        kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp["kl_estimator"]), mask, agg, norm_len) \
             if hp["kl_coef"] > 0 else torch.zeros(())
         # The entropy of the distribution actually trained on: logits / T (T ~ 0 means untempered,
         # as token_logprobs does). Without a bonus it is only a metric, so no graph is kept.
         t = hp["temperature"] if hp["temperature"] > 1e-6 else 1.0
         with torch.set_grad_enabled(hp["entropy_coef"] > 0):
-            ent = aggregate(entropy_from_logits(logits / t), mask, agg)
+            ent = aggregate(entropy_from_logits(logits / t), mask, agg, norm_len)
         total = pg + hp["kl_coef"] * kl - hp["entropy_coef"] * ent
         # This micro-batch's share of the global mini-batch aggregate (see the module docstring).
         share = float(_units(mask, agg)) / max(units_global, 1.0)
@@ -306,6 +341,7 @@ class TrainerRank:
         if n_tok:
             for key in ("clip_frac", "ratio_mean", "approx_kl"):
                 acc[key] += float(pm[key]) * n_tok  # token-weighted, divided by all tokens at the end
+            acc["tis_weight"] += float((isw * mask).sum()) if isw is not None else n_tok
             acc["tokens"] += n_tok
             acc["ratio_max"] = max(acc["ratio_max"], float(pm["ratio_max"]))
             acc["neg_ratio_min"] = max(acc["neg_ratio_min"], -float(pm["ratio_min"]))
@@ -359,7 +395,7 @@ class TrainerRank:
             "loss": s["loss"] / minibatches, "pg_loss": s["pg_loss"] / minibatches,
             "kl": s["kl"] / minibatches, "entropy": s["entropy"] / minibatches,
             "clip_frac": s["clip_frac"] / tokens, "ratio_mean": s["ratio_mean"] / tokens,
-            "approx_kl": s["approx_kl"] / tokens,
+            "approx_kl": s["approx_kl"] / tokens, "tis_weight_mean": s["tis_weight"] / tokens,
             "ratio_min": -m["neg_ratio_min"] if s["tokens"] else 1.0,
             "ratio_max": m["ratio_max"] if s["tokens"] else 1.0,
             "logprob_mismatch": s["mismatch_sum"] / max(s["mismatch_tokens"], 1.0),
@@ -382,16 +418,50 @@ class TrainerRank:
         """(HF name, full CPU tensor) for every parameter, as `from_pretrained` names them. Collective."""
         return self._gathered(keep=True)
 
-    def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str,
-                     verify_sample: int) -> dict:
-        """Every rank gathers; rank 0 pushes to the engines at `urls` and returns the report. Collective."""
+    def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str, verify_sample: int,
+                     mode: str = "tensor", verify_atol: float = 0.0, disk_dir: str | None = None,
+                     backend: str = "gloo") -> dict:
+        """Every rank gathers; rank 0 pushes to the engines at `urls` (engines.weight_push, `mode`
+        tensor|distributed|disk) and returns the report. Collective."""
         named = self._gathered(keep=self.rank == 0)
         if self.rank != 0:
             return {}
-        from engines.rollout_client import EngineClient
-        from engines.weight_push import push_weights
+        import ray
 
-        return push_weights([EngineClient(u) for u in urls], named, version, bucket_bytes, verify, verify_sample)
+        from engines.rollout_client import EngineClient
+        from engines.weight_push import publish_folder, push_weights
+
+        path = None
+        if mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
+            path = publish_folder(lambda out: self._write_hf(named, out), disk_dir, version)
+        return push_weights([EngineClient(u) for u in urls], named, version, bucket_bytes, verify, verify_sample,
+                            mode=mode, verify_atol=verify_atol, model_path=path,
+                            master_address=ray.util.get_node_ip_address(), backend=backend)
+
+    def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
+        self.engine.module.save_pretrained(out, state_dict=dict(named))
+        load_tokenizer(self.model_path).save_pretrained(out)
+
+    # ---------------------------------------------------------------- colocated mode
+
+    def offload_states(self) -> dict:
+        """Colocated mode, after training: DeepSpeed moves optimizer/grad/param state to host memory so the
+        engines can resume theirs. On CPU there is nowhere to move it: only the state is tracked."""
+        if getattr(self, "_offloaded", False):
+            raise RuntimeError("trainer states are already offloaded: call reload_states first")
+        if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU (and ZeRO >= 1 in DeepSpeed)
+            self.engine.offload_states()
+        self._offloaded, self._state_moves = True, getattr(self, "_state_moves", 0) + 1
+        return {"offloaded": True, "moves": self._state_moves}
+
+    def reload_states(self) -> dict:
+        """Colocated mode, before training (after the engines released their memory)."""
+        if not getattr(self, "_offloaded", False):
+            raise RuntimeError("trainer states are not offloaded: nothing to reload")
+        if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU
+            self.engine.reload_states()
+        self._offloaded, self._state_moves = False, self._state_moves + 1
+        return {"offloaded": False, "moves": self._state_moves}
 
     def save_hf(self, local_dir: str) -> str | None:
         """Rank 0 writes an HF folder (safetensors + config + tokenizer). Collective; returns the path on rank 0."""
@@ -426,3 +496,28 @@ class TrainerRank:
         for p in params:
             shape = (p.ds_numel,) if hasattr(p, "ds_numel") else p.shape
             safe_set_full_fp32_param(p, torch.full(shape, value, dtype=torch.float32, device=p.device))
+
+    # ---------------------------------------------------------------- checkpoints (engines/trainer_ckpt.py)
+
+    def save_checkpoint(self, store, prefix: str) -> dict[str, dict]:
+        """Upload this rank's part of a checkpoint under `prefix`; {relative path: sha256/bytes}. Collective."""
+        from engines import trainer_ckpt
+
+        return trainer_ckpt.save(self, store, prefix)
+
+    def fetch_checkpoint(self, store, prefix: str, manifest: dict[str, dict]) -> str:
+        """Download + sha256-check what this rank needs (not collective); ChecksumError on a mismatch."""
+        from engines import trainer_ckpt
+
+        return trainer_ckpt.fetch(self, store, prefix, manifest)
+
+    def load_checkpoint(self) -> dict:
+        """Load the fetched checkpoint: weights, optimizer, ZeRO partitions, LR schedule, RNG. Collective."""
+        from engines import trainer_ckpt
+
+        return trainer_ckpt.load(self)
+
+    def drop_fetched_checkpoint(self) -> None:
+        from engines import trainer_ckpt
+
+        trainer_ckpt.drop_fetched(self)

@@ -108,9 +108,16 @@ class TrainerGroup:
         return [a.train_iteration.remote(ref, **kw) for a in self.actors]
 
     def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str,
-                     verify_sample: int = 4) -> list:
-        """Rank 0's result is the push report; the others return {}."""
-        return [a.push_weights.remote(urls, version, bucket_bytes, verify, verify_sample) for a in self.actors]
+                     verify_sample: int = 4, **mode_kw) -> list:
+        """Rank 0's result is the push report; the others return {}. mode_kw: see TrainerRank.push_weights."""
+        return [a.push_weights.remote(urls, version, bucket_bytes, verify, verify_sample, **mode_kw)
+                for a in self.actors]
+
+    def offload_states(self) -> list:
+        return [a.offload_states.remote() for a in self.actors]
+
+    def reload_states(self) -> list:
+        return [a.reload_states.remote() for a in self.actors]
 
     def named_weights(self) -> list:
         return [a.named_weights.remote() for a in self.actors]
@@ -123,6 +130,19 @@ class TrainerGroup:
 
     def fill_weights(self, value: float) -> list:
         return [a.fill_weights.remote(value) for a in self.actors]
+
+    def save_checkpoint(self, store, prefix: str) -> list:
+        """Each rank uploads its part under `prefix`; each ref is that rank's {relative path: sha256/bytes}."""
+        return [a.save_checkpoint.remote(store, prefix) for a in self.actors]
+
+    def fetch_checkpoint(self, store, prefix: str, manifest: dict) -> list:
+        return [a.fetch_checkpoint.remote(store, prefix, manifest) for a in self.actors]
+
+    def load_checkpoint(self) -> list:
+        return [a.load_checkpoint.remote() for a in self.actors]
+
+    def drop_fetched_checkpoint(self) -> list:
+        return [a.drop_fetched_checkpoint.remote() for a in self.actors]
 
     def kill(self) -> None:
         for a in self.actors:

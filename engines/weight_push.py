@@ -1,10 +1,14 @@
 """Trainer -> engines weight sync over SGLang's HTTP API, then proof that it landed.
 
-Per SGLANG_API.md (and slime/miles): pause -> flush -> begin session -> one
-update_weights_from_tensor(load_format="flattened_bucket") per bucket of <= bucket_bytes ->
-end session -> continue. Each bucket is serialized once (a shared-memory handle) and sent to
-every engine; its buffer stays alive until all those calls have returned. try/finally makes sure
-no engine is left paused or inside a session, whatever fails.
+Per SGLANG_API.md (and slime/miles), every push is pause -> flush -> begin session -> updates ->
+end session -> continue (`update_window`; the disk mode needs no session in SGLang). Modes:
+- tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
+  <= bucket_bytes; each bucket is serialized once (a shared-memory / CUDA IPC handle) and sent to
+  every engine; its buffer stays alive until all those calls have returned.
+- distributed: init_weights_update_group (this process is rank 0), then per bucket
+  update_weights_from_distributed + one broadcast of the flattened buffer; group destroyed after.
+- disk: update_weights_from_disk of an HF folder / storage URL the caller wrote.
+try/finally makes sure no engine is left paused or inside a session, whatever fails.
 
 Verification reads tensors back through /get_weights_by_name and compares them with the pushed
 copy cast to the engine's dtype. Any difference raises `WeightSyncError`: a silent mismatch would
@@ -13,12 +17,22 @@ make every later importance ratio wrong.
 from __future__ import annotations
 
 import logging
+import os
 import random
+import shutil
+import socket
+import tempfile
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+import uuid
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
 
 import torch
 
+from engines import weight_group
 from engines.rollout_client import EngineClient, EngineError
 from engines.tensor_bucket import serialize_bucket
 
@@ -64,17 +78,138 @@ def _tp_size(client: EngineClient) -> int:
     return int(client.server_info().get("tp_size", 1) or 1)
 
 
-def _send_buckets(clients: list[EngineClient], buckets, version: str, tp: list[int]) -> None:
+def _check(client: EngineClient, out: dict, what: str) -> None:
+    if not out.get("success", False):
+        raise WeightSyncError(f"engine {client.url} refused {what}: {out.get('message')}")
+
+
+def _send_buckets(clients: list[EngineClient], named_tensors: Named, bucket_bytes: int, version: str) -> int:
+    """mode=tensor: one update_weights_from_tensor(flattened_bucket) per bucket; returns the bucket count."""
+    tp = [_tp_size(c) for c in clients]
+    buckets = make_buckets(named_tensors, bucket_bytes)
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         for bucket in buckets:
             payload = serialize_bucket(bucket)  # holds the shared buffer until we drop it below
             calls = [pool.submit(c.update_weights_from_tensor, [payload] * k, "flattened_bucket", True, version)
                      for c, k in zip(clients, tp)]
             for c, f in zip(clients, calls):
-                out = f.result()
-                if not out.get("success", False):
-                    raise WeightSyncError(f"engine {c.url} refused a weight bucket: {out.get('message')}")
+                _check(c, f.result(), "a weight bucket")
             del payload
+    return len(buckets)
+
+
+def _send_distributed(clients: list[EngineClient], named_tensors: Named, bucket_bytes: int, version: str,
+                      master_address: str, backend: str) -> int:
+    """mode=distributed: a fresh weight-update group (this process = rank 0), one broadcast per bucket,
+    the group destroyed afterwards. Returns the bucket count."""
+    tp = [_tp_size(c) for c in clients]
+    offsets = [1 + sum(tp[:i]) for i in range(len(clients))]
+    world, port, name = 1 + sum(tp), _free_port(), f"reflow-{uuid.uuid4().hex[:8]}"
+    pool = ThreadPoolExecutor(max_workers=len(clients))
+    joined: list[EngineClient] = []
+    try:
+        inits = {_in_daemon(c.init_weights_update_group, master_address, port, off, world, name, backend): c
+                 for c, off in zip(clients, offsets)}
+        opening = _in_daemon(weight_group.open_group, master_address, port, 0, world, name, backend)
+        pg = _join(opening, inits, joined)
+        buckets = make_buckets(weight_group.bucket_order(named_tensors), bucket_bytes)
+        for bucket in buckets:
+            flat, names, dtypes, shapes = weight_group.pack(bucket)
+            calls = [pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, name, "flattened_bucket",
+                                 version) for c in clients]
+            weight_group.broadcast(pg, flat)
+            for c, f in zip(clients, calls):
+                _check(c, f.result(), "a distributed weight bucket")
+        return len(buckets)
+    finally:
+        errors = _destroy_groups(joined, name)
+        pool.shutdown(wait=False, cancel_futures=True)
+        if errors:
+            log.error("destroying weight-update group %s: %s", name, "; ".join(errors))
+
+
+def _in_daemon(fn, *args) -> Future:
+    """Run a rendezvous call in a daemon thread: after a failed join the others stay blocked until
+    the group timeout, and must neither block the caller nor keep the process from exiting."""
+    fut: Future = Future()
+
+    def run():
+        try:
+            fut.set_result(fn(*args))
+        except BaseException as e:  # deliberate: handed to the waiting caller through the future
+            fut.set_exception(e)
+
+    threading.Thread(target=run, name="weight-group-join", daemon=True).start()
+    return fut
+
+
+def _join(opening, inits: dict, joined: list) -> object:
+    """Wait for the group to form; fail fast when an engine refuses (rank 0 would wait for its timeout)."""
+    pending = set(inits) | {opening}
+    while pending:
+        done, pending = wait(pending, return_when=FIRST_COMPLETED)
+        for f in done:
+            if f is opening:
+                continue
+            client = inits[f]
+            try:
+                _check(client, f.result(), "init_weights_update_group")
+            except EngineError as e:
+                raise WeightSyncError(f"engine {client.url} could not join the weight-update group: {e}") from e
+            joined.append(client)
+    return opening.result()
+
+
+def _destroy_groups(clients: list[EngineClient], name: str) -> list[str]:
+    errors = []
+    for c in clients:
+        try:
+            c.destroy_weights_update_group(name)
+        except EngineError as e:
+            errors.append(str(e))
+    return errors
+
+
+def _send_disk(clients: list[EngineClient], model_path: str, version: str) -> int:
+    """mode=disk: every engine reloads the HF folder (or storage URL) the trainer wrote."""
+    with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+        calls = [pool.submit(c.update_weights_from_disk, model_path, None, version) for c in clients]
+        for c, f in zip(clients, calls):
+            _check(c, f.result(), f"update_weights_from_disk({model_path!r})")
+    return 0
+
+
+def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str) -> str:
+    """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/v<version>`; returns what
+    engines load. A storage URL (s3://...) gets the folder uploaded; a fresh name per version also
+    keeps URL-keyed engine caches (engines.hf_io) from serving stale weights. Earlier local versions
+    are removed, so one folder's worth of disk is used."""
+    root = disk_dir or str(Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}")
+    name = f"v{version}"
+    if "://" in root and not root.startswith("file://"):
+        import fsspec
+
+        with tempfile.TemporaryDirectory(prefix="reflow-push-") as tmp:
+            write(Path(tmp))
+            url = f"{root.rstrip('/')}/{name}"
+            fs, path = fsspec.core.url_to_fs(url)
+            fs.put(f"{tmp}/", path, recursive=True)
+        return url
+    base = Path(root.removeprefix("file://")).expanduser().resolve()
+    target = base / name
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
+    write(target)
+    for old in base.glob("v*"):  # previous pushes: engines have already reloaded them
+        if old != target and old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+    return str(target)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def _finish(paused: list[EngineClient], opened: list[EngineClient]) -> list[str]:
@@ -93,24 +228,19 @@ def _finish(paused: list[EngineClient], opened: list[EngineClient]) -> list[str]
     return errors
 
 
-def push_weights(clients: list[EngineClient], named_tensors: list[tuple[str, torch.Tensor]], version: str,
-                 bucket_bytes: int = 512 << 20, verify: str = "full", verify_sample: int = 4,
-                 pause_mode: str = "abort") -> dict:
-    """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats."""
-    if verify not in ("full", "sample", "off"):
-        raise ValueError(f"verify must be 'full', 'sample' or 'off', got {verify!r}")
-    t0 = time.perf_counter()
-    buckets = make_buckets(named_tensors, bucket_bytes)
+@contextmanager
+def update_window(clients: list[EngineClient], pause_mode: str = "abort", session: bool = True):
+    """pause -> flush -> begin session ... end session -> continue, on every engine, whatever fails."""
     paused, opened, failed = [], [], True
     try:
-        tp = [_tp_size(c) for c in clients]
         for c in clients:
             c.pause_generation(pause_mode)
             paused.append(c)
             _flush(c)
-            c.begin_weight_update()
-            opened.append(c)
-        _send_buckets(clients, buckets, version, tp)
+            if session:
+                c.begin_weight_update()
+                opened.append(c)
+        yield
         failed = False
     finally:
         errors = _finish(paused, opened)
@@ -118,10 +248,39 @@ def push_weights(clients: list[EngineClient], named_tensors: list[tuple[str, tor
             log.error("while unwinding a failed weight push: %s", "; ".join(errors))
         elif errors:
             raise WeightSyncError("weights were sent but closing the update failed: " + "; ".join(errors))
+
+
+MODES = ("tensor", "distributed", "disk")
+
+
+def push_weights(clients: list[EngineClient], named_tensors: Named, version: str, bucket_bytes: int = 512 << 20,
+                 verify: str = "full", verify_sample: int = 4, pause_mode: str = "abort", *, mode: str = "tensor",
+                 verify_atol: float = 0.0, model_path: str | None = None, master_address: str = "127.0.0.1",
+                 backend: str = "gloo") -> dict:
+    """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
+
+    mode: "tensor" (shared-memory / CUDA IPC buckets), "distributed" (a broadcast group with this
+    process as rank 0 at `master_address`, `backend` gloo|nccl) or "disk" (engines reload
+    `model_path`, which the caller has written; SGLang needs no session for it).
+    """
+    if verify not in ("full", "sample", "off"):
+        raise ValueError(f"verify must be 'full', 'sample' or 'off', got {verify!r}")
+    if mode not in MODES:
+        raise ValueError(f"weight push mode must be one of {MODES}, got {mode!r}")
+    if mode == "disk" and not model_path:
+        raise ValueError("mode='disk' needs model_path: the HF folder (or URL) the trainer saved")
+    t0 = time.perf_counter()
+    with update_window(clients, pause_mode, session=mode != "disk"):
+        if mode == "tensor":
+            buckets = _send_buckets(clients, named_tensors, bucket_bytes, version)
+        elif mode == "distributed":
+            buckets = _send_distributed(clients, named_tensors, bucket_bytes, version, master_address, backend)
+        else:
+            buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
-    verified = verify_weights(clients, named_tensors, version, verify, verify_sample)
+    verified = verify_weights(clients, named_tensors, version, verify, verify_sample, verify_atol)
     return {"bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
-            "buckets": len(buckets), "engines": len(clients), "verified_tensors": verified,
+            "buckets": buckets, "engines": len(clients), "verified_tensors": verified,
             "verify_seconds": time.perf_counter() - t0 - seconds}
 
 
@@ -133,8 +292,11 @@ def _engine_dtype(client: EngineClient) -> torch.dtype | None:
 
 
 def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, torch.Tensor]], version: str,
-                   mode: str = "full", sample: int = 4) -> int:
-    """Check version and tensor values on every engine; returns how many tensors were compared."""
+                   mode: str = "full", sample: int = 4, atol: float = 0.0) -> int:
+    """Check version and tensor values on every engine; returns how many tensors were compared.
+
+    atol=0 demands bit-equality after casting to the engine's dtype; a quantised engine (fp8, int4)
+    cannot reproduce the pushed values exactly, so give it the tolerance its format needs."""
     if mode == "off":
         return 0
     names = [n for n, _ in named_tensors]
@@ -148,12 +310,13 @@ def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, t
             raise WeightSyncError(f"engine {c.url} reports weight_version {got_version!r}, expected {version!r}")
         dtype = _engine_dtype(c)
         for name in names:
-            _compare(c, name, pushed[name], dtype)
+            _compare(c, name, pushed[name], dtype, atol)
             count += 1
     return count
 
 
-def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtype: torch.dtype | None) -> None:
+def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtype: torch.dtype | None,
+             atol: float = 0.0) -> None:
     want = pushed.detach().to("cpu").to(dtype or pushed.dtype).float()  # what the engine must hold
     rows = want.shape[0] if want.dim() else 1
     got = torch.tensor(client.get_weights_by_name(name, truncate_size=max(rows, want.numel())), dtype=torch.float32)
@@ -161,7 +324,8 @@ def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtype: torch
     if tuple(got.shape) != tuple(want.shape):
         raise WeightSyncError(f"engine {client.url} tensor {name!r}: shape {tuple(got.shape)} "
                               f"!= pushed {tuple(want.shape)}")
-    if not torch.equal(got, want):  # exact: same values cast the same way (NaN never passes)
+    same = torch.equal(got, want) if atol == 0 else torch.allclose(got, want, rtol=0.0, atol=atol)
+    if not same:  # NaN never passes either way
         diff = (got - want).abs().max().item()
         raise WeightSyncError(f"engine {client.url} tensor {name!r} differs from the pushed weights: "
-                              f"max abs diff {diff:.3g}")
+                              f"max abs diff {diff:.3g} (tolerance {atol:g})")

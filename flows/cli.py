@@ -12,6 +12,8 @@ from pathlib import Path
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like the file, "
                   "e.g. trainer.lr=1e-4 rollout.n_samples_per_prompt=8 num_iterations=5")
+RESUME_HELP = ("auto (default): continue from the experiment's latest committed checkpoint; never: start "
+               "fresh; or a checkpoint URL (…/checkpoints/iter_NNNNNN). Same as the override resume=…")
 
 
 def _config(path: str | None, overrides: list[str]):
@@ -37,12 +39,32 @@ def cmd_bootstrap(args) -> None:
     print(json.dumps(report, indent=2))
 
 
+def _resume_override(args) -> list[str]:
+    return [f"resume={args.resume}"] if getattr(args, "resume", None) else []
+
+
 def cmd_train(args) -> None:
     from flows.train import train
 
-    cfg = _config(args.config, args.overrides)
+    cfg = _config(args.config, args.overrides + _resume_override(args))
     summary = train(cfg)
+    if summary.get("already_complete"):
+        print(f"reflow: {summary['message']}")
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=str))
+
+
+def cmd_runs_show(args) -> None:
+    from infra.records import format_table, iteration_table
+    from infra.storage import ExperimentStore
+
+    store = ExperimentStore.open(args.storage, args.experiment, endpoint_url=args.endpoint_url)
+    df = iteration_table(store)
+    if df.empty:
+        sys.exit(f"reflow: no iteration records under {store.url('iterations')}")
+    if args.csv:
+        print(df.to_csv(index=False), end="")
+    else:
+        print(format_table(df))
 
 
 def _demo_policy(seed: int, digits: int) -> Path:
@@ -60,10 +82,16 @@ def cmd_demo(args) -> None:
 
     t0 = time.perf_counter()
     base = _config(str(DEMO_CONFIG), [])
-    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment=demo-s{args.seed}"]
+    # A fresh experiment per invocation, so running the demo twice trains twice (every run
+    # keeps its own checkpoints and records); pass experiment=NAME --resume auto to continue one.
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment=demo-s{args.seed}-{stamp}"]
     policy = _demo_policy(args.seed, base.data.digits)
-    cfg = _config(str(DEMO_CONFIG), overrides + [f"model.path={policy}"] + args.overrides)
+    cfg = _config(str(DEMO_CONFIG), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
     summary = train(cfg)
+    if summary.get("already_complete"):
+        print(f"demo: {summary['message']}")
+        return
     evals = summary["evals"]
     before, after = evals[min(evals)], evals[max(evals)]
     print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
@@ -81,14 +109,27 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Build (once) a tiny warmed-up policy for 2-digit addition, train it with "
                                    "GRPO using configs/demo.yaml, and print held-out accuracy before and after.")
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the policy and the run (default 0)")
+    d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     d.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     d.set_defaults(fn=cmd_demo)
 
     t = sub.add_parser("train", help="run the train flow for an experiment file",
                        description="Run the `train` Prefect flow in this process: one flow run per iteration.")
     t.add_argument("--config", "-c", required=True, help="experiment YAML (see configs/)")
+    t.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     t.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     t.set_defaults(fn=cmd_train)
+
+    r = sub.add_parser("runs", help="inspect experiments from storage alone (no Prefect, no Ray)")
+    rsub = r.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")
+    rs = rsub.add_parser("show", help="print an experiment's per-iteration table",
+                         description="Read iterations/*/metrics.json of an experiment and print one row per "
+                                     "iteration (a readable summary, or every metric as CSV).")
+    rs.add_argument("--storage", required=True, help="storage root (file:///path, a path, or s3://bucket/prefix)")
+    rs.add_argument("--experiment", required=True, help="experiment name")
+    rs.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint override (credentials: AWS chain)")
+    rs.add_argument("--csv", action="store_true", help="print every metric as CSV")
+    rs.set_defaults(fn=cmd_runs_show)
 
     b = sub.add_parser("bootstrap", help="build the demo policy: tiny Llama + char tokenizer, warmed up, HF format",
                        description="Build a tiny causal LM and tokenizer, warm it up on the synthetic addition "

@@ -1,4 +1,7 @@
-"""One rollout iteration = one Prefect flow run: generate -> reward -> advantages -> train -> push -> report."""
+"""One rollout iteration = one Prefect flow run: generate -> reward -> advantages -> train -> push -> report.
+
+Colocated mode wraps train + push in the GPU hand-over (engines release memory, trainer reloads; then
+trainer offloads, engines resume weights, push, engines resume the rest)."""
 from __future__ import annotations
 
 import time
@@ -7,6 +10,7 @@ from contextlib import contextmanager
 from prefect import flow
 
 from infra.config import RunConfig
+from tasks.colocate import to_engines, to_trainer
 from tasks.report import report
 from tasks.rollout import advantages, generate, reward
 from tasks.train import push_weights, train
@@ -38,11 +42,17 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
         batch = reward(config, batch)
     with timer("advantages"):
         batch = advantages(config, batch)
+    colocate = config.cluster.colocate  # engines and trainers share GPUs: they take turns (tasks/colocate.py)
+    swap = to_trainer(config) if colocate else {}
     with timer("train"):
         train_metrics = train(config, batch)
+    if colocate:
+        swap |= to_engines(config, "weights")
     with timer("push"):
         push_metrics = push_weights(config, iteration + 1)
-    metrics = {**batch.stats, **train_metrics, **push_metrics, **timer.seconds}
+    if colocate:
+        swap |= to_engines(config, "rest")
+    metrics = {**batch.stats, **train_metrics, **push_metrics, **swap, **timer.seconds}
     with timer("report"):
         report(config, iteration, batch, metrics)
     metrics["time_report"] = timer.seconds["time_report"]

@@ -46,20 +46,50 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 keeps every token.")
     max_new_tokens: int = Field(8, ge=1, description="Maximum response length in tokens.")
+    seeded_sampling: bool = Field(True, description="Give every sample its own sampling_seed derived from (seed, iteration, sample), so rollouts are reproducible and a resumed run samples what the uninterrupted one would.")
     max_batch_size: int = Field(256, ge=1, description="Largest batch an engine decodes at once.")
     engine_threads: int = Field(1, ge=1, description="torch threads of each engine process.")
     request_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one generate request.")
+    router: bool = Field(False, description="Serve /generate through one router over all engines (sglang-router when installed, else reflow's least-loaded proxy) that retries a request on another engine when one dies.")
+    tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
+    mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
+    startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
 
 
 class AlgorithmConfig(_Strict):
-    type: Literal["grpo"] = Field("grpo", description="Advantage estimator.")
-    normalize_std: bool = Field(True, description="GRPO: divide by the group's reward std (False = Dr.GRPO).")
+    """Advantage estimator and policy-loss options; docs/ALGORITHMS.md maps each to its paper."""
+
+    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"] = Field("grpo", description="Advantage estimator (rl/algorithms/); gspo = GRPO advantages with a sequence-level ratio; ppo needs the critic (not implemented yet).")
+    normalize_std: bool = Field(True, description="GRPO/GSPO: divide by the group's reward std (False = Dr.GRPO).")
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip: lower ratio bound is 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip: upper ratio bound is 1 + clip_eps_high.")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL(policy || reference) term in the loss; 0 disables the reference model.")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]).")
+    clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip: upper ratio bound is 1 + clip_eps_high (DAPO clip-higher when > clip_eps_low).")
+    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip PPO: cap the loss of negative-advantage tokens at -c*A (Ye et al. 2020); null disables.")
+    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL(policy || reference) term in the loss; 0 disables it.")
+    kl_in_reward: float = Field(0.0, ge=0.0, description="REINFORCE++ only: weight beta of the per-token KL penalty folded into the reward; 0 disables it.")
+    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]), for the loss term and the reward penalty.")
     entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field("token-mean", description="How per-token losses are reduced.")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field("token-mean", description="How per-token losses are reduced (seq-mean-token-sum-norm = Dr.GRPO).")
+    loss_norm_len: int | None = Field(None, ge=1, description="Constant length of seq-mean-token-sum-norm; default rollout.max_new_tokens.")
+    tis_cap: float | None = Field(None, gt=0.0, description="Truncated importance sampling: weight tokens by min(exp(old - rollout logprob), tis_cap); null disables.")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more to keep the batch size.")
+    max_sampling_rounds: int = Field(3, ge=1, description="Dynamic sampling: most generation rounds per iteration (the first included).")
+    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: penalise responses longer than max_new_tokens - this; 0 disables.")
+    overlong_penalty: float = Field(1.0, ge=0.0, description="Overlong punishment at max_new_tokens (the penalty ramps linearly from 0 to -this over the buffer).")
+
+    @model_validator(mode="after")
+    def _check_type(self) -> "AlgorithmConfig":
+        if self.type == "ppo":
+            raise ValueError("type=ppo needs the critic (value model trained with GAE), which is not "
+                             "implemented yet; use grpo, rloo, reinforce_pp, reinforce_pp_baseline or gspo")
+        if self.kl_in_reward > 0 and self.type not in ("reinforce_pp", "reinforce_pp_baseline"):
+            raise ValueError(f"kl_in_reward is implemented for type=reinforce_pp / reinforce_pp_baseline "
+                             f"only (got type={self.type}); use kl_coef for a KL term in the loss")
+        return self
+
+    @property
+    def needs_ref(self) -> bool:
+        """Whether the trainer needs a frozen reference model (a KL term in the loss or the reward)."""
+        return self.kl_coef > 0 or self.kl_in_reward > 0
 
 
 class TrainerConfig(_Strict):
@@ -80,17 +110,32 @@ class TrainerConfig(_Strict):
 class WeightSyncConfig(_Strict):
     verify: Literal["full", "sample", "off"] = Field("sample", description="Check engine weights after each push: every tensor, a sample, or not at all.")
     verify_sample: int = Field(4, ge=1, description="Tensors compared when verify=sample.")
-    bucket_mb: int = Field(512, ge=1, description="Flattened bucket size for update_weights_from_tensor.")
+    bucket_mb: int = Field(512, ge=1, description="Flattened bucket size of a tensor or distributed push.")
+    mode: Literal["tensor", "distributed", "disk"] = Field("tensor", description="tensor: update_weights_from_tensor with IPC buckets (engines on the trainer's node/GPUs); distributed: a broadcast group + update_weights_from_distributed (engines on other GPUs); disk: the trainer writes HF safetensors, engines reload them.")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="Process-group backend of mode=distributed: gloo on CPU, nccl between GPUs.")
+    disk_dir: str | None = Field(None, description="mode=disk: folder or storage URL (file://, s3://) the engines can read; a versioned subfolder is written per push. Default: a local temp folder (one node only).")
+    verify_atol: float = Field(0.0, ge=0.0, description="Absolute tolerance of the weight check; 0 = bit-exact. Raise it for quantised engines (fp8/int4).")
 
 
 class ClusterConfig(_Strict):
     address: str | None = Field(None, description="Ray address; default: $RAY_ADDRESS, else start a local cluster.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started cluster (default: all).")
     namespace_prefix: str = Field("reflow", description="Actors live in namespace `<prefix>-<experiment>`.")
+    colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
+    release_tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(["weights", "kv_cache", "cuda_graph"], min_length=1, description="colocate: what engines release between rollout and train (SGLang's memory tags); resumed weights first, then the rest.")
 
 
 class StorageConfig(_Strict):
-    root: str = Field("file://./.reflow/runs", description="Where checkpoints, rollouts and metrics go (file:// or s3://).")
+    root: str = Field("file://./.reflow/runs", description="Where checkpoints, rollouts and metrics go (file:// or s3://bucket/prefix).")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint override (e.g. http://127.0.0.1:9000). Credentials come from the standard AWS chain (env, ~/.aws, instance role), never from this file.")
+    retries: int = Field(6, ge=0, le=20, description="Retries of one storage operation after a transient error (connection refused, timeout, 5xx).")
+    retry_backoff_s: float = Field(0.5, gt=0.0, le=60.0, description="Wait before the first retry; doubles on each further retry (capped at 30 s).")
+
+
+class CheckpointConfig(_Strict):
+    save_interval: int | None = Field(None, ge=1, description="Save every this many completed iterations; a checkpoint is always saved after the last iteration.")
+    keep_last: int = Field(3, ge=1, description="Committed checkpoints kept; older ones are deleted (never the one `latest` points to).")
+    sentinel: str | None = Field(None, description="Path or URL of a file whose appearance requests a checkpoint after the current iteration; it is removed after the save.")
 
 
 class RunConfig(_Strict):
@@ -98,7 +143,8 @@ class RunConfig(_Strict):
 
     experiment: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name: storage prefix and Ray namespace.")
     seed: int = Field(0, ge=0, description="Global seed.")
-    num_iterations: int = Field(20, ge=0, description="Total rollout iterations of the run.")
+    num_iterations: int = Field(20, ge=0, description="Total rollout iterations of the run (a target: a resumed run stops when this many iterations are done in total, not this many more).")
+    resume: str = Field("auto", min_length=1, description="`auto`: continue from the latest committed checkpoint of the experiment (if any); `never`: start fresh (refused if the experiment already has checkpoints); or a checkpoint URL.")
     debug_exit_after: int | None = Field(None, ge=1, description="Stop after this many iterations of this invocation (debugging).")
     eval_before_train: bool = Field(True, description="Evaluate the initial policy before training.")
     eval_interval: int | None = Field(None, ge=1, description="Evaluate every this many iterations (and at the end).")
@@ -110,6 +156,7 @@ class RunConfig(_Strict):
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     cluster: ClusterConfig = ClusterConfig()
     storage: StorageConfig = StorageConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     @model_validator(mode="after")
     def _check_batch(self) -> "RunConfig":

@@ -14,6 +14,8 @@ import ray
 
 from engines.embedded_engine import EmbeddedEngine
 from engines.hf_io import load_tokenizer, resolve_checkpoint
+from engines.router import Router, SGLangRouter, sglang_router_available
+from engines.sglang_engine import SGLangEngine
 from engines.trainer_group import TrainerGroup
 from infra.config import RunConfig, dump_config
 from infra.ray_cluster import connect, namespace_for
@@ -38,6 +40,10 @@ class Runtime:
     engine_urls: list[str]
     store: ExperimentStore
     timings: dict[str, float] = field(default_factory=dict)
+    # Where /generate goes: the engines themselves, or one router URL per engine (so a batch is
+    # still cut into one shard per engine and the router balances the shards).
+    generate_urls: list[str] = field(default_factory=list)
+    router: Any = None  # Ray actor handle of the router, when rollout.router
 
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -52,20 +58,45 @@ def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
 
 
 def _start_engines(cfg: RunConfig, namespace: str) -> list[Any]:
+    """One named engine actor per engine; both backends answer url()/ready()/shutdown() and speak
+    SGLang's HTTP API, so nothing after this point knows which one runs."""
     r = cfg.rollout
-    if r.backend != "embedded":
-        raise NotImplementedError("rollout.backend=sglang is not available yet; use rollout.backend=embedded")
-    actor_cls = ray.remote(EmbeddedEngine)
-    return [actor_cls.options(name=f"engine-{i}", namespace=namespace, num_cpus=1, get_if_exists=True)
-            .remote(model_path=cfg.model.path, engine_id=f"engine-{i}", threads=r.engine_threads,
-                    max_batch_size=r.max_batch_size)
+    if r.backend == "embedded":
+        actor_cls, options = ray.remote(EmbeddedEngine), {"num_cpus": 1}
+        kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size)
+    else:
+        actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
+        kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static,
+                      enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s)
+    return [actor_cls.options(name=f"engine-{i}", namespace=namespace, get_if_exists=True, **options)
+            .remote(model_path=cfg.model.path, engine_id=f"engine-{i}", **kwargs)
             for i in range(r.num_engines)]
+
+
+def _start_router(cfg: RunConfig, namespace: str, urls: list[str]) -> tuple[Any, list[str]]:
+    """(router actor or None, the URLs /generate requests go to)."""
+    if not cfg.rollout.router:
+        return None, list(urls)
+    actor_cls = ray.remote(SGLangRouter if sglang_router_available() else Router)
+    router = actor_cls.options(name="router", namespace=namespace, num_cpus=0, get_if_exists=True).remote(urls)
+    ray.get(router.ready.remote())
+    return router, [ray.get(router.url.remote())] * len(urls)
+
+
+def _engine_gpus(cfg: RunConfig) -> float:
+    """GPUs Ray reserves per SGLang engine: its TP width, or a share of a trainer's GPU when colocated."""
+    if not cfg.cluster.colocate:
+        return float(cfg.rollout.tp_size)
+    if cfg.rollout.tp_size != 1:
+        raise NotImplementedError("cluster.colocate with rollout.tp_size > 1 needs placement-group bundles "
+                                  "shared with the trainer ranks, which reflow does not build yet; use tp_size=1")
+    return 0.2  # fractional: Ray lets the engine share the GPU a trainer rank holds
 
 
 def _start_trainers(cfg: RunConfig, namespace: str) -> TrainerGroup:
     t, a = cfg.trainer, cfg.algorithm
     total = t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
-    ref = (cfg.model.ref_path or cfg.model.path) if a.kl_coef > 0 else None
+    ref = (cfg.model.ref_path or cfg.model.path) if a.needs_ref else None
     return TrainerGroup.create(
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="policy", num_cpus_per_rank=1,
         model_path=cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=t.lr,
@@ -87,11 +118,14 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     trainers = _start_trainers(cfg, namespace)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
-    store = ExperimentStore.open(cfg.storage.root, cfg.experiment)
+    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     store.write_text("config.yaml", dump_config(cfg))
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                  train_prompts=train_prompts, eval_prompts=eval_prompts, trainers=trainers,
                  engines=engines, engine_urls=urls, store=store)
+    rt.router, rt.generate_urls = _start_router(cfg, namespace, urls)
+    if cfg.cluster.colocate:  # the engines generate first: the trainer starts with its states offloaded
+        ray.get(trainers.offload_states())
     rt.timings["startup"] = time.perf_counter() - t0
     log.info("runtime ready in %.1fs: %d engine(s) %s, %d trainer rank(s), %d train / %d eval prompts, storage %s",
              rt.timings["startup"], len(engines), urls, cfg.trainer.num_ranks, len(train_prompts),
@@ -111,6 +145,8 @@ def shutdown_runtime(experiment: str) -> None:
     if rt is None:
         return
     rt.trainers.kill()
+    if rt.router is not None:
+        ray.kill(rt.router)
     for e in rt.engines:
         try:
             ray.get(e.shutdown.remote(), timeout=10)

@@ -1,36 +1,14 @@
-"""GRPO group-relative advantages (Shao et al. 2024, DeepSeekMath §4.1.2, outcome supervision).
+"""Re-export of the advantage estimators, which now live one per module under `rl/algorithms/`.
 
-Each sample's advantage is its reward relative to the other responses to the same prompt:
-A_i = (r_i - mean(r_group)) / (std(r_group) + eps). With `normalize_std=False` the division is
-dropped (Dr.GRPO, Liu et al. 2025 §3.1), which removes the bias toward easy/hard prompts.
-
-Choice of std: the *unbiased* (Bessel-corrected, n-1) sample std, i.e. `torch.std`'s default,
-which is what verl and TRL compute, so advantages here match those references number for number.
-The paper does not specify. Departures: a group of size 1 and a group whose rewards are all
-equal get advantage exactly 0 (no signal), never NaN and never eps-amplified rounding noise.
+Kept so `from rl.advantages import grpo_advantages` keeps working.
 """
 from __future__ import annotations
 
-import torch
-from torch import Tensor
+from rl.algorithms import sequence_advantages
+from rl.algorithms.gae import gae_advantages
+from rl.algorithms.grpo import grpo_advantages
+from rl.algorithms.reinforce_pp import reinforce_pp_advantages
+from rl.algorithms.rloo import rloo_advantages
 
-
-def grpo_advantages(rewards: Tensor, group_index: Tensor, normalize_std: bool = True,
-                    eps: float = 1e-6) -> Tensor:
-    """rewards [N] float, group_index [N] long (any ids; equal id = same prompt) -> advantages [N]."""
-    if rewards.numel() == 0:
-        return rewards.clone()
-    r = rewards.double()  # [N] fp64 so group means of equal rewards cancel exactly
-    _, g = torch.unique(group_index, return_inverse=True)  # [N] dense ids 0..K-1
-    k = int(g.max()) + 1
-    count = torch.bincount(g, minlength=k).double()  # [K]
-    mean = torch.zeros(k, dtype=r.dtype).index_add_(0, g, r) / count  # [K]
-    centred = r - mean[g]  # [N]
-    sq = torch.zeros(k, dtype=r.dtype).index_add_(0, g, centred.square())  # [K]
-    std = torch.sqrt(sq / (count - 1).clamp_min(1.0))  # [K] unbiased; size-1 groups handled below
-    gmax = torch.full((k,), -torch.inf, dtype=r.dtype).scatter_reduce_(0, g, r, "amax")  # [K]
-    gmin = torch.full((k,), torch.inf, dtype=r.dtype).scatter_reduce_(0, g, r, "amin")  # [K]
-    flat = (gmax == gmin)[g]  # [N] all-equal groups (includes groups of one)
-    adv = centred / (std[g] + eps) if normalize_std else centred  # [N]
-    adv = torch.where(flat, torch.zeros_like(adv), adv)
-    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+__all__ = ["gae_advantages", "grpo_advantages", "reinforce_pp_advantages", "rloo_advantages",
+           "sequence_advantages"]

@@ -11,8 +11,12 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-AggMode = Literal["token-mean", "seq-mean-token-mean"]
+from rl.algorithms.gspo import gspo_log_ratio
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+AGG_MODES: tuple[str, ...] = AggMode.__args__
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
+RatioLevel = Literal["token", "sequence"]
 
 # Log-ratios are clamped before exp() so one wild token cannot overflow to inf (verl does the same).
 _LOG_RATIO_CLAMP = 20.0
@@ -93,60 +97,105 @@ def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind) -> Tensor:
     raise ValueError(f"unknown KL estimator {kind!r}; expected one of k1, k2, k3, low_var_kl")
 
 
-def aggregate(values: Tensor, mask: Tensor, mode: AggMode) -> Tensor:
-    """Reduce per-token values [B, T] to a scalar.
+def aggregate(values: Tensor, mask: Tensor, mode: AggMode, norm_len: int | None = None) -> Tensor:
+    """Reduce per-token values [B, T] to a scalar. Empty mask -> 0 in every mode.
 
     "token-mean": sum(v * m) / sum(m) — every token weighs the same (DAPO, Yu et al. 2025 §3.3).
     "seq-mean-token-mean": mean over sequences with >= 1 token of each sequence's token mean —
     the original GRPO objective (Shao et al. 2024, eq. 3), where long responses weigh less per
-    token. Sequences without tokens are skipped (not counted as 0). Empty mask -> 0.
+    token. Sequences without tokens are skipped (not counted as 0).
+    "seq-mean-token-sum": mean over sequences with >= 1 token of each sequence's token *sum*.
+    "seq-mean-token-sum-norm": sum(v * m) / (B * norm_len), B counting every row — Dr.GRPO's
+    constant normaliser (Liu et al. 2025 §3.1: the 1/|o_i| of eq. 2 replaced by a constant, the
+    generation budget). `norm_len` is required here: the padded width T varies with the batch.
     """
     if mode == "token-mean":
         return masked_mean(values, mask)
-    if mode == "seq-mean-token-mean":
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
         per_seq = masked_mean(values, mask, dim=-1)  # [B]
+        if mode == "seq-mean-token-sum":
+            per_seq = per_seq * mask.sum(dim=-1).to(per_seq.dtype)  # [B] token sum
         has_tokens = (mask != 0).any(dim=-1).float()  # [B]
         return masked_mean(per_seq, has_tokens)
-    raise ValueError(f"unknown loss aggregation {mode!r}; expected token-mean or seq-mean-token-mean")
+    if mode == "seq-mean-token-sum-norm":
+        if not norm_len or norm_len < 1:
+            raise ValueError("loss aggregation seq-mean-token-sum-norm needs norm_len >= 1 (a constant length)")
+        return masked_mean(values, mask) * mask.sum() / (values.shape[0] * norm_len)
+    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGG_MODES}")
 
 
-def _ppo_terms(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high):
-    """ratio [B, T], unclipped and clipped per-token losses [B, T] (PPO eq. 7, negated)."""
+def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Truncated importance-sampling weights [B, T] = min(exp(old - rollout), cap), detached; 1 where
+    mask is 0. Corrects for the rollout engine sampling from a slightly different distribution
+    than the trainer's old policy (Yao et al. 2025, "Your efficient RL framework secretly brings
+    you off-policy RL training"; verl's tis_imp_ratio_cap). The log-ratio is clamped to [-20, 20].
+    """
+    log_w = (old_logprobs - rollout_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
+    w = torch.exp(log_w).clamp(max=cap)  # [B, T]
+    return torch.where(mask != 0, w, torch.ones_like(w)).detach()
+
+
+def _ppo_terms(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, ratio_level="token"):
+    """advantages [B, T], ratio [B, T], unclipped and clipped per-token losses [B, T] (PPO eq. 7, negated)."""
     if advantages.dim() == 1:
-        advantages = advantages.unsqueeze(-1)  # [B, 1] broadcast over tokens
-    log_ratio = (logprobs - old_logprobs).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)  # [B, T]
-    ratio = torch.exp(log_ratio)  # [B, T]
+        advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # [B, T] broadcast over tokens
+    if ratio_level == "sequence":
+        log_ratio = gspo_log_ratio(logprobs, old_logprobs, mask)  # [B, T], GSPO-token (eq. 13)
+    elif ratio_level == "token":
+        log_ratio = logprobs - old_logprobs  # [B, T]
+    else:
+        raise ValueError(f"unknown ratio_level {ratio_level!r}; expected token or sequence")
+    ratio = torch.exp(log_ratio.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))  # [B, T]
     loss_unclipped = -advantages * ratio  # [B, T]
     loss_clipped = -advantages * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high)  # [B, T]
-    return ratio, loss_unclipped, loss_clipped
+    return advantages, ratio, loss_unclipped, loss_clipped
+
+
+def _dual_clip(loss: Tensor, advantages: Tensor, c: float | None) -> Tensor:
+    """Dual-clip PPO (Ye et al. 2020, "Mastering Complex Control in MOBA Games", eq. 5): for A < 0
+    the objective is max(min(rA, clip(r)A), cA), i.e. the negated loss is capped at -c A, so a
+    huge ratio on a bad action cannot blow up the update. c > 1; None disables it."""
+    if c is None:
+        return loss
+    return torch.where(advantages < 0, torch.minimum(loss, -c * advantages), loss)
 
 
 def policy_loss_tokens(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                       clip_eps_low: float, clip_eps_high: float) -> Tensor:
+                       clip_eps_low: float, clip_eps_high: float, *, dual_clip_c: float | None = None,
+                       is_weights: Tensor | None = None, ratio_level: RatioLevel = "token") -> Tensor:
     """Unreduced PPO-clip loss per token [B, T], 0 where `mask` is 0.
 
     loss_t = max(-A ratio_t, -A clip(ratio_t, 1 - eps_low, 1 + eps_high)), ratio_t =
     exp(logp_t - old_t): the negated clipped surrogate of Schulman et al. 2017, eq. 7, with the
     decoupled bounds of DAPO's clip-higher (Yu et al. 2025 §3.1). Departure: the log-ratio is
     clamped to [-20, 20] before exp. A trainer doing gradient accumulation sums these itself.
+    advantages: [B] (sequence-level, broadcast) or [B, T] (token-level). Options: `dual_clip_c`
+    (see `_dual_clip`), `is_weights` [B, T] multiplying each token's loss (TIS, `tis_weights`),
+    `ratio_level="sequence"` for GSPO's sequence ratio (rl/algorithms/gspo.py).
     """
-    _, loss_unclipped, loss_clipped = _ppo_terms(logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
-    loss = torch.maximum(loss_unclipped, loss_clipped)  # [B, T]
+    adv, _, loss_unclipped, loss_clipped = _ppo_terms(logprobs, old_logprobs, advantages, mask, clip_eps_low,
+                                                      clip_eps_high, ratio_level)
+    loss = _dual_clip(torch.maximum(loss_unclipped, loss_clipped), adv, dual_clip_c)  # [B, T]
+    if is_weights is not None:
+        loss = loss * is_weights  # [B, T]
     return torch.where(mask != 0, loss * mask.to(loss.dtype), torch.zeros_like(loss))
 
 
 def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
-                clip_eps_low: float, clip_eps_high: float, agg_mode: AggMode) -> tuple[Tensor, dict[str, Tensor]]:
+                clip_eps_low: float, clip_eps_high: float, agg_mode: AggMode, *, norm_len: int | None = None,
+                dual_clip_c: float | None = None, is_weights: Tensor | None = None,
+                ratio_level: RatioLevel = "token") -> tuple[Tensor, dict[str, Tensor]]:
     """PPO-clip loss reduced with `aggregate(…, agg_mode)`, plus detached scalar metrics over the
     masked tokens: clip_frac (share of tokens whose clipped branch is strictly larger, i.e. the
     gradient is cut), ratio_mean / ratio_min / ratio_max (1.0 with no tokens), approx_kl
     (mean of old - logp, the k1 estimate of KL(old || new)).
     """
-    loss_tok = policy_loss_tokens(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high)
-    loss = aggregate(loss_tok, mask, agg_mode)
+    loss_tok = policy_loss_tokens(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high,
+                                  dual_clip_c=dual_clip_c, is_weights=is_weights, ratio_level=ratio_level)
+    loss = aggregate(loss_tok, mask, agg_mode, norm_len)
     with torch.no_grad():
-        ratio, loss_unclipped, loss_clipped = _ppo_terms(
-            logprobs, old_logprobs, advantages, clip_eps_low, clip_eps_high)
+        _, ratio, loss_unclipped, loss_clipped = _ppo_terms(
+            logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, ratio_level)
         keep = mask != 0  # [B, T]
         any_tok = bool(keep.any())
         one = torch.ones((), dtype=ratio.dtype)

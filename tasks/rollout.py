@@ -21,6 +21,7 @@ from rl.types import Prompt, RolloutBatch
 _generate = ray.remote(num_cpus=0)(ro.generate)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
 _advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
+_dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
 
 
 @ray.remote(num_cpus=0)
@@ -35,6 +36,7 @@ class BatchRef:
 
     ref: ray.ObjectRef
     stats: dict[str, float] = field(default_factory=dict)
+    iteration: int | None = None  # set by `generate`; dynamic sampling draws its extra prompts from it
 
 
 def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: int) -> list[Prompt]:
@@ -60,29 +62,56 @@ def _sp(rt: Runtime, greedy: bool = False) -> dict:
 def generate(cfg: RunConfig, iteration: int) -> BatchRef:
     rt = get_runtime(cfg)
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
-    ref = _generate.remote(rt.engine_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
-                           iteration, cfg.rollout.request_timeout_s)
+    seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
+    ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
+                           iteration, cfg.rollout.request_timeout_s, seed)
     ray.wait([ref], fetch_local=False)
-    return BatchRef(ref, {"prompts": len(prompts)})
+    return BatchRef(ref, {"prompts": len(prompts)}, iteration)
+
+
+def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:
+    """Prompts of dynamic sampling's extra rounds: one seeded stream per round, apart from the main
+    one, so retries and resumes draw the same prompts (they may repeat a prompt of the epoch)."""
+    k = cfg.rollout.prompts_per_iteration
+    return [prompts_for_iteration(prompts, cfg.data.seed + 7919 * r, iteration, k)
+            for r in range(1, cfg.algorithm.max_sampling_rounds)]
 
 
 @task(name="reward", cache_policy=NO_CACHE)
 def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
-    ref, stats = _score.remote(batch.ref, cfg.data.reward_fn)
-    return BatchRef(ref, {**batch.stats, **ray.get(stats)})
+    """Score the batch (reward fn + overlong penalty); with dynamic sampling, top it up to
+    `prompts_per_iteration` groups with reward spread (engines/rollout.py `dynamic_fill`)."""
+    a = cfg.algorithm
+    score_kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, overlong_buffer=a.overlong_buffer,
+                    overlong_factor=a.overlong_penalty)
+    ref, stats = _score.remote(batch.ref, cfg.data.reward_fn, **score_kw)
+    refs = [stats]
+    if a.dynamic_sampling:
+        if batch.iteration is None:
+            raise ValueError("dynamic sampling needs the batch's iteration (a BatchRef from the generate task)")
+        rt = get_runtime(cfg)
+        ref, ds = _dynamic_fill.remote(ref, rt.generate_urls, extra_prompt_rounds(cfg, rt.train_prompts, batch.iteration),
+                                       _sp(rt), cfg.rollout.n_samples_per_prompt, batch.iteration,
+                                       cfg.rollout.request_timeout_s, cfg.data.reward_fn, score_kw,
+                                       cfg.rollout.prompts_per_iteration,
+                                       cfg.seed if cfg.rollout.seeded_sampling else None)
+        refs.append(ds)
+    merged = {k: v for d in ray.get(refs) for k, v in d.items()}
+    return BatchRef(ref, {**batch.stats, **merged}, batch.iteration)
 
 
 @task(name="advantages", cache_policy=NO_CACHE)
 def advantages(cfg: RunConfig, batch: BatchRef) -> BatchRef:
-    ref, stats = _advantages.remote(batch.ref, cfg.algorithm.normalize_std)
-    return BatchRef(ref, {**batch.stats, **ray.get(stats)})
+    a = cfg.algorithm
+    ref, stats = _advantages.remote(batch.ref, a.normalize_std, a.type, a.kl_in_reward > 0)
+    return BatchRef(ref, {**batch.stats, **ray.get(stats)}, batch.iteration)
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate(cfg: RunConfig, iteration: int) -> dict[str, float]:
     """Greedy held-out accuracy: one greedy sample per eval prompt, scored by the reward fn."""
     rt = get_runtime(cfg)
-    batch_ref = _generate.remote(rt.engine_urls, rt.eval_prompts, _sp(rt, greedy=True), 1, iteration,
+    batch_ref = _generate.remote(rt.generate_urls, rt.eval_prompts, _sp(rt, greedy=True), 1, iteration,
                                  cfg.rollout.request_timeout_s)
     scored, stats = _score.remote(batch_ref, cfg.data.reward_fn)
     rel = f"{rt.store.iteration_dir(iteration)}/eval/heldout.parquet"

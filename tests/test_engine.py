@@ -191,9 +191,9 @@ def test_generate_response_shape(client, tok, engine):
     ({"input_ids": [5, 6], "sampling_params": {"top_p": 0.0}}, "top_p must be in (0, 1]"),
     ({"input_ids": [5, 6], "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
     ({"input_ids": [5, 6], "sampling_params": {"temperature": -1}}, "temperature must be a non-negative"),
-    ({"sampling_params": {}}, "Either text or input_ids"),
+    ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
     ({"input_ids": [5, 6], "stream": True}, "stream=true is not supported"),
-    ({"input_ids": "abc"}, "input_ids must be a non-empty list"),
+    ({"input_ids": "abc"}, 'invalid type: string "abc", expected a value or an array of values for TokenIdsOrList'),
     ({"input_ids": [5, 999]}, "prompt token ids must be in"),
     ({"input_ids": [5], "sampling_params": {"frequency_penalty": 0.5}}, "not supported by the embedded engine"),
     ({"input_ids": [5], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens must be in"),
@@ -204,9 +204,29 @@ def test_malformed_generate_is_400_with_message(engine, body, message):
     assert r.status_code == 400 and message in (err if isinstance(err, str) else err["message"])
 
 
+@pytest.mark.parametrize("body, message", [
+    ({"input_ids": [5, 6], "sampling_params": {"max_new_tokens": "5"}}, 'invalid type: string "5", expected i64'),
+    ({"input_ids": [5, 6], "sampling_params": {"foo": 1}}, "unknown field `foo`"),
+    ({"input_ids": [5, 6], "sampling_params": {"top_p": 0.0}}, "top_p must be in (0, 1], got 0.0."),
+    ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
+])
+def test_own_checks_when_sglang_is_absent(engine, monkeypatch, body, message):
+    from engines import sglang_contract
+
+    monkeypatch.setattr(sglang_contract, "load", lambda: None)  # as on a machine without the wheel
+    r = httpx.post(engine.url() + "/generate", json=body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and message in (err if isinstance(err, str) else err["message"])
+    ok = httpx.post(engine.url() + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
+    named = [("model.norm.weight", torch.ones(32))]
+    assert torch.equal(load_payload(serialize_bucket(named), "flattened_bucket")[0][1], torch.ones(32))
+
+
 def test_weight_session_and_memory_state_errors(client):
     named = [("model.norm.weight", torch.ones(32))]
-    with pytest.raises(EngineError, match="outside a weight-update session") as e:
+    with pytest.raises(EngineError, match=r"update_weights_from_tensor must run between "
+                                          r"begin_weight_update\(\) and end_weight_update\(\)") as e:
         client.update_weights_from_tensor([serialize_bucket(named)], "flattened_bucket")
     assert e.value.status == 400 and e.value.endpoint == "/update_weights_from_tensor"
     with pytest.raises(EngineError, match="no weight-update session is open"):

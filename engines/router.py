@@ -1,0 +1,195 @@
+"""Several engines behind one /generate URL: sglang-router when installed, else a small proxy of ours.
+
+Only the data plane goes through a router (as with sglang-router); weight pushes, pauses and
+memory release still go to each engine directly.
+
+`Router` (ours) is a least-loaded proxy: each /generate goes to the live worker with the fewest
+requests in flight from this router. When a worker cannot be reached or drops the connection
+(its process died), it is deregistered and the request is sent again to another worker, so a
+rollout survives losing an engine (the lost engine's partial work is redone). HTTP errors the
+engine itself answers (400 ...) pass through unchanged: retrying a bad request cannot help.
+Workers register/deregister with sglang-router's endpoints: POST /add_worker?url=..,
+POST /remove_worker?url=.., GET /list_workers.
+
+Hostable as a Ray actor (url(), ready(), shutdown(), add_worker(), remove_worker()), served by
+uvicorn in a thread on a socket bound to port 0, like the embedded engine.
+"""
+from __future__ import annotations
+
+import importlib.util
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+
+class NoWorkerError(RuntimeError):
+    """No live engine is registered with the router."""
+
+
+class WorkerPool:
+    """Live workers and their in-flight request counts (one event loop touches it)."""
+
+    def __init__(self, urls: list[str]):
+        self.inflight: dict[str, int] = {u.rstrip("/"): 0 for u in urls}
+        self.dead: list[str] = []
+
+    def add(self, url: str) -> None:
+        self.inflight.setdefault(url.rstrip("/"), 0)
+
+    def remove(self, url: str, dead: bool = False) -> bool:
+        found = self.inflight.pop(url.rstrip("/"), None) is not None
+        if found and dead:
+            self.dead.append(url)
+        return found
+
+    def pick(self, exclude: set[str]) -> str:
+        live = [u for u in self.inflight if u not in exclude]
+        if not live:
+            raise NoWorkerError(f"no live engine behind the router (dead: {self.dead})")
+        return min(live, key=lambda u: self.inflight[u])
+
+
+async def forward(pool: WorkerPool, client: httpx.AsyncClient, body: bytes) -> httpx.Response:
+    """POST /generate to the least-loaded worker; on a dead worker deregister it and try the next."""
+    tried: set[str] = set()
+    while True:
+        url = pool.pick(tried)
+        tried.add(url)
+        pool.inflight[url] += 1
+        try:
+            return await client.post(f"{url}/generate", content=body, headers={"content-type": "application/json"})
+        except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError, httpx.WriteError):
+            pool.remove(url, dead=True)  # deliberate recovery: the request is retried elsewhere
+        finally:
+            if url in pool.inflight:
+                pool.inflight[url] -= 1
+
+
+def build_router_app(pool: WorkerPool, timeout: float) -> FastAPI:
+    app = FastAPI(title="reflow router")
+    holder: dict = {}
+
+    def http() -> httpx.AsyncClient:  # created lazily inside the serving loop
+        if "client" not in holder:
+            holder["client"] = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=10.0))
+        return holder["client"]
+
+    @app.post("/generate")
+    async def generate(request: Request):
+        try:
+            r = await forward(pool, http(), await request.body())
+        except NoWorkerError as e:
+            return JSONResponse({"error": {"message": str(e)}}, status_code=503)
+        return Response(r.content, status_code=r.status_code, media_type=r.headers.get("content-type"))
+
+    @app.post("/add_worker")
+    async def add_worker(url: str):
+        pool.add(url)
+        return {"status": "ok", "message": f"Successfully added worker: {url}"}
+
+    @app.post("/remove_worker")
+    async def remove_worker(url: str):
+        if not pool.remove(url):
+            return JSONResponse({"error": {"message": f"worker {url} is not registered"}}, status_code=404)
+        return {"status": "ok", "message": f"Successfully removed worker: {url}"}
+
+    @app.get("/list_workers")
+    async def list_workers():
+        return {"urls": list(pool.inflight), "dead": pool.dead, "inflight": dict(pool.inflight)}
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if pool.inflight else 503)
+
+    return app
+
+
+class Router:
+    """Our least-loaded proxy, served in this process (or Ray actor)."""
+
+    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0):
+        import uvicorn
+
+        self.host, self.pool = host, WorkerPool(worker_urls)
+        self.app = build_router_app(self.pool, timeout)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: Nagle off
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(512)
+        self.port = self._sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
+                                        name="reflow-router", daemon=True)
+        self._thread.start()
+
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def ready(self, timeout: float = 60.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url()}/list_workers", timeout=5.0).status_code == 200:
+                    return True
+            except httpx.TransportError:  # still starting
+                time.sleep(0.05)
+        raise TimeoutError(f"router at {self.url()} did not start within {timeout:.0f}s")
+
+    def add_worker(self, url: str) -> None:
+        httpx.post(f"{self.url()}/add_worker", params={"url": url}).raise_for_status()
+
+    def remove_worker(self, url: str) -> None:
+        httpx.post(f"{self.url()}/remove_worker", params={"url": url}).raise_for_status()
+
+    def workers(self) -> dict:
+        return httpx.get(f"{self.url()}/list_workers").json()
+
+    def shutdown(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+        self._sock.close()
+
+
+def sglang_router_available() -> bool:
+    return importlib.util.find_spec("sglang_router") is not None
+
+
+def sglang_router_command(worker_urls: list[str], host: str, port: int, python: str) -> list[str]:
+    """sglang-router's launcher (cache-aware routing over the workers); used when it is installed.
+    Untested here: the package is not installed on CPU machines."""
+    return [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--host", host,
+            "--port", str(port), "--policy", "cache_aware"]
+
+
+class SGLangRouter:
+    """sglang-router in a child process, with the same surface as `Router` (its legacy worker API).
+    Untested here: sglang-router is not installed on CPU machines."""
+
+    def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", python: str = sys.executable):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            self.port = s.getsockname()[1]
+        self.host = host
+        self.proc = subprocess.Popen(sglang_router_command(worker_urls, host, self.port, python),
+                                     start_new_session=True)
+
+    url, ready, add_worker, remove_worker, workers = Router.url, Router.ready, Router.add_worker, \
+        Router.remove_worker, Router.workers
+
+    def shutdown(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def start_router(worker_urls: list[str], host: str = "127.0.0.1", timeout: float = 600.0):
+    """sglang-router when installed, else our least-loaded proxy; returns it ready."""
+    router = SGLangRouter(worker_urls, host) if sglang_router_available() else Router(worker_urls, host,
+                                                                                      timeout=timeout)
+    router.ready()
+    return router

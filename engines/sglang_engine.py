@@ -1,0 +1,194 @@
+"""The SGLang rollout engine: a thin launcher over the real server, hostable as a Ray actor.
+
+Same surface as `EmbeddedEngine` (url(), ready(), shutdown()); everything else goes over SGLang's
+HTTP API through the one `EngineClient` and weight pusher CI exercises on the embedded engine.
+The server runs as `python -m sglang.launch_server <ServerArgs flags>` in its own process group
+(its scheduler/detokenizer children die with it). Flags are built from explicit arguments and
+the field table SERVER_ARG_TYPES, which tests check against the installed wheel's ServerArgs.
+
+Ports: several engines start on one node at once, and SGLang binds its ports only after seconds
+of start-up, so "bind port 0, close, pass it on" can hand two engines the same port. Ports are
+therefore allocated under a node-wide file lock and remembered for a while (`allocate_ports`).
+Untested here (no GPU): the real server start, CUDA device placement, NCCL.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+INSTALL_HINT = ("rollout.backend=sglang needs SGLang on the engine nodes: pip install 'reflow[sglang]' "
+                "(sglang==0.5.23 with its CUDA dependencies; see https://docs.sglang.ai/get_started/install.html)")
+# ServerArgs fields (sglang 0.5.23) this launcher sets, with their value types. The CLI flag of a
+# field is `--` + name with `_` -> `-` (SGLang's arg_utils); booleans are store_true flags.
+SERVER_ARG_TYPES: dict[str, type] = {
+    "model_path": str, "tokenizer_path": str, "host": str, "port": int, "tp_size": int,
+    "mem_fraction_static": float, "enable_memory_saver": bool, "nccl_port": int, "dist_init_addr": str,
+    "base_gpu_id": int, "skip_server_warmup": bool, "dtype": str, "random_seed": int, "log_level": str,
+    "trust_remote_code": bool,
+}
+_PORT_LEASE_S = 600.0  # a port handed out stays reserved this long (covers a slow server start)
+
+
+class SGLangUnavailable(RuntimeError):
+    """SGLang's server cannot be imported where the engine runs."""
+
+
+class EngineStartError(RuntimeError):
+    """The SGLang server exited or did not become healthy in time."""
+
+
+def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_size: int = 1,
+                mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
+                dist_init_addr: str | None = None, dtype: str = "auto", random_seed: int | None = None,
+                skip_server_warmup: bool = True, log_level: str = "warning") -> dict:
+    """ServerArgs field values for one engine (the builder passes explicit values; no config here)."""
+    return {"model_path": model_path, "tokenizer_path": model_path, "host": host, "port": port,
+            "tp_size": tp_size, "mem_fraction_static": mem_fraction_static,
+            "enable_memory_saver": enable_memory_saver, "nccl_port": nccl_port, "dist_init_addr": dist_init_addr,
+            "base_gpu_id": base_gpu_id, "skip_server_warmup": skip_server_warmup, "dtype": dtype,
+            "random_seed": random_seed, "log_level": log_level, "trust_remote_code": False}
+
+
+def command_line(args: dict, python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server` with one flag per non-null field (checked against the table)."""
+    cmd = [python, "-m", "sglang.launch_server"]
+    for name, value in args.items():
+        kind = SERVER_ARG_TYPES.get(name)
+        if kind is None:
+            raise ValueError(f"{name!r} is not a ServerArgs field this launcher knows; add it to SERVER_ARG_TYPES "
+                             f"after checking sglang's arg_groups/fields")
+        if value is None or (kind is bool and not value):
+            continue
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            if not (kind is float and isinstance(value, int)):
+                raise TypeError(f"ServerArgs.{name} must be {kind.__name__}, got {value!r}")
+        flag = "--" + name.replace("_", "-")
+        cmd += [flag] if kind is bool else [flag, str(value)]
+    return cmd
+
+
+def allocate_ports(count: int, host: str = "", registry: Path | None = None) -> list[int]:
+    """`count` free TCP ports no other caller on this node got in the last _PORT_LEASE_S seconds."""
+    registry = registry or Path(tempfile.gettempdir()) / "reflow-ports.json"
+    with open(f"{registry}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        now = time.time()
+        leased = {int(p): t for p, t in _read_json(registry).items() if t > now}
+        ports: list[int] = []
+        while len(ports) < count:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in leased and port not in ports:
+                ports.append(port)
+        leased.update({p: now + _PORT_LEASE_S for p in ports})
+        registry.write_text(json.dumps(leased))
+    return ports
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def require_sglang(python: str = sys.executable, env: dict | None = None, timeout: float = 300.0) -> None:
+    """Import SGLang's HTTP server in a child interpreter (the one that will run it): the real import
+    needs CUDA-side packages that a bare `find_spec` would not notice."""
+    probe = subprocess.run([python, "-c", "import sglang.srt.entrypoints.http_server"], capture_output=True,
+                           text=True, timeout=timeout, env=env)
+    if probe.returncode != 0:
+        tail = (probe.stderr or probe.stdout).strip().splitlines()[-3:]
+        raise SGLangUnavailable(f"{INSTALL_HINT}. Importing sglang.srt.entrypoints.http_server failed: "
+                                f"{' | '.join(tail)}")
+
+
+class SGLangEngine:
+    """Launches one SGLang server; the Ray actor around it is what the runtime keeps."""
+
+    def __init__(self, model_path: str, engine_id: str, *, host: str = "0.0.0.0", tp_size: int = 1,
+                 mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
+                 multi_node: bool = False, dtype: str = "auto", seed: int | None = None,
+                 startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None):
+        self.engine_id, self.startup_timeout_s = engine_id, startup_timeout_s
+        self.env = {**os.environ, **(env or {})}
+        require_sglang(python, self.env)
+        port, nccl_port, dist_port = allocate_ports(3)
+        self.host = host
+        dist_addr = f"{_node_ip()}:{dist_port}" if multi_node else None  # TP across nodes only
+        self.args = server_args(model_path, host=host, port=port, nccl_port=nccl_port, tp_size=tp_size,
+                                mem_fraction_static=mem_fraction_static, enable_memory_saver=enable_memory_saver,
+                                base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed)
+        self.cmd = command_line(self.args, python)
+        self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-{engine_id}-{port}.log"
+        with open(self.log_path, "w") as log:  # the child keeps its own handle
+            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+
+    def url(self) -> str:
+        host = _node_ip() if self.host in ("0.0.0.0", "", "::") else self.host
+        return f"http://{host}:{self.args['port']}"
+
+    def ready(self, timeout: float | None = None) -> bool:
+        """Block until /health_generate answers 200 (a real one-token generate)."""
+        timeout = self.startup_timeout_s if timeout is None else timeout
+        deadline, last = time.monotonic() + timeout, "no answer yet"
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"SGLang engine {self.engine_id} exited with code {self.proc.returncode} "
+                                       f"during start-up; last log lines:\n{self.log_tail()}")
+            try:
+                r = httpx.get(f"{self.url()}/health_generate", timeout=30.0)
+                if r.status_code == 200:
+                    return True
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+            except httpx.TransportError as e:  # not listening yet: retry until the deadline
+                last = repr(e)
+            time.sleep(1.0)
+        raise EngineStartError(f"SGLang engine {self.engine_id} at {self.url()} not healthy after {timeout:.0f}s "
+                               f"({last}); command: {' '.join(self.cmd)}; last log lines:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 20) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no log)"
+
+    def shutdown(self, grace_s: float = 30.0) -> None:
+        """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+        if self.proc.poll() is not None:
+            return
+        _signal_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        _signal_group(self.proc.pid, signal.SIGKILL)  # children that outlived their parent
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)  # start_new_session=True made the server its group's leader
+    except ProcessLookupError:
+        pass  # already gone: nothing to stop
+
+
+def _node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # deliberate: outside Ray, fall back to the host's own address
+        return socket.gethostbyname(socket.gethostname())

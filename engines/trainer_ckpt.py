@@ -1,0 +1,109 @@
+"""Checkpoint save / fetch / load for one trainer rank (`TrainerRank` methods delegate here).
+
+A rank writes everything it owns into a local temp folder, then uploads it file by file:
+    model/               HF folder (safetensors + config + tokenizer), rank 0 only
+    optim/               `engine.save_checkpoint(tmp, tag="optim")`: module + optimizer state and,
+                         under ZeRO, this rank's partition files; our LambdaLR state and step
+                         count ride along in DeepSpeed's `client_state`
+    rng/rank_NNNNN.pt    python / numpy / torch RNG states of this process
+Loading is two-phase so a bad checkpoint never touches the live engine: `fetch` downloads and
+checks every file against the manifest's sha256 (not collective, may fail per rank), then `load`
+calls `engine.load_checkpoint` (collective) on every rank.
+
+`store` is duck-typed (`put_file(local, rel) -> {"sha256", "bytes"}`, `get_file(rel, local,
+sha256)`): infra.storage.ExperimentStore, passed in by the caller so engines/ imports no infra/.
+Every rank downloads all of `optim/`: DeepSpeed's ZeRO-1/2 load reads every rank's partition file.
+"""
+from __future__ import annotations
+
+import random
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DS_TAG = "optim"
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+def _upload_tree(store, local_root: Path, prefix: str) -> dict[str, dict]:
+    """Upload every file under local_root to `prefix/<relative path>`; {relative path: sha/bytes}."""
+    files = {}
+    for f in sorted(p for p in local_root.rglob("*") if p.is_file()):
+        rel = f.relative_to(local_root).as_posix()
+        files[rel] = store.put_file(f, f"{prefix}/{rel}")
+    return files
+
+
+def save(tr, store, prefix: str) -> dict[str, dict]:
+    """Collective: every rank saves its part locally, then uploads it. Returns this rank's files."""
+    tmp = Path(tempfile.mkdtemp(prefix=f"reflow-ckpt-save-r{tr.rank}-"))
+    try:
+        (tmp / "rng").mkdir()
+        torch.save(rng_state(), tmp / "rng" / f"rank_{tr.rank:05d}.pt")
+        client = {"reflow_scheduler": tr.scheduler.state_dict(), "reflow_trainer_iteration": tr.iteration,
+                  "reflow_world_size": tr.world_size}
+        tr.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
+        tr.save_hf(str(tmp / "model"))  # collective gather; rank 0 writes
+        return _upload_tree(store, tmp, prefix)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _wanted(rel: str, rank: int) -> bool:
+    if rel.startswith(f"{DS_TAG}/"):
+        return True
+    if rel.startswith("rng/"):
+        return rel == f"rng/rank_{rank:05d}.pt"
+    return rank == 0  # rank 0 also checks the HF folder, so a corrupt model/ is caught too
+
+
+def fetch(tr, store, prefix: str, manifest: dict[str, dict]) -> str:
+    """Download and sha256-check this rank's files into a local folder; raises ChecksumError."""
+    if f"rng/rank_{tr.rank:05d}.pt" not in manifest:
+        raise FileNotFoundError(f"checkpoint {prefix} has no RNG state for rank {tr.rank}: it was saved "
+                                f"with fewer trainer ranks; resume with the same trainer.num_ranks")
+    drop_fetched(tr)
+    local = Path(tempfile.mkdtemp(prefix=f"reflow-ckpt-load-r{tr.rank}-"))
+    tr._fetched_checkpoint = str(local)
+    for rel, meta in sorted(manifest.items()):
+        if _wanted(rel, tr.rank):
+            store.get_file(f"{prefix}/{rel}", local / rel, sha256=meta["sha256"])
+    return str(local)
+
+
+def drop_fetched(tr) -> None:
+    old = getattr(tr, "_fetched_checkpoint", None)
+    if old:
+        shutil.rmtree(old, ignore_errors=True)
+        tr._fetched_checkpoint = None
+
+
+def load(tr) -> dict:
+    """Collective: load the fetched checkpoint into the live engine, scheduler and RNGs."""
+    local = getattr(tr, "_fetched_checkpoint", None)
+    if not local:
+        raise RuntimeError(f"trainer rank {tr.rank}: load_checkpoint called before fetch_checkpoint")
+    try:
+        path, client = tr.engine.load_checkpoint(local, tag=DS_TAG, load_optimizer_states=True,
+                                                 load_lr_scheduler_states=False)
+        if path is None:
+            raise RuntimeError(f"trainer rank {tr.rank}: DeepSpeed found no checkpoint under {local}/{DS_TAG}")
+        tr.scheduler.load_state_dict(client["reflow_scheduler"])
+        tr.iteration = int(client["reflow_trainer_iteration"])
+        set_rng_state(torch.load(Path(local) / "rng" / f"rank_{tr.rank:05d}.pt", weights_only=False))
+        tr.engine.module.eval()  # as after init: dropout off (see TrainerRank._build_engine)
+        return {"rank": tr.rank, "iteration": tr.iteration, "lr": tr.scheduler.get_last_lr()[0]}
+    finally:
+        drop_fetched(tr)

@@ -1,0 +1,216 @@
+"""Atomic checkpoints in object storage: layout, commit, validation, retention, resume candidates.
+
+    <experiment>/checkpoints/iter_000042/    42 = iterations completed (= the policy version it holds)
+        model/  optim/  rng/                 uploaded by the trainer ranks (engines/trainer_ckpt.py)
+        state.json                           step, data cursor, ranks, time
+        config.yaml                          the resolved run config (no credentials: none are in it)
+        MANIFEST.json                        {relative path: {sha256, bytes}} of every file above
+        COMMITTED                            sha256 of MANIFEST.json; written only after all of it
+    <experiment>/checkpoints/latest          name of the newest committed checkpoint, written last
+
+A checkpoint counts only with its marker, and is loaded only if every file matches the manifest
+(the trainer ranks check sha256 while downloading). Resume tries `latest` first, then older
+committed checkpoints, warning about each one it skips. This module talks to storage only;
+tasks/checkpoint.py drives the trainer ranks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+import fsspec
+
+from infra.storage import ExperimentStore
+
+log = logging.getLogger("reflow.checkpoint")
+ROOT = "checkpoints"
+LATEST = f"{ROOT}/latest"
+MARKER, MANIFEST, STATE = "COMMITTED", "MANIFEST.json", "state.json"
+
+
+class CheckpointInvalid(RuntimeError):
+    """A checkpoint is incomplete (no marker), inconsistent with its manifest, or unreadable."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One checkpoint: files under `prefix` of `store` (prefix "" when opened by URL)."""
+
+    store: ExperimentStore
+    prefix: str
+    step: int
+
+    @property
+    def url(self) -> str:
+        return self.store.url(self.prefix)
+
+    def rel(self, name: str) -> str:
+        return f"{self.prefix}/{name}" if self.prefix else name
+
+
+def name_of(step: int) -> str:
+    return f"iter_{step:06d}"
+
+
+def step_of(name: str) -> int | None:
+    head, _, digits = name.partition("_")
+    return int(digits) if head == "iter" and digits.isdigit() else None
+
+
+def at_step(store: ExperimentStore, step: int) -> Checkpoint:
+    return Checkpoint(store, f"{ROOT}/{name_of(step)}", step)
+
+
+def from_url(url: str, like: ExperimentStore) -> Checkpoint:
+    """An explicit checkpoint URL (…/checkpoints/iter_000003), with `like`'s endpoint and retries."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    step = step_of(name)
+    if not parent or step is None:
+        raise CheckpointInvalid(f"resume={url!r} is not a checkpoint URL (expected …/checkpoints/iter_NNNNNN)")
+    store = ExperimentStore.open(parent, name, like.endpoint_url, like.retries, like.backoff_s)
+    return Checkpoint(store, "", step)
+
+
+def fault_point(kind: str, step: int) -> None:
+    """Fault injection for tests: REFLOW_FAULT_<kind>=<step> SIGKILLs this process here."""
+    if os.environ.get(f"REFLOW_FAULT_{kind}") == str(step):
+        log.warning("fault injection: REFLOW_FAULT_%s=%d, killing pid %d", kind, step, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- writing
+
+
+def begin(ck: Checkpoint) -> None:
+    """Clear leftovers of an earlier attempt at this step: the marker goes first, so a half-deleted
+    folder is never mistaken for a committed checkpoint."""
+    ck.store.rm(ck.rel(MARKER))
+    ck.store.rm(ck.prefix, recursive=True)
+
+
+def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str) -> str:
+    """Write state + config, then MANIFEST, then COMMITTED, then move `latest`. Returns the URL."""
+    files = dict(files)
+    for name, data in ((STATE, json.dumps(state, indent=2, sort_keys=True).encode()),
+                       ("config.yaml", config_yaml.encode())):
+        ck.store.write_bytes(ck.rel(name), data)
+        files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    manifest = json.dumps({"step": ck.step, "files": files}, indent=2, sort_keys=True).encode()
+    ck.store.write_bytes(ck.rel(MANIFEST), manifest)
+    ck.store.write_text(ck.rel(MARKER), hashlib.sha256(manifest).hexdigest())
+    if ck.prefix:  # a checkpoint of this experiment: move the pointer
+        ck.store.write_text(LATEST, ck.prefix.rsplit("/", 1)[-1])
+    return ck.url
+
+
+# ---------------------------------------------------------------- reading and validation
+
+
+def check(ck: Checkpoint) -> dict:
+    """Cheap validation (marker, manifest digest, every file present with its size); returns the
+    manifest's files. sha256 of the contents is checked by whoever downloads them."""
+    if not ck.store.exists(ck.rel(MARKER)):
+        raise CheckpointInvalid(f"{ck.url}: no {MARKER} marker (the save did not finish)")
+    manifest = ck.store.read_bytes(ck.rel(MANIFEST))
+    if ck.store.read_text(ck.rel(MARKER)).strip() != hashlib.sha256(manifest).hexdigest():
+        raise CheckpointInvalid(f"{ck.url}: {MANIFEST} does not match the digest in {MARKER}")
+    files = json.loads(manifest)["files"]
+    for rel, meta in files.items():
+        if not ck.store.exists(ck.rel(rel)):
+            raise CheckpointInvalid(f"{ck.url}: {rel} is listed in the manifest but missing")
+        if ck.store.size(ck.rel(rel)) != meta["bytes"]:
+            raise CheckpointInvalid(f"{ck.url}: {rel} has the wrong size")
+    return files
+
+
+def read_state(ck: Checkpoint, files: dict[str, dict]) -> dict:
+    data = ck.store.read_bytes(ck.rel(STATE))
+    if hashlib.sha256(data).hexdigest() != files[STATE]["sha256"]:
+        raise CheckpointInvalid(f"{ck.url}: {STATE} does not match its sha256 in the manifest")
+    return json.loads(data)
+
+
+def latest_step(store: ExperimentStore) -> int | None:
+    if not store.exists(LATEST):
+        return None
+    return step_of(store.read_text(LATEST).strip())
+
+
+def committed(store: ExperimentStore) -> list[Checkpoint]:
+    """Checkpoints of the experiment that have a marker, newest first (contents not checked)."""
+    steps = sorted((s for n in store.listdir(ROOT) if (s := step_of(n)) is not None), reverse=True)
+    cks = [at_step(store, s) for s in steps]
+    return [ck for ck in cks if store.exists(ck.rel(MARKER))]
+
+
+def candidates(store: ExperimentStore) -> list[Checkpoint]:
+    """What `resume: auto` tries, in order: the one `latest` names, then older committed ones."""
+    cks, latest = committed(store), latest_step(store)
+    if latest is not None:
+        if not any(ck.step == latest for ck in cks):
+            log.warning("checkpoints/latest names %s, which is not committed; falling back", name_of(latest))
+        cks = [ck for ck in cks if ck.step <= latest]
+    return cks
+
+
+def valid_candidates(store: ExperimentStore) -> list[tuple[Checkpoint, dict, dict]]:
+    """(checkpoint, manifest files, state) of each candidate that passes `check`, newest first."""
+    out = []
+    for ck in candidates(store):
+        try:
+            files = check(ck)
+            out.append((ck, files, read_state(ck, files)))
+        except (CheckpointInvalid, KeyError, ValueError, FileNotFoundError) as e:
+            log.warning("skipping checkpoint %s: %s", ck.url, e)
+    return out
+
+
+# ---------------------------------------------------------------- retention and sentinel
+
+
+def apply_retention(store: ExperimentStore, keep_last: int) -> list[str]:
+    """Delete committed checkpoints beyond the newest `keep_last` (never the one `latest` names),
+    and unfinished ones older than the newest committed one. Returns the deleted URLs."""
+    cks, latest = committed(store), latest_step(store)
+    keep = {ck.step for ck in cks[:keep_last]} | ({latest} if latest is not None else set())
+    doomed = [ck for ck in cks if ck.step not in keep]
+    newest = cks[0].step if cks else -1
+    done = {ck.step for ck in cks}
+    for n in store.listdir(ROOT):
+        s = step_of(n)
+        if s is not None and s not in done and s < newest:
+            doomed.append(at_step(store, s))
+    for ck in doomed:
+        begin(ck)  # marker first, then the files
+        log.info("retention: deleted %s", ck.url)
+    return [ck.url for ck in doomed]
+
+
+def sentinel_present(path: str | None) -> bool:
+    if not path:
+        return False
+    fs, p = fsspec.core.url_to_fs(path)
+    return fs.exists(p)
+
+
+def remove_sentinel(path: str) -> None:
+    fs, p = fsspec.core.url_to_fs(path)
+    try:
+        fs.rm(p)
+    except FileNotFoundError:  # removed by the user meanwhile: nothing left to do
+        pass
+
+
+def state_for(step: int, prompts_per_iteration: int, data_seed: int, num_ranks: int) -> dict:
+    """state.json: the data cursor is (seed, next iteration) because each iteration's prompts are a
+    pure function of them (tasks.rollout.prompts_for_iteration)."""
+    return {"step": step, "next_iteration": step, "policy_version": step, "num_trainer_ranks": num_ranks,
+            "data_cursor": {"seed": data_seed, "next_iteration": step,
+                            "prompts_consumed": step * prompts_per_iteration,
+                            "prompts_per_iteration": prompts_per_iteration},
+            "saved_at_unix": time.time()}

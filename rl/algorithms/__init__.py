@@ -1,0 +1,42 @@
+"""Advantage estimators, one module each, chosen by `algorithm.type` (see docs/ALGORITHMS.md).
+
+`sequence_advantages` is the single dispatch point the rollout stage calls: every estimator here
+that works from sequence rewards returns one value per sample [N]. Token-level estimators run
+where their inputs live: REINFORCE++ with KL in the reward needs reference logprobs, so the
+trainer finishes it (`reinforce_pp.kl_shaped_returns`); GAE needs a critic (not implemented yet).
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+from torch import Tensor
+
+from rl.algorithms.grpo import grpo_advantages
+from rl.algorithms.reinforce_pp import reinforce_pp_advantages, reinforce_pp_scores
+from rl.algorithms.rloo import rloo_advantages
+
+AlgorithmType = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"]
+KL_IN_REWARD_TYPES = ("reinforce_pp", "reinforce_pp_baseline")
+PPO_CRITIC_MISSING = ("algorithm.type=ppo needs the critic (value model, GAE), which is not implemented "
+                      "yet; GAE exists only as the pure function rl.algorithms.gae.gae_advantages")
+
+
+def sequence_advantages(kind: str, rewards: Tensor, group_index: Tensor, lengths: Tensor, *,
+                        normalize_std: bool = True, kl_in_reward: bool = False) -> Tensor:
+    """rewards [N], group_index [N], lengths [N] (response tokens) -> [N].
+
+    With `kl_in_reward` (REINFORCE++ types only) the result is the per-sequence *score* that the
+    trainer turns into token-level advantages after its reference pass, not an advantage.
+    """
+    if kind in ("grpo", "gspo"):  # GSPO changes the ratio, not the advantage
+        return grpo_advantages(rewards, group_index, normalize_std=normalize_std)
+    if kind == "rloo":
+        return rloo_advantages(rewards, group_index)
+    if kind in KL_IN_REWARD_TYPES:
+        baseline = kind == "reinforce_pp_baseline"
+        if kl_in_reward:
+            return reinforce_pp_scores(rewards, group_index, baseline).float()
+        return reinforce_pp_advantages(rewards, group_index, lengths, baseline)
+    if kind == "ppo":
+        raise NotImplementedError(PPO_CRITIC_MISSING)
+    raise ValueError(f"unknown algorithm.type {kind!r}; expected one of {AlgorithmType.__args__}")

@@ -1,0 +1,50 @@
+"""Prefect tasks of colocated mode: engines and trainers take turns on the same GPUs.
+
+Per iteration, after the rollout:
+  to_trainer  engines release_memory_occupation(tags); trainer ranks reload their DeepSpeed states
+  ... train ...
+  to_engines("weights")  trainer ranks offload their states; engines resume their weights (the push
+                         writes into them)
+  ... push weights ...
+  to_engines("rest")     engines resume kv_cache + cuda_graph: ready to generate
+This is the order slime/miles use with SGLang (weights first, then the KV cache and CUDA graphs).
+On CPU the embedded engine and the trainer implement these as state-checked no-ops.
+"""
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import ray
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from engines.rollout_client import EngineClient
+from infra.config import RunConfig
+from infra.runtime import get_runtime
+
+
+def _each_engine(urls: list[str], call) -> None:
+    for url in urls:  # a handful of engines: sequential keeps the failing one obvious
+        call(EngineClient(url, timeout=120))
+
+
+@task(name="colocate-to-trainer", cache_policy=NO_CACHE)
+def to_trainer(cfg: RunConfig) -> dict[str, float]:
+    rt = get_runtime(cfg)
+    t0 = time.perf_counter()
+    _each_engine(rt.engine_urls, lambda c: c.release_memory_occupation(list(cfg.cluster.release_tags)))
+    moves = ray.get(rt.trainers.reload_states())[0]["moves"]
+    return {"time_engines_release": time.perf_counter() - t0, "trainer_state_moves": float(moves)}
+
+
+@task(name="colocate-to-engines", cache_policy=NO_CACHE)
+def to_engines(cfg: RunConfig, stage: Literal["weights", "rest"]) -> dict[str, float]:
+    rt = get_runtime(cfg)
+    t0 = time.perf_counter()
+    tags = [t for t in cfg.cluster.release_tags if (t == "weights") == (stage == "weights")]
+    if stage == "weights":
+        ray.get(rt.trainers.offload_states())
+    if tags:
+        _each_engine(rt.engine_urls, lambda c: c.resume_memory_occupation(tags))
+    return {f"time_engines_resume_{stage}": time.perf_counter() - t0}

@@ -1,0 +1,119 @@
+"""Helpers shared by the checkpoint/resume tests: a reward with signal for a random tiny policy,
+a loopback S3 server, and running `reflow train` as a subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+REFLOW = str(Path(sys.executable).parent / "reflow")
+
+
+def digit_reward(prompt: str, response: str, label) -> float:
+    """Fraction of digits in the response: a random tiny policy gets graded, non-zero rewards, so
+    GRPO advantages and weight updates are non-trivial (the demo's exact-match reward is 0 here)."""
+    return sum(c.isdigit() for c in response) / max(1, len(response))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LoopbackS3:
+    """moto's S3 server on 127.0.0.1. Its buckets live in this process's memory, so stop() and a
+    later start() on the same port keep the data: the server goes away, the bytes do not."""
+
+    def __init__(self, port: int | None = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+
+    def start(self) -> "LoopbackS3":
+        from moto.server import ThreadedMotoServer
+
+        self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+def write_config(path: Path, policy: Path, storage_root: str, experiment: str, **extra) -> Path:
+    cfg = {
+        "experiment": experiment, "seed": 0, "num_iterations": 6, "eval_before_train": False,
+        "model": {"path": str(policy)},
+        "data": {"num_train": 64, "num_eval": 8, "reward_fn": "tests.ckpt_fixtures:digit_reward"},
+        "rollout": {"prompts_per_iteration": 4, "n_samples_per_prompt": 4, "max_new_tokens": 4},
+        "trainer": {"num_ranks": 1, "micro_batch_size": 16, "lr": 1.0e-2},
+        "checkpoint": {"save_interval": 1, "keep_last": 2},
+        "storage": {"root": storage_root},
+    }
+    for key, value in extra.items():
+        node = cfg
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def run_train(config: Path, env_extra: dict[str, str] | None = None, timeout: float = 300,
+              background: bool = False):
+    """`reflow train -c config` in its own session, output to `<config>.log` (a pipe would stay open
+    while Ray helpers of a SIGKILLed run live on). Returns (returncode, output), or the Popen with
+    `background`; call `reap` on it afterwards."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("REFLOW_FAULT_")}
+    env.update({"PYTHONPATH": str(REPO), **(env_extra or {})})
+    log = config.with_suffix(".log")
+    with open(log, "w") as out:
+        proc = subprocess.Popen([REFLOW, "train", "-c", str(config)], cwd=REPO, env=env, stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log
+    if background:
+        return proc
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        reap(proc)
+    return proc.returncode, log.read_text()
+
+
+def reap(proc: subprocess.Popen) -> None:
+    """SIGKILL what is left of the run's process group (Ray's helpers after a SIGKILLed driver)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is already gone
+        pass
+    proc.wait()
+
+
+def iteration_rewards(read_json, n: int) -> list[float]:
+    return [read_json(f"iterations/{i:06d}/metrics.json")["reward_mean"] for i in range(n)]
+
+
+def final_weights(local_model_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(local_model_dir / "model.safetensors"))
+
+
+def max_abs_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def dump(obj) -> str:
+    return json.dumps(obj, indent=1, default=str)

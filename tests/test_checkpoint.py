@@ -1,0 +1,198 @@
+"""Checkpoints: storage retries and preflight, commit/validation/retention, and a real 2-rank
+ZeRO-2 DeepSpeed round trip (HF folder loadable by transformers, fallback past a corrupt one)."""
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import contextmanager
+
+import pytest
+import ray
+import torch
+
+from infra import checkpoint as ckpt
+from infra.storage import ChecksumError, ExperimentStore, StorageError, with_retries
+
+
+@contextmanager
+def _captured(logger_name: str):
+    """Messages logged to `logger_name` (a handler on the logger itself: Prefect's logging setup,
+    once imported, keeps caplog's root handler from seeing these)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
+
+
+def _store(tmp_path, **kw) -> ExperimentStore:
+    return ExperimentStore.open(f"file://{tmp_path}/runs", "exp", **kw)
+
+
+def _fake_checkpoint(store: ExperimentStore, step: int, tmp_path) -> ckpt.Checkpoint:
+    """A committed checkpoint with one uploaded payload file (no trainer involved)."""
+    ck = ckpt.at_step(store, step)
+    ckpt.begin(ck)
+    local = tmp_path / f"payload{step}.bin"
+    local.write_bytes(bytes([step]) * 100)
+    files = {"optim/payload.bin": store.put_file(local, ck.rel("optim/payload.bin"))}
+    state = ckpt.state_for(step, 4, 0, 1)
+    ckpt.commit(ck, files, state, "experiment: exp\n")
+    return ck
+
+
+# ---------------------------------------------------------------- storage
+
+
+def test_retries_recover_transient_errors_and_not_permanent_ones():
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise ConnectionRefusedError("server away")
+        return "ok"
+
+    with _captured("reflow.storage") as warnings:
+        assert with_retries(flaky, "write s3://b/x", retries=3, backoff_s=0.01) == "ok"
+    assert len(calls) == 3 and any("retry 2/3" in w for w in warnings), warnings
+    with pytest.raises(FileNotFoundError):
+        with_retries(lambda: (_ for _ in ()).throw(FileNotFoundError("gone")), "read", 5, 0.01)
+
+
+def test_preflight_names_the_url_and_no_secrets(tmp_path, monkeypatch):
+    _store(tmp_path).preflight()  # a writable folder passes
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDSECRETKEYID")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "verysecretvalue")
+    from tests.ckpt_fixtures import free_port
+
+    bad = ExperimentStore.open("s3://no-such-bucket/prefix", "exp", endpoint_url=f"http://127.0.0.1:{free_port()}")
+    with pytest.raises(StorageError) as e:
+        bad.preflight()
+    msg = str(e.value)
+    assert "s3://no-such-bucket/prefix/exp" in msg and "preflight" in msg
+    assert "verysecretvalue" not in msg and "AKIDSECRETKEYID" not in msg
+    with pytest.raises(StorageError, match="embeds credentials"):
+        ExperimentStore.open("s3://KEY:SECRET@bucket/x", "exp")
+
+
+def test_download_checks_sha256(tmp_path):
+    store = _store(tmp_path)
+    local = tmp_path / "f.bin"
+    local.write_bytes(b"abc")
+    meta = store.put_file(local, "x/f.bin")
+    store.get_file("x/f.bin", tmp_path / "back.bin", sha256=meta["sha256"])
+    with pytest.raises(ChecksumError, match="x/f.bin"):
+        store.get_file("x/f.bin", tmp_path / "back2.bin", sha256="0" * 64)
+
+
+# ---------------------------------------------------------------- commit, validation, retention
+
+
+def test_uncommitted_and_tampered_checkpoints_are_skipped_with_a_warning(tmp_path):
+    store = _store(tmp_path)
+    for step in (1, 2, 3):
+        _fake_checkpoint(store, step, tmp_path)
+    assert [ck.step for ck, _, _ in ckpt.valid_candidates(store)] == [3, 2, 1]
+    store.rm(ckpt.at_step(store, 3).rel(ckpt.MARKER))  # "killed before the marker"
+    store.write_text(ckpt.at_step(store, 2).rel(ckpt.MANIFEST), "{}")  # manifest no longer matches
+    with _captured("reflow.checkpoint") as warnings:
+        found = ckpt.valid_candidates(store)
+    assert [ck.step for ck, _, _ in found] == [1]
+    assert any("iter_000003, which is not committed" in w for w in warnings), warnings
+    assert any("skipping checkpoint" in w and "iter_000002" in w for w in warnings), warnings
+
+
+def test_retention_keeps_last_n_and_what_latest_names(tmp_path):
+    store = _store(tmp_path)
+    for step in range(1, 6):
+        _fake_checkpoint(store, step, tmp_path)
+    ckpt.apply_retention(store, keep_last=2)
+    assert store.listdir(ckpt.ROOT) == ["iter_000004", "iter_000005", "latest"]
+    store.write_text(ckpt.LATEST, "iter_000004")  # e.g. a resume from an explicit older checkpoint
+    ckpt.apply_retention(store, keep_last=1)
+    assert store.listdir(ckpt.ROOT) == ["iter_000004", "iter_000005", "latest"]
+    ckpt.begin(ckpt.at_step(store, 6))
+    store.write_text(ckpt.at_step(store, 3).rel("optim/partial.bin"), "half a save")
+    ckpt.apply_retention(store, keep_last=1)  # an unfinished save older than the newest is removed
+    assert "iter_000003" not in store.listdir(ckpt.ROOT)
+
+
+# ---------------------------------------------------------------- real trainer ranks
+
+
+@pytest.mark.slow
+def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp_path):
+    """Save (ZeRO-2, 2 ranks) -> the HF folder equals the trainer's weights; a corrupt newer
+    checkpoint is skipped; a fresh group loads the older one and its next update reproduces the
+    original group's bit for bit (optimizer state and LR schedule restored, not just the weights)."""
+    from transformers import AutoModelForCausalLM
+
+    from engines.trainer_group import TrainerGroup
+    from tasks.checkpoint import load_first_valid, save
+    from tests.test_trainer import RANK_KW, _batch, _train_kw
+
+    store = _store(tmp_path)
+    kw = RANK_KW | dict(model_path=str(tiny_policy), zero_stage=2, lr=1e-2, lr_schedule="linear", total_steps=8)
+    a = TrainerGroup.create(2, "test-ckpt", "a", init_timeout_s=300, **kw)
+    batch = ray.put(_batch(tiny_policy))
+    pad = 0
+    ray.get(a.train_iteration(batch, **_train_kw(pad)))
+    state = ckpt.state_for(1, 4, 0, 2)
+    save(a, store, 1, state, "x: 1\n", keep_last=3)
+    files = json.loads(store.read_bytes(ckpt.at_step(store, 1).rel(ckpt.MANIFEST)))["files"]
+    assert {"optim/zero_pp_rank_0_mp_rank_00_optim_states.pt", "optim/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "rng/rank_00000.pt", "rng/rank_00001.pt", "model/model.safetensors"} <= set(files)
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/exp/checkpoints/iter_000001/model")
+    trained = dict(ray.get(a.named_weights()[0]))
+    for name, p in hf.state_dict().items():
+        if name in trained:
+            torch.testing.assert_close(p, trained[name], rtol=0, atol=1e-6)
+
+    m_a = ray.get(a.train_iteration(batch, **_train_kw(pad)))[0]
+    after_two = ray.get(a.weights_checksum())[0]
+    save(a, store, 2, ckpt.state_for(2, 4, 0, 2), "x: 2\n", keep_last=3)
+    a.kill()
+    bad = tmp_path / "runs/exp/checkpoints/iter_000002/optim/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    bad.write_bytes(bad.read_bytes()[:-8] + b"\0" * 8)  # same size, different bytes
+
+    b = TrainerGroup.create(2, "test-ckpt", "b", init_timeout_s=300, **kw)
+    found = [(ck, files) for ck, files, _ in ckpt.valid_candidates(store)]
+    with _captured("reflow.checkpoint") as warnings:
+        assert load_first_valid(b, found, num_ranks=2).step == 1
+    assert any("skipping checkpoint" in w and "sha256" in w for w in warnings), warnings
+
+    # b is now where a was after one update: the same second update must give a's weights exactly.
+    m_b = ray.get(b.train_iteration(batch, **_train_kw(pad)))[0]
+    assert m_b["lr"] == m_a["lr"] < 1e-2  # the linear schedule continued, not restarted
+    assert ray.get(b.weights_checksum())[0] == after_two
+    b.kill()
+
+
+def test_resume_modes_and_sentinel(tmp_path):
+    from flows.train import _save_due
+    from infra.config import load_config
+    from tasks.checkpoint import ResumeError, find_checkpoints
+
+    store = _store(tmp_path)
+    _fake_checkpoint(store, 2, tmp_path)
+    _fake_checkpoint(store, 4, tmp_path)
+    cfg = lambda *o: load_config(None, ["experiment=exp", f"storage.root=file://{tmp_path}/runs", *o])  # noqa: E731
+    assert [ck.step for ck, _ in find_checkpoints.fn(cfg())] == [4, 2]
+    explicit = find_checkpoints.fn(cfg(f"resume={store.url('checkpoints/iter_000002')}"))
+    assert [ck.step for ck, _ in explicit] == [2]
+    with pytest.raises(ResumeError, match="already holds committed checkpoints"):
+        find_checkpoints.fn(cfg("resume=never"))
+
+    sentinel = tmp_path / "SAVE_NOW"
+    c = cfg(f"checkpoint.sentinel={sentinel}", "checkpoint.save_interval=5")
+    assert not _save_due(c, 2, 10) and _save_due(c, 5, 10) and _save_due(c, 10, 10)
+    sentinel.touch()
+    assert _save_due(c, 2, 10)
+    ckpt.remove_sentinel(str(sentinel))
+    assert not sentinel.exists() and not _save_due(c, 3, 10)

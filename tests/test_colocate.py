@@ -1,0 +1,57 @@
+"""End to end on real Ray + DeepSpeed + Prefect: colocated mode, router, and the other push modes.
+
+Colocated mode must run the whole hand-over every iteration, in SGLang's order: engines release
+their memory tags, the trainer reloads, trains and offloads, engines resume weights, the push
+writes them, engines resume kv_cache + cuda_graph.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engines.rollout_client import EngineClient
+from infra.runtime import get_runtime, shutdown_runtime
+from tests.test_e2e import e2e_config
+
+pytestmark = pytest.mark.slow
+
+
+def _run(cfg):
+    from flows.train import train
+
+    try:
+        summary = train(cfg, release_cluster=False)
+        infos = [EngineClient(u).server_info() for u in get_runtime(cfg).engine_urls]
+        return summary, infos
+    finally:
+        shutdown_runtime(cfg.experiment)
+
+
+def test_colocated_distributed_push_through_router(ray_cluster, prefect_server, tiny_policy, tmp_path):
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-colocate", "num_iterations=2", "eval_interval=null",
+                     "eval_before_train=false", "trainer.num_ranks=1", "rollout.num_engines=2",
+                     "cluster.colocate=true", "rollout.router=true", "weight_sync.mode=distributed",
+                     "weight_sync.verify=full")
+    summary, infos = _run(cfg)
+    assert summary["iterations"] == 2
+    for i, m in enumerate(summary["history"]):
+        assert m["push_verified_tensors"] > 0 and math.isfinite(m["loss"])
+        assert m["trainer_state_moves"] == 2 * i + 2  # initial offload + (reload, offload) per iteration
+        assert {"time_engines_release", "time_engines_resume_weights", "time_engines_resume_rest"} <= set(m)
+    one_iteration = [["release", ["cuda_graph", "kv_cache", "weights"]], ["resume", ["weights"]],
+                     ["resume", ["cuda_graph", "kv_cache"]]]
+    for info in infos:
+        assert info["memory_events"] == one_iteration * 2
+        assert info["memory_released"] == [] and info["weight_version"] == "2"
+
+
+def test_disk_push_with_partial_release_tags(ray_cluster, prefect_server, tiny_policy, tmp_path):
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-disk", "num_iterations=1", "eval_interval=null",
+                     "eval_before_train=false", "trainer.num_ranks=1", "rollout.num_engines=1",
+                     "cluster.colocate=true", "cluster.release_tags=[kv_cache]", "weight_sync.mode=disk",
+                     f"weight_sync.disk_dir={tmp_path}/push", "weight_sync.verify=full")
+    summary, infos = _run(cfg)
+    assert summary["history"][0]["push_verified_tensors"] > 0
+    assert infos[0]["memory_events"] == [["release", ["kv_cache"]], ["resume", ["kv_cache"]]]
+    assert [p.name for p in (tmp_path / "push").iterdir()] == ["v1"]  # older pushes removed

@@ -1,0 +1,135 @@
+"""Exact resume after SIGKILL, on file:// and on a real S3 server (moto) on loopback.
+
+Every run is `reflow train` in a subprocess (fresh Ray, the session's Prefect server), 6 tiny
+iterations, a checkpoint after each. Kill points are the fault-injection env vars checked in
+tasks/checkpoint.py. One uninterrupted run (module fixture) is the reference for all tests.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from infra import checkpoint as ckpt
+from infra.storage import ExperimentStore
+from tests.ckpt_fixtures import (LoopbackS3, final_weights, iteration_rewards, max_abs_diff, reap, run_train,
+                                 write_config)
+
+pytestmark = pytest.mark.slow
+N = 6
+ROLLOUT_COLUMNS = {"prompt", "response", "prompt_tokens", "response_tokens", "reward", "advantage",
+                   "finish_reason", "policy_version"}
+
+
+@pytest.fixture(scope="module")
+def env(prefect_server) -> dict[str, str]:
+    """Subprocesses talk to the session's Prefect server instead of starting their own (~12 s each)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {"PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": os.environ["PREFECT_HOME"]}
+
+
+@pytest.fixture(scope="module")
+def baseline(env, tiny_policy, tmp_path_factory):
+    """An uninterrupted 6-iteration run: (per-iteration rewards, final policy weights)."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    rc, out = run_train(write_config(tmp / "base.yaml", tiny_policy, f"file://{tmp}/runs", "base"), env)
+    assert rc == 0, out[-3000:]
+    store = ExperimentStore.open(f"file://{tmp}/runs", "base")
+    rewards = iteration_rewards(store.read_json, N)
+    assert len(set(rewards)) > 1, "rewards never change: the test would not notice a wrong resume"
+    return rewards, final_weights(tmp / "runs/base/checkpoints" / ckpt.name_of(N) / "model")
+
+
+@pytest.fixture(scope="module")
+def s3(env):
+    server = LoopbackS3().start()
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in creds}
+    os.environ.update(creds)
+    import s3fs
+
+    s3fs.S3FileSystem(endpoint_url=server.url, skip_instance_cache=True).mkdir("reflow-test")
+    yield server
+    server.stop()
+    for k, v in old.items():
+        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+def _s3_store(server, experiment) -> ExperimentStore:
+    return ExperimentStore.open("s3://reflow-test/runs", experiment, endpoint_url=server.url, retries=2)
+
+
+def _assert_matches_baseline(store: ExperimentStore, baseline, tmp: Path) -> None:
+    rewards, weights = baseline
+    assert iteration_rewards(store.read_json, N) == rewards
+    for f in ("model.safetensors", "config.json"):
+        store.get_file(f"{ckpt.ROOT}/{ckpt.name_of(N)}/model/{f}", tmp / "final" / f)
+    diff = max_abs_diff(final_weights(tmp / "final"), weights)
+    assert diff <= 1e-6, f"resumed weights differ from the uninterrupted run by {diff}"
+    for i in range(N):
+        df = pd.read_parquet(store.fs.open(store._path(f"iterations/{i:06d}/rollouts.parquet")))
+        assert ROLLOUT_COLUMNS <= set(df.columns) and len(df) == 16
+        assert set(df.policy_version) == {i}
+
+
+def test_kill_after_commit_and_mid_save_resume_exactly(env, baseline, tiny_policy, tmp_path):
+    root = f"file://{tmp_path}/runs"
+    cfg = write_config(tmp_path / "run.yaml", tiny_policy, root, "killed")
+    store = ExperimentStore.open(root, "killed")
+
+    rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"})
+    assert rc == -9, out[-3000:]
+    assert store.read_text(ckpt.LATEST) == ckpt.name_of(3)
+
+    rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_DURING_SAVE": "5"})
+    assert rc == -9 and "resumed from" in out and ckpt.name_of(3) in out, out[-3000:]
+    assert store.read_text(ckpt.LATEST) == ckpt.name_of(4)
+    assert not store.exists(f"{ckpt.ROOT}/{ckpt.name_of(5)}/{ckpt.MARKER}")  # files written, never committed
+
+    rc, out = run_train(cfg, env)
+    assert rc == 0 and f"{ckpt.name_of(4)}: 4 iterations done" in out, out[-3000:]
+    _assert_matches_baseline(store, baseline, tmp_path)
+
+    rc, out = run_train(cfg, env)  # the run already reached num_iterations: says so, trains nothing
+    assert rc == 0 and "already completed 6 of num_iterations=6" in out, out[-3000:]
+    assert "Started a local Ray instance" not in out
+
+
+def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, seconds: float = 4.0) -> None:
+    """Once `rel` exists, stop the S3 server for `seconds`, then start it again on the same port."""
+    deadline = time.monotonic() + 240
+    while not store.exists(rel):
+        assert proc.poll() is None, proc.log_path.read_text()[-3000:]
+        assert time.monotonic() < deadline, f"the run did not write {rel}"
+        time.sleep(0.2)
+    server.stop()  # mid-run: the next requests hit a closed port
+    time.sleep(seconds)
+    server.start()  # moto's buckets live in this process, so the data is still there
+
+
+def test_s3_outage_then_kill_then_resume_exactly(env, baseline, s3, tiny_policy, tmp_path):
+    """On moto's S3 server: the server goes away for 4 s once iteration 1 is recorded (the run waits and
+    retries), the run is SIGKILLed after checkpoint 3, the resumed run completes; every iteration's
+    records are present and the result equals the uninterrupted file:// run."""
+    cfg = write_config(tmp_path / "run.yaml", tiny_policy, "s3://reflow-test/runs", "s3-run",
+                       **{"storage.endpoint_url": s3.url})
+    store = _s3_store(s3, "s3-run")
+    proc = run_train(cfg, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"}, background=True)
+    try:
+        _outage_when(store, "iterations/000001/metrics.json", s3, proc)
+        proc.wait(timeout=240)
+    finally:
+        reap(proc)
+    out = proc.log_path.read_text()
+    assert proc.returncode == -9, out[-3000:]
+    assert "retry" in out, "the outage was not noticed: no storage retry logged"
+    assert store.read_text(ckpt.LATEST) == ckpt.name_of(3)
+
+    rc, out = run_train(cfg, env)
+    assert rc == 0 and f"{ckpt.name_of(3)}: 3 iterations done" in out, out[-3000:]
+    _assert_matches_baseline(store, baseline, tmp_path)
+    assert "testing" not in store.read_text("config.yaml")  # no credentials saved

@@ -1,0 +1,91 @@
+"""Two embedded engines (Ray actors, real processes) behind reflow's router.
+
+Killing one engine's process mid-rollout must still complete the whole batch: the router sees the
+dropped connections, deregisters the engine and re-sends those requests to the survivor.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from engines.embedded_engine import EmbeddedEngine
+from engines.rollout_client import EngineClient, EngineError, generate_batch
+from engines.router import Router
+
+
+@pytest.fixture(scope="module")
+def two_engines(ray_cluster, tiny_policy):
+    import ray
+
+    actors = [ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), f"routed-{i}", threads=1)
+              for i in range(2)]
+    urls = ray.get([a.url.remote() for a in actors])
+    ray.get([a.ready.remote() for a in actors])
+    yield actors, urls
+    for a in actors:
+        ray.kill(a)
+
+
+@pytest.fixture()
+def router(two_engines):
+    r = Router(two_engines[1], timeout=120)
+    r.ready()
+    yield r
+    r.shutdown()
+
+
+def _running(url: str) -> int:
+    try:
+        return httpx.get(f"{url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"]
+    except httpx.TransportError:
+        return 0
+
+
+def test_least_loaded_spreads_requests_and_workers_register(router, two_engines):
+    _, urls = two_engines
+    clients = [EngineClient(router.url(), timeout=120)] * 4  # four concurrent shards through one router
+    out = generate_batch(clients, [[5, 6, 7]] * 16, {"max_new_tokens": 24, "ignore_eos": True}, n=2)
+    assert len(out) == 32 and all(o["meta_info"]["completion_tokens"] == 24 for o in out)
+    router.remove_worker(urls[0])
+    assert router.workers()["urls"] == [urls[1]]
+    router.add_worker(urls[0])
+    assert sorted(router.workers()["urls"]) == sorted(urls)
+    with pytest.raises(httpx.HTTPStatusError):
+        router.remove_worker("http://127.0.0.1:1")
+
+
+def test_router_with_no_live_engine_is_a_clear_503():
+    r = Router([])
+    r.ready()
+    try:
+        with pytest.raises(EngineError, match="no live engine behind the router") as e:
+            EngineClient(r.url()).generate(input_ids=[5, 6])
+        assert e.value.status == 503
+    finally:
+        r.shutdown()
+
+
+def test_killing_an_engine_mid_rollout_still_completes_the_batch(router, two_engines):  # last: kills one
+    import ray
+
+    actors, urls = two_engines
+    clients = [EngineClient(router.url(), timeout=120)] * 4
+    sp = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 1.0}
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(out=generate_batch(clients, [[5, 6, 7, 8]] * 32, sp, n=2)))
+    worker.start()
+    deadline = time.monotonic() + 30
+    while _running(urls[0]) == 0:  # the victim is decoding part of the batch
+        assert time.monotonic() < deadline, "engine 0 never received work"
+        time.sleep(0.02)
+    ray.kill(actors[0])  # the process dies: its connections drop mid-request
+    worker.join(120)
+    assert not worker.is_alive()
+    out = result["out"]
+    assert len(out) == 64
+    assert {o["meta_info"]["finish_reason"]["type"] for o in out} == {"length"}  # redone, not aborted
+    assert all(len(o["output_ids"]) == 48 for o in out)
+    assert router.workers()["dead"] == [urls[0]]

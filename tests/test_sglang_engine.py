@@ -1,0 +1,193 @@
+"""The SGLang launcher: its ServerArgs/command line against the installed sglang 0.5.23 wheel, port
+allocation, the missing-install error, and the process lifecycle against a stand-in server.
+
+SGLang's full ServerArgs does not import without triton, so the command line is checked twice:
+every flag against the wheel's ServerArgs field table (read from its source with `ast`, a drift
+test), and parsed by SGLang's own argparse builder for the field groups that do import on CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from engines import sglang_contract
+from engines.sglang_engine import (INSTALL_HINT, SERVER_ARG_TYPES, EngineStartError, SGLangEngine, SGLangUnavailable,
+                                   allocate_ports, command_line, require_sglang, server_args)
+
+CONTRACT = sglang_contract.load()
+needs_wheel = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not installed")
+
+
+def _args(**kw):
+    base = dict(host="0.0.0.0", port=31000, nccl_port=31001, tp_size=2, mem_fraction_static=0.7,
+                enable_memory_saver=True, base_gpu_id=1, dist_init_addr="10.0.0.2:31002", random_seed=3)
+    return server_args("/models/policy", **{**base, **kw})
+
+
+def _wheel_fields() -> dict[str, str]:
+    """ServerArgs field name -> annotated value type, from the wheel's arg_groups/fields sources."""
+    root = Path(sglang_contract.installed_root()) / "srt" / "arg_groups" / "fields"
+    out = {}
+    for path in root.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                ann = node.annotation
+                if isinstance(ann, ast.Subscript) and getattr(ann.value, "id", "") == "A":
+                    first = ann.slice.elts[0] if isinstance(ann.slice, ast.Tuple) else ann.slice
+                    out[node.target.id] = ast.unparse(first)
+    return out
+
+
+@needs_wheel
+def test_field_table_matches_the_wheel():
+    fields = _wheel_fields()
+    assert len(fields) > 200  # the whole ServerArgs surface was read
+    for name, kind in SERVER_ARG_TYPES.items():
+        assert name in fields, f"ServerArgs has no field {name!r} in sglang {CONTRACT.version}"
+        assert fields[name].removeprefix("Optional[").removesuffix("]") == kind.__name__, (name, fields[name])
+
+
+def _sglang_parser() -> tuple[argparse.ArgumentParser, set[str]]:
+    """SGLang's own CLI builder over every field group that imports on this machine."""
+    import msgspec
+
+    from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
+
+    parser, covered = argparse.ArgumentParser(exit_on_error=False), set()
+    try:  # the real thing where the runtime is installed
+        from sglang.srt.server_args import ServerArgs
+
+        ServerArgs.add_cli_args(parser)
+        return parser, set(SERVER_ARG_TYPES)
+    except ImportError:
+        pass
+    for group in ("model", "parallel", "schedule", "serving", "exec_", "device", "memory", "observability"):
+        try:
+            mod = importlib.import_module(f"sglang.srt.arg_groups.fields.{group}")
+        except ImportError:  # needs triton or pybase64: covered by the field-table drift test only
+            continue
+        for cls in vars(mod).values():
+            if isinstance(cls, type) and issubclass(cls, msgspec.Struct) and getattr(cls, "_NS_PATH", None):
+                add_cli_args_from_dataclass(parser, cls)
+                covered |= set(cls.__struct_fields__)
+    return parser, covered
+
+
+@needs_wheel
+def test_command_line_parses_with_sglangs_own_argument_builder():
+    args = _args()
+    cmd = command_line(args, python="python3")
+    assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
+    parser, covered = _sglang_parser()
+    ours = covered & set(args)
+    assert {"tp_size", "nccl_port", "dist_init_addr", "base_gpu_id"} <= ours  # Parallel + Device import on CPU
+    parsed, _ = parser.parse_known_args(cmd[3:])
+    for name in ours:
+        assert getattr(parsed, name) == args[name], name
+
+
+def test_command_line_flags():
+    cmd = command_line(_args(enable_memory_saver=False, dist_init_addr=None), python="py")
+    assert "--enable-memory-saver" not in cmd and "--dist-init-addr" not in cmd
+    assert "--skip-server-warmup" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
+    assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
+    with pytest.raises(ValueError, match="not a ServerArgs field"):
+        command_line({"made_up": 1})
+    with pytest.raises(TypeError, match="tp_size must be int"):
+        command_line({"tp_size": "2"})
+
+
+def test_ports_are_unique_across_concurrent_engines(tmp_path):
+    got: list[int] = []
+    threads = [threading.Thread(target=lambda: got.extend(allocate_ports(3, registry=tmp_path / "p.json")))
+               for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(got) == 24 and len(set(got)) == 24
+
+
+def test_missing_runtime_says_how_to_install():
+    try:
+        require_sglang()
+    except SGLangUnavailable as e:
+        assert INSTALL_HINT in str(e) and "pip install 'reflow[sglang]'" in str(e)
+    else:
+        pytest.skip("the full sglang runtime imports here")
+
+
+_STUB = '''
+import argparse, http.server, subprocess, sys, time
+p = argparse.ArgumentParser()
+p.add_argument("--port", type=int); p.add_argument("--host")
+a, _ = p.parse_known_args()
+if "--exit-early" in sys.argv or {exit_early}:
+    print("CUDA error: no device"); sys.exit(3)
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+open({pidfile!r}, "w").write(str(child.pid))
+calls = []
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        calls.append(1)
+        self.send_response(200 if len(calls) > 2 else 503); self.end_headers()
+    def log_message(self, *a): pass
+http.server.HTTPServer((a.host, a.port), H).serve_forever()
+'''
+
+
+def _stub_sglang(tmp_path: Path, exit_early: bool) -> dict:
+    """A stand-in `sglang` package: the launcher's only call-out is `python -m sglang.launch_server`."""
+    pkg = tmp_path / "stub" / "sglang"
+    (pkg / "srt" / "entrypoints").mkdir(parents=True)
+    for f in ("__init__.py", "srt/__init__.py", "srt/entrypoints/__init__.py", "srt/entrypoints/http_server.py"):
+        (pkg / f).write_text("")
+    (pkg / "launch_server.py").write_text(textwrap.dedent(_STUB.format(exit_early=exit_early,
+                                                                         pidfile=str(tmp_path / "child.pid"))))
+    return {"PYTHONPATH": str(tmp_path / "stub")}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_lifecycle_waits_for_health_and_stops_the_process_group(tmp_path):
+    e = SGLangEngine("/models/x", "stub-0", host="127.0.0.1", env=_stub_sglang(tmp_path, False),
+                     startup_timeout_s=60)
+    assert e.ready() and e.url().startswith("http://127.0.0.1:")
+    child = int((tmp_path / "child.pid").read_text())
+    assert _alive(child)
+    e.shutdown()
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert e.proc.poll() is not None and not _alive(child)
+
+
+def test_early_exit_is_reported_with_the_log(tmp_path):
+    e = SGLangEngine("/models/x", "stub-1", host="127.0.0.1", env=_stub_sglang(tmp_path, True), startup_timeout_s=60)
+    with pytest.raises(EngineStartError, match=r"exited with code 3(.|\n)*CUDA error: no device"):
+        e.ready()
+    e.shutdown()
+
+
+def test_health_timeout_is_a_clear_error(tmp_path):
+    e = SGLangEngine("/models/x", "stub-2", host="127.0.0.1", env=_stub_sglang(tmp_path, False), startup_timeout_s=60)
+    try:
+        with pytest.raises(EngineStartError, match=r"not healthy after 1s .*HTTP 503|not healthy after 1s"):
+            e.ready(timeout=1.0)
+    finally:
+        e.shutdown()
+    assert sys.executable in e.cmd[0]

@@ -1,0 +1,181 @@
+"""Weight pushes in every mode (tensor buckets, gloo distributed, disk) against embedded engines.
+
+Two engines, so rank offsets and fan-out are exercised. Each push must round-trip bit-exactly
+(verify="full"), and generation afterwards must equal a reference loop on the pushed model.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engines import sglang_contract
+from engines.embedded_engine import EmbeddedEngine
+from engines.rollout_client import EngineClient, EngineError
+from engines.tensor_bucket import serialize_bucket
+from engines.weight_group import bucket_order, pack
+from engines.weight_push import WeightSyncError, push_weights, verify_weights
+from rl.demo_policy import build_model, save_policy
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_policy):
+    es = [EmbeddedEngine(str(tiny_policy), f"weights-{i}", threads=1) for i in range(2)]
+    for e in es:
+        e.ready()
+    yield es
+    for e in es:
+        e.shutdown()
+
+
+@pytest.fixture()
+def clients(engines):
+    return [EngineClient(e.url(), timeout=60) for e in engines]
+
+
+def _greedy(model, prompt, max_new, eos):
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            if t in eos:
+                break
+            ids.append(t)
+    return out
+
+
+def _new_named(tok, seed):
+    model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=seed)
+    return model, list(model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_policy):
+    from engines.hf_io import load_tokenizer
+
+    return load_tokenizer(str(tiny_policy))
+
+
+@pytest.fixture()
+def rebuilt(monkeypatch):
+    """Counts buckets rebuilt by SGLang's own FlattenedTensorBucket.reconstruct_tensors."""
+    contract = sglang_contract.load()
+    if contract is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    calls = []
+    real = contract.FlattenedTensorBucket.reconstruct_tensors
+    monkeypatch.setattr(contract.FlattenedTensorBucket, "reconstruct_tensors",
+                        lambda self: calls.append(len(self.metadata)) or real(self))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_each_mode_round_trips_exactly(clients, tok, tmp_path, mode, rebuilt):
+    seed = {"tensor": 11, "distributed": 12, "disk": 13}[mode]
+    model, named = _new_named(tok, seed)
+    path = str(save_policy(model, tok, tmp_path / "pushed")) if mode == "disk" else None
+    stats = push_weights(clients, named, f"{mode}-v1", bucket_bytes=16 << 10, verify="full", mode=mode,
+                         model_path=path)
+    assert stats["verified_tensors"] == 2 * len(named)
+    if mode != "disk":
+        assert stats["buckets"] > 1 and sum(rebuilt) == 2 * len(named)  # every tensor via SGLang's class
+    p = tok.encode("(3+4)*5=")
+    for c in clients:
+        out = c.generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 10})
+        assert out["output_ids"] == _greedy(model, p, 10, {tok.eos_token_id})
+        assert out["meta_info"]["weight_version"] == f"{mode}-v1"
+        c.begin_weight_update()  # no session left open, generation running again
+        c.end_weight_update()
+
+
+def test_distributed_buffer_has_sglangs_receive_layout(tok):
+    contract = sglang_contract.load()
+    if contract is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    named = [("a", torch.randn(3)), ("b", torch.randn(5, dtype=torch.bfloat16)), ("c", torch.arange(4))]
+    flat, names, dtypes, shapes = pack(bucket_order(named))
+    assert dtypes == ["int64", "float32", "bfloat16"]  # widest first: offsets stay aligned
+    bucket = contract.FlattenedTensorBucket.empty(names, dtypes, shapes, "cpu")
+    bucket.get_flattened_tensor().copy_(flat)
+    got = dict(bucket.reconstruct_tensors())
+    assert all(torch.equal(got[n], t) for n, t in named)
+
+
+def test_updates_outside_a_session_are_refused_as_sglang_refuses(clients):
+    c = clients[0]
+    with pytest.raises(EngineError, match=r"update_weights_from_distributed must run between "
+                                          r"begin_weight_update\(\) and end_weight_update\(\)") as e:
+        c.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "g", "flattened_bucket")
+    assert e.value.status == 400
+    with pytest.raises(EngineError, match=r"update_weights_from_tensor must run between"):
+        c.update_weights_from_tensor([serialize_bucket([("model.norm.weight", torch.ones(32))])], "flattened_bucket")
+    with pytest.raises(EngineError, match=r"no weight-update session is open; call begin_weight_update\(\) first"):
+        c.end_weight_update()
+    c.begin_weight_update()
+    try:
+        with pytest.raises(EngineError, match=r"Group nope not in \[\]"):
+            c.update_weights_from_distributed(["model.norm.weight"], ["float32"], [[32]], "nope")
+        with pytest.raises(EngineError, match="a weight-update session is already open"):
+            c.begin_weight_update()
+    finally:
+        c.end_weight_update()
+    with pytest.raises(EngineError, match="use backend 'gloo'"):
+        c.init_weights_update_group("127.0.0.1", 1, 1, 2, "g", backend="nccl")
+    with pytest.raises(EngineError, match="The group to be destroyed does not exist"):
+        c.destroy_weights_update_group("g")
+
+
+def test_refused_distributed_join_fails_fast_and_unwinds(clients, tok):
+    _, named = _new_named(tok, 21)
+    with pytest.raises(WeightSyncError, match="use backend 'gloo'"):
+        push_weights(clients[:1], named, "never", mode="distributed", backend="nccl", verify="off")
+    clients[0].begin_weight_update()  # session closed and generation resumed despite the failure
+    clients[0].end_weight_update()
+
+
+def test_verify_atol_for_quantised_engines(clients, tok):
+    _, named = _new_named(tok, 31)
+    push_weights(clients, named, "atol-v1", bucket_bytes=1 << 20, verify="off")
+    off = [(n, t + 1e-3) for n, t in named]  # what a quantised engine's rounding looks like
+    with pytest.raises(WeightSyncError, match=r"max abs diff 0\.001 \(tolerance 0\)"):
+        verify_weights(clients, off, "atol-v1", "sample", 2)
+    assert verify_weights(clients, off, "atol-v1", "full", atol=2e-3) == 2 * len(named)
+
+
+def test_trainer_group_meets_sglangs_own_group_construction():
+    """Rank 0 built by engines.weight_group joins a group built the way SGLang's
+    init_custom_process_group builds it (torch's tcp rendezvous + PrefixStore(group_name) + the
+    process-group helper); that function itself needs triton to import, so its steps run here."""
+    import datetime
+    import socket
+    import threading
+    from pathlib import Path
+
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
+
+    from engines.weight_group import broadcast, open_group
+
+    root = sglang_contract.installed_root()
+    if root is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    src = (Path(root) / "srt" / "utils" / "common.py").read_text()
+    assert "store = PrefixStore(group_name, store)" in src and "_new_process_group_helper(" in src  # drift guard
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    got, timeout = {}, datetime.timedelta(seconds=30)
+
+    def sglang_engine_rank():
+        store, _, _ = next(rendezvous(f"tcp://127.0.0.1:{port}", 1, 2, timeout=timeout))
+        pg, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore("wug", store), group_name="wug",
+                                          backend_options=None, timeout=timeout)
+        _world.pg_group_ranks[pg] = {0: 0, 1: 1}
+        t = torch.zeros(4)
+        torch.distributed.broadcast(t, src=0, group=pg)
+        got["t"] = t
+
+    th = threading.Thread(target=sglang_engine_rank)
+    th.start()
+    broadcast(open_group("127.0.0.1", port, 0, 2, "wug", "gloo", timeout_s=30), torch.arange(4.0))
+    th.join(30)
+    assert torch.equal(got["t"], torch.arange(4.0))
