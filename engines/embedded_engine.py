@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 
-import httpx
 import torch
 
 from engines.engine_server import build_app
 from engines.generator import Generator
 from engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
+from engines.rollout_client import poll_health
 
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this engine serves
 
@@ -58,20 +57,15 @@ class EmbeddedEngine:
             host = _node_ip()
         return f"http://{host}:{self.port}"
 
+    def _check_thread(self) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError(f"engine {self.engine_id}: the HTTP server thread died (see the actor log)")
+
     def ready(self, timeout: float = 120.0) -> bool:
         """Block until /health_generate answers 200 (a real one-token generate); raise on timeout."""
-        deadline, last = time.monotonic() + timeout, "no answer yet"
-        while time.monotonic() < deadline:
-            if not self._thread.is_alive():
-                raise RuntimeError(f"engine {self.engine_id}: the HTTP server thread died (see the actor log)")
-            try:
-                r = httpx.get(f"{self.url()}/health_generate", timeout=30.0)
-                if r.status_code == 200:
-                    return True
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx.TransportError as e:  # server still starting: retry until the deadline
-                last = repr(e)
-            time.sleep(0.05)
+        last = poll_health(self.url(), timeout, 0.05, self._check_thread)
+        if last is None:
+            return True
         raise TimeoutError(f"engine {self.engine_id} at {self.url()} not ready after {timeout:.0f}s ({last})")
 
     def shutdown(self) -> None:

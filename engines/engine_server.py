@@ -199,26 +199,20 @@ async def _call(fn, request: Request, null_ok: bool = False):
     return {"success": True, **(out if isinstance(out, dict) else {"message": out or "Success"})}
 
 
+def _weight_endpoint(state: EngineState, fn):
+    async def endpoint(request: Request):
+        return await _call(lambda body: fn(state, body), request)
+    return endpoint
+
+
 def _weight_routes(app: FastAPI, state: EngineState) -> None:
-    @app.post("/update_weights_from_tensor")
-    async def update_weights_from_tensor(request: Request):
-        return await _call(lambda b: _update_from_tensor(state, b), request)
-
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: Request):
-        return await _call(lambda b: _update_from_disk(state, b), request)
-
-    @app.post("/init_weights_update_group")
-    async def init_weights_update_group(request: Request):
-        return await _call(lambda b: _init_group(state, b), request)
-
-    @app.post("/update_weights_from_distributed")
-    async def update_weights_from_distributed(request: Request):
-        return await _call(lambda b: _update_from_distributed(state, b), request)
-
-    @app.post("/destroy_weights_update_group")
-    async def destroy_weights_update_group(request: Request):
-        return await _call(lambda b: _destroy_group(state, b), request)
+    # Weight endpoints share one shape: JSON body in, SGLang's {"success", "message"} out.
+    for path, fn in (("/update_weights_from_tensor", _update_from_tensor),
+                     ("/update_weights_from_disk", _update_from_disk),
+                     ("/init_weights_update_group", _init_group),
+                     ("/update_weights_from_distributed", _update_from_distributed),
+                     ("/destroy_weights_update_group", _destroy_group)):
+        app.add_api_route(path, _weight_endpoint(state, fn), methods=["POST"], name=path.strip("/"))
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):

@@ -6,8 +6,9 @@ the server's own message.
 """
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -199,3 +200,23 @@ def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampli
     with ThreadPoolExecutor(max_workers=len(shards)) as pool:
         futures = [pool.submit(run, clients[i], lo, hi) for i, (lo, hi) in enumerate(shards)]
         return [rec for f in futures for rec in f.result()]
+
+
+def poll_health(url: str, timeout: float, interval: float, check_alive: Callable[[], None]) -> str | None:
+    """Poll `/health_generate` (a real one-token generate) until it answers 200.
+
+    Returns None when healthy, else the last failure seen when `timeout` ran out. `check_alive`
+    raises as soon as the server's process or thread is gone, so a crash is not waited out.
+    """
+    deadline, last = time.monotonic() + timeout, "no answer yet"
+    while time.monotonic() < deadline:
+        check_alive()
+        try:
+            r = httpx.get(f"{url}/health_generate", timeout=30.0)
+            if r.status_code == 200:
+                return None
+            last = f"HTTP {r.status_code}: {r.text[:200]}"
+        except httpx.TransportError as e:  # not listening yet: retry until the deadline
+            last = repr(e)
+        time.sleep(interval)
+    return last

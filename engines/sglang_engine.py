@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from engines.rollout_client import poll_health
 
 INSTALL_HINT = ("rollout.backend=sglang needs SGLang on the engine nodes: pip install 'reflow[sglang]' "
                 "(sglang==0.5.23 with its CUDA dependencies; see https://docs.sglang.ai/get_started/install.html)")
@@ -140,22 +140,17 @@ class SGLangEngine:
         host = _node_ip() if self.host in ("0.0.0.0", "", "::") else self.host
         return f"http://{host}:{self.args['port']}"
 
+    def _check_process(self) -> None:
+        if self.proc.poll() is not None:
+            raise EngineStartError(f"SGLang engine {self.engine_id} exited with code {self.proc.returncode} "
+                                   f"during start-up; last log lines:\n{self.log_tail()}")
+
     def ready(self, timeout: float | None = None) -> bool:
         """Block until /health_generate answers 200 (a real one-token generate)."""
         timeout = self.startup_timeout_s if timeout is None else timeout
-        deadline, last = time.monotonic() + timeout, "no answer yet"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise EngineStartError(f"SGLang engine {self.engine_id} exited with code {self.proc.returncode} "
-                                       f"during start-up; last log lines:\n{self.log_tail()}")
-            try:
-                r = httpx.get(f"{self.url()}/health_generate", timeout=30.0)
-                if r.status_code == 200:
-                    return True
-                last = f"HTTP {r.status_code}: {r.text[:200]}"
-            except httpx.TransportError as e:  # not listening yet: retry until the deadline
-                last = repr(e)
-            time.sleep(1.0)
+        last = poll_health(self.url(), timeout, 1.0, self._check_process)
+        if last is None:
+            return True
         raise EngineStartError(f"SGLang engine {self.engine_id} at {self.url()} not healthy after {timeout:.0f}s "
                                f"({last}); command: {' '.join(self.cmd)}; last log lines:\n{self.log_tail()}")
 

@@ -12,6 +12,8 @@ import httpx
 import pytest
 import torch
 
+from tests.reference import greedy_reference
+
 from engines.embedded_engine import EmbeddedEngine
 from engines.generator import Generator
 from engines.hf_io import load_causal_lm, load_tokenizer
@@ -64,17 +66,7 @@ def _ids(tok, texts):
     return [tok.encode(t) for t in texts]
 
 
-def _argmax_loop(model, prompt, max_new, eos):
-    """Reference: plain full-sequence forward passes, no cache, no padding."""
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(t)
-            if t in eos:
-                break
-            ids.append(t)
-    return out
+_argmax_loop = greedy_reference  # plain full-sequence greedy loop (tests/reference.py)
 
 
 # ---------------------------------------------------------------- generation numbers

@@ -8,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.reference import greedy_reference
+
 from engines import sglang_contract
 from engines.embedded_engine import EmbeddedEngine
 from engines.rollout_client import EngineClient, EngineError
@@ -32,16 +34,7 @@ def clients(engines):
     return [EngineClient(e.url(), timeout=60) for e in engines]
 
 
-def _greedy(model, prompt, max_new, eos):
-    ids, out = list(prompt), []
-    with torch.no_grad():
-        for _ in range(max_new):
-            t = int(model(torch.tensor([ids])).logits[0, -1].argmax())
-            out.append(t)
-            if t in eos:
-                break
-            ids.append(t)
-    return out
+_greedy = greedy_reference  # plain full-sequence greedy loop (tests/reference.py)
 
 
 def _new_named(tok, seed):
