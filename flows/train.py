@@ -19,6 +19,7 @@ from infra import checkpoint as ckpt
 from infra.config import RunConfig
 from infra.runtime import get_runtime, shutdown_runtime
 from tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
+from tasks.report import plot_curves
 from tasks.rollout import evaluate
 from tasks.train import push_weights
 
@@ -87,6 +88,7 @@ def train(config: RunConfig, release_cluster: bool = True) -> dict[str, object]:
                 evals[i + 1] = evaluate(config, i + 1)["eval_accuracy"]
             history.append(m)
             log.info(_progress(i + 1, last, m, evals.get(i + 1)))
+        log.info("curves: %s", plot_curves(config))
         if last < config.num_iterations:
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
                         config.debug_exit_after, last, config.num_iterations)

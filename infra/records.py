@@ -41,3 +41,13 @@ def iteration_table(store: ExperimentStore) -> pd.DataFrame:
 def format_table(df: pd.DataFrame) -> str:
     cols = [c for c in SUMMARY_COLUMNS if c in df.columns]
     return df[cols].to_string(index=False, float_format=lambda v: f"{v:.4f}")
+
+
+def eval_points(store: ExperimentStore) -> list[tuple[int, float]]:
+    """(policy version, held-out accuracy) of every eval point recorded under iterations/*/eval/."""
+    points = []
+    for name in store.listdir("iterations"):
+        rel = f"iterations/{name}/eval/summary.json"
+        if name.isdigit() and store.exists(rel):
+            points.append((int(name), float(store.read_json(rel)["eval_accuracy"])))
+    return sorted(points)

@@ -116,5 +116,7 @@ def evaluate(cfg: RunConfig, iteration: int) -> dict[str, float]:
     scored, stats = _score.remote(batch_ref, cfg.data.reward_fn)
     rel = f"{rt.store.iteration_dir(iteration)}/eval/heldout.parquet"
     stats, _ = ray.get([stats, write_table.remote(scored, rt.store, rel)])
-    return {"eval_accuracy": stats["reward_mean"], "eval_response_len_mean": stats["response_len_mean"],
-            "eval_samples": float(len(rt.eval_prompts))}
+    summary = {"eval_accuracy": stats["reward_mean"], "eval_response_len_mean": stats["response_len_mean"],
+               "eval_samples": float(len(rt.eval_prompts))}
+    rt.store.write_json(f"{rt.store.iteration_dir(iteration)}/eval/summary.json", summary)
+    return summary

@@ -63,6 +63,11 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
         df = pd.read_parquet(d / "rollouts.parquet")
         assert len(df) == 16 and set(df.finish_reason) <= {"stop", "length"}
     assert len(pd.read_parquet(base / "iterations" / "000000" / "eval" / "heldout.parquet")) == 16
+    assert json.loads((base / "iterations" / "000002" / "eval" / "summary.json").read_text())["eval_accuracy"] \
+        == summary["evals"][2]
+    png = (base / "plots" / "curves.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 5000
+    assert "e2e-curves" in keys
 
 
 def test_missing_checkpoint_is_named(prefect_server, tmp_path):
