@@ -13,7 +13,6 @@ Sources (`load_prompt_rows`):
 from __future__ import annotations
 
 import math
-import random
 from typing import Any, Sequence
 
 from rl.types import Prompt
@@ -131,9 +130,10 @@ class PromptSampler:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
-        random.Random(f"reflow-sampler:{self.seed}:{epoch}").shuffle(order)  # str seed: stable across runs
-        return order
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)  # stable across runs and machines
+        return torch.randperm(len(self.prompts), generator=g).tolist()
 
     def next_batch(self, k: int) -> list[Prompt]:
         if k < 1:

@@ -16,6 +16,7 @@ from engines import rollout as ro
 from infra.config import RunConfig
 from infra.runtime import Runtime, get_runtime
 from infra.storage import ExperimentStore
+from rl.data import PromptSampler
 from rl.types import Prompt, RolloutBatch
 
 _generate = ray.remote(num_cpus=0)(ro.generate)
@@ -41,15 +42,12 @@ class BatchRef:
 
 def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: int) -> list[Prompt]:
     """The k prompts of `iteration`: a pure function of (seed, iteration), so retries and resumes
-    take exactly the same prompts. Each epoch is a fresh seeded permutation of the dataset."""
-    import torch
-
-    n, out = len(prompts), []
-    for pos in range(iteration * k, iteration * k + k):
-        epoch, i = divmod(pos, n)
-        g = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
-        out.append(prompts[int(torch.randperm(n, generator=g)[i])])
-    return out
+    take exactly the same prompts. `PromptSampler` positioned at the iteration's cursor: each epoch
+    is a fresh seeded permutation of the dataset."""
+    epoch, cursor = divmod(iteration * k, len(prompts))
+    sampler = PromptSampler(prompts, seed)
+    sampler.load_state_dict({"epoch": epoch, "cursor": cursor})
+    return sampler.next_batch(k)
 
 
 def _sp(rt: Runtime, greedy: bool = False) -> dict:
