@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup demo test test-fast clean
+.PHONY: setup demo test test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -40,6 +40,13 @@ test: $(BIN)/.installed-test
 
 test-fast: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
+
+# Each script prints a table and a one-line summary, and takes under 10 minutes on 2 cores
+# (bench/RESULTS.md holds the figures; bench/gpu.py runs on a GPU machine).
+bench: setup
+	$(BIN)/python bench/iteration_overhead.py
+	$(BIN)/python bench/engine_throughput.py
+	$(BIN)/python bench/weight_push.py
 
 clean:
 	rm -rf .reflow .cache

@@ -68,6 +68,12 @@ class EmbeddedEngine:
             return True
         raise TimeoutError(f"engine {self.engine_id} at {self.url()} not ready after {timeout:.0f}s ({last})")
 
+    def stats(self) -> dict:
+        """Requests and sequences this engine has accepted since it started, and its weight version."""
+        state = self.app.state.engine
+        with state.cond:
+            return {**state.counters, "weight_version": state.gen.weight_version}
+
     def shutdown(self) -> None:
         """Stop serving; pending requests are aborted."""
         self._server.should_exit = True

@@ -105,7 +105,7 @@ def _data_plane(app: FastAPI, state: EngineState) -> None:
         job = _Job(prompts=[[0]], cfgs=[SamplingConfig(max_new_tokens=1, temperature=0.0)], ns=[1],
                    rids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
         try:
-            await asyncio.wait_for(asyncio.wrap_future(state.submit(job)), HEALTH_TIMEOUT_S)
+            await asyncio.wait_for(asyncio.wrap_future(state.submit(job, count=False)), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, EngineStateError, ValueError) as e:
             return Response(f"health generate failed: {e!r}", status_code=503)
         return Response(status_code=200)

@@ -51,13 +51,15 @@ class EngineState:
         self.writers = 0  # weight writes in progress
         self.released: set[str] = set()
         self.memory_events: list[tuple[str, list[str]]] = []
+        self.counters = {"generate_requests": 0, "sequences": 0}  # /generate work accepted since start
         self._stop = False
         self.worker = threading.Thread(target=self._loop, name="engine-generate", daemon=True)
         self.worker.start()
 
     # ------------------------------------------------------------ generation
 
-    def submit(self, job: _Job) -> Future:
+    def submit(self, job: _Job, count: bool = True) -> Future:
+        """Queue a job; `count`: tally it in `counters` (health probes are not counted)."""
         with self.cond:
             if not self.worker.is_alive():
                 raise RuntimeError("the engine's generation worker thread has died; restart the engine")
@@ -65,6 +67,9 @@ class EngineState:
                 raise EngineStateError(f"engine memory is released ({sorted(self.released)}): "
                                        f"call /resume_memory_occupation before generating")
             self.queue.append(job)
+            if count:
+                self.counters["generate_requests"] += 1
+                self.counters["sequences"] += len(job.rids)
             self.cond.notify_all()
         return job.future
 

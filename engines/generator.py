@@ -20,6 +20,8 @@ rejects them with a 400 instead of silently ignoring them).
 Speed: finished rows leave the running batch (the KV cache is index-selected and leading
 all-padding columns are cut), so a batch with widely varying response lengths only pays for
 rows still running. A prompt sampled `n` times is prefilled once and its cache repeated.
+Inputs are built on the model's device, so the same code drives a model moved to a GPU
+(bench/gpu.py); sampled tokens come back to the host once per step.
 """
 from __future__ import annotations
 
@@ -68,6 +70,7 @@ class Generator:
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
+        self.device = next(model.parameters()).device  # inputs are built here (a GPU model works too)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.weight_version = "default"
@@ -171,8 +174,9 @@ class Generator:
         active = list(range(len(rows)))  # row index of each batch slot
         while True:
             tokens, lps = self._sample(logits, [rows[i] for i in active])
-            for slot, i in enumerate(active):
-                self._append(rows[i], int(tokens[slot]), float(lps[slot]))
+            # one host transfer per step, not one per row (on a GPU each element read is a sync)
+            for i, tok, lp in zip(active, tokens.tolist(), lps.tolist()):
+                self._append(rows[i], tok, lp)
             if checkpoint is not None:
                 self._apply_aborts(rows, active, checkpoint)
             keep = [s for s, i in enumerate(active) if rows[i].finish is None]
@@ -200,11 +204,13 @@ class Generator:
             p = prompts[k]
             ids[u, T - len(p):] = torch.tensor(p)
             mask[u, T - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
         pos_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [U, T] positions restart at each prompt
         cache = _new_cache(capacity=T + max(r.max_new for r in rows))
         logits = self._forward(ids, mask, pos_ids, cache)  # [U, V]
-        sel = torch.tensor([uniq[id(r.prompt)] for r in rows])  # [B]
-        if len(sel) != len(order) or bool((sel != torch.arange(len(sel))).any()):
+        picks = [uniq[id(r.prompt)] for r in rows]
+        sel = torch.tensor(picks, device=self.device)  # [B]
+        if picks != list(range(len(order))):
             cache.batch_select_indices(sel)  # n > 1: repeat each prompt's cache per sample
         return cache, logits[sel], mask[sel], pos_ids[sel, -1]
 
@@ -218,7 +224,7 @@ class Generator:
     @staticmethod
     def _compact(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
         """Drop finished rows from the cache and mask, then cut columns that are padding for all."""
-        idx = torch.tensor(keep)
+        idx = torch.tensor(keep, device=mask.device)
         mask = mask[idx]  # [B', T]
         if not all(isinstance(layer, _PreallocLayer) for layer in cache.layers):
             cache.batch_select_indices(idx)  # a layer kind we do not own: rows only
@@ -234,14 +240,14 @@ class Generator:
         for b, r in enumerate(rows):
             if len(r.out) < r.cfg.min_new_tokens and r.mask_ids:
                 logits[b, r.mask_ids] = float("-inf")
-        cfgs = [r.cfg for r in rows]
-        temp = torch.tensor([c.temperature for c in cfgs])  # [B]
-        top_p = torch.tensor([c.top_p for c in cfgs])  # [B]
-        top_k = torch.tensor([TOP_K_ALL if c.top_k == -1 else c.top_k for c in cfgs])  # [B]
-        min_p = torch.tensor([c.min_p for c in cfgs])  # [B]
+        cfgs, dev = [r.cfg for r in rows], logits.device
+        temp = torch.tensor([c.temperature for c in cfgs], device=dev)  # [B]
+        top_p = torch.tensor([c.top_p for c in cfgs], device=dev)  # [B]
+        top_k = torch.tensor([TOP_K_ALL if c.top_k == -1 else c.top_k for c in cfgs], device=dev)  # [B]
+        min_p = torch.tensor([c.min_p for c in cfgs], device=dev)  # [B]
         noise = None
         if not all(c.greedy for c in cfgs):
-            noise = torch.empty(B, V).exponential_()  # [B, V]
+            noise = torch.empty(B, V, device=dev).exponential_()  # [B, V]
             for b, r in enumerate(rows):
                 if r.cfg.sampling_seed is not None and not r.cfg.greedy:
                     noise[b] = _seeded_noise(r.cfg.sampling_seed, len(r.prompt) + len(r.out), V)

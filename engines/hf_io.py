@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import torch
@@ -47,8 +48,9 @@ def resolve_checkpoint(path_or_url: str) -> Path:
     dest = CACHE_DIR / key
     done = dest / ".complete"
     if not done.exists():
-        tmp = CACHE_DIR / f"{key}.tmp{os.getpid()}"
-        tmp.mkdir(parents=True, exist_ok=True)
+        CACHE_DIR.mkdir(parents=True, exist_ok=True)
+        # Unique per call: two engines in one process (or two threads) may fetch the same URL at once.
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp", dir=CACHE_DIR))
         fs.get(root.rstrip("/") + "/", str(tmp), recursive=True)
         (tmp / ".complete").write_text(path_or_url)
         if dest.exists():  # another process won the race; keep theirs

@@ -129,7 +129,13 @@ class Router:
         self._thread.start()
 
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        """Base URL other processes use; a wildcard bind advertises this node's IP."""
+        host = self.host
+        if host in ("0.0.0.0", "", "::"):
+            from engines.embedded_engine import _node_ip
+
+            host = _node_ip()
+        return f"http://{host}:{self.port}"
 
     def ready(self, timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout

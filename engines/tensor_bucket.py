@@ -71,7 +71,8 @@ def _parse_dtype(d) -> torch.dtype:
 def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False):
     """Pack tensors into one uint8 buffer. Returns (flat [N] uint8, list of metadata tuples).
 
-    shared=True allocates the buffer in shared memory directly (saves the copy pickling makes).
+    shared=True allocates the buffer in shared memory directly (saves the copy pickling makes, and the
+    copy `share_memory_()` of a private buffer would make: together they cost more than the packing).
     """
     if not named_tensors:
         raise BucketError("cannot build an empty tensor bucket")
@@ -81,10 +82,11 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False)
         nbytes = t.numel() * t.element_size()
         metadata.append((name, tuple(t.shape), _dtype_str(t.dtype), start, start + nbytes, nbytes))
         offset = start + nbytes
-    flat = torch.empty(offset, dtype=torch.uint8)  # [N]
-    if shared:
+    if shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
         _use_file_system_sharing()
-        flat.share_memory_()
+        flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offset))  # [N]
+    else:
+        flat = torch.empty(offset, dtype=torch.uint8)  # [N]
     for (_, _, _, start, end, _), (_, t) in zip(metadata, named_tensors):
         flat[start:end] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     return flat, metadata

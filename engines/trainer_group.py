@@ -31,6 +31,8 @@ def _free_port() -> int:
 
 
 class TrainerGroup:
+    rank_cls = TrainerRank  # the class each actor hosts (engines.critic.CriticGroup: CriticRank)
+
     def __init__(self, actors: list, namespace: str, name_prefix: str):
         self.actors, self.namespace, self.name_prefix = actors, namespace, name_prefix
 
@@ -44,7 +46,7 @@ class TrainerGroup:
                runtime_env: dict | None = None, **rank_kwargs) -> "TrainerGroup":
         """Start `num_ranks` TrainerRank actors and wait until all have joined the process group.
 
-        `rank_kwargs` go to `TrainerRank.__init__` (model_path, zero_stage, lr, ...). The rendezvous
+        `rank_kwargs` go to `rank_cls.__init__` (model_path, zero_stage, lr, ...). The rendezvous
         address defaults to this node's IP and a free port here, which assumes rank 0 lands on the
         driver's node (true on one machine); on a multi-node cluster pass master_addr/master_port.
         """
@@ -56,7 +58,7 @@ class TrainerGroup:
             options["lifetime"] = "detached"
         if runtime_env:
             options["runtime_env"] = runtime_env
-        remote_cls = ray.remote(TrainerRank)
+        remote_cls = ray.remote(cls.rank_cls)
         actors = [remote_cls.options(name=actor_name(name_prefix, r), **options)
                   .remote(r, num_ranks, addr, port, **rank_kwargs) for r in range(num_ranks)]
         group = cls(actors, namespace, name_prefix)

@@ -53,6 +53,13 @@ def cmd_train(args) -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=str))
 
 
+def cmd_evaluate(args) -> None:
+    from flows.evaluate import evaluate
+
+    summary = evaluate(_config(args.config, args.overrides), checkpoint=args.checkpoint)
+    print(json.dumps(summary, indent=2, default=str))
+
+
 def cmd_runs_show(args) -> None:
     from infra.records import format_table, iteration_table
     from infra.storage import ExperimentStore
@@ -92,10 +99,41 @@ def cmd_demo(args) -> None:
     if summary.get("already_complete"):
         print(f"demo: {summary['message']}")
         return
-    evals = summary["evals"]
-    before, after = evals[min(evals)], evals[max(evals)]
+    evals = summary["evals"]  # policy version -> {eval set: summary}; the demo's one set is `heldout`
+    before, after = (next(iter(evals[v].values()))["pass@1"] for v in (min(evals), max(evals)))
     print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
           f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}")
+
+
+def cmd_cluster(args) -> None:
+    from infra import cluster
+
+    if args.cluster_command == "up":
+        try:
+            info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus)
+        except cluster.ClusterError as e:
+            sys.exit(f"reflow: {e}")
+        print(f"reflow: Ray head {'started' if started else 'already running'} at {info.address} "
+              f"(pid {info.pid}, {info.num_cpus} CPUs). Attach flows and workers with:")
+        print(" ".join(f"export {k}={v};" for k, v in info.env().items()))
+    elif args.cluster_command == "status":
+        st = cluster.status(args.state_dir)
+        print(json.dumps(st, indent=2, default=str) if args.json else _status_text(st))
+    else:
+        killed = cluster.release_experiments(args.state_dir, args.experiment)
+        print(f"reflow: released {len(killed)} actor(s)" + (f": {', '.join(killed)}" if killed else ""))
+        if args.experiment is None:
+            info = cluster.down(args.state_dir)
+            print("reflow: Ray head stopped" if info else "reflow: no Ray head was running")
+
+
+def _status_text(st: dict) -> str:
+    if not st["up"]:
+        return "reflow: no Ray head is running (start one with `reflow cluster up`)"
+    lines = [f"Ray head {st['address']} (pid {st['pid']}, {st['num_cpus']} CPUs); export RAY_ADDRESS={st['address']} "
+             f"RAY_AUTH_MODE=token", f"{len(st['actors'])} reflow actor(s):"]
+    lines += ["  " + "  ".join(f"{k}={v}" for k, v in row.items()) for row in st["actors"]]
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,6 +158,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     t.set_defaults(fn=cmd_train)
 
+    e = sub.add_parser("evaluate", help="eval-only: run the eval sets against a saved checkpoint",
+                       description="Run the `evaluate` Prefect flow: rollout engines load a checkpoint's model "
+                                   "(no trainers) and every set of the config's `eval.sets` is evaluated; results "
+                                   "go to <experiment>/evals/iter_NNNNNN/<set>/.")
+    e.add_argument("--config", "-c", required=True, help="experiment YAML (see configs/)")
+    e.add_argument("--checkpoint", default="latest", metavar="latest|URL",
+                   help="latest (default): the experiment's newest committed checkpoint; or a checkpoint URL "
+                        "(…/checkpoints/iter_NNNNNN)")
+    e.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    e.set_defaults(fn=cmd_evaluate)
+
     r = sub.add_parser("runs", help="inspect experiments from storage alone (no Prefect, no Ray)")
     rsub = r.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")
     rs = rsub.add_parser("show", help="print an experiment's per-iteration table",
@@ -140,6 +189,27 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--steps", type=int, default=None, help="warm-up optimizer steps (default: tuned value)")
     b.set_defaults(fn=cmd_bootstrap)
 
+    cl = sub.add_parser("cluster", help="a long-lived local Ray head whose actors later flow runs reuse",
+                        description="Start, inspect or stop a Ray head for reflow (loopback, no dashboard). Flows "
+                                    "attach through RAY_ADDRESS; each experiment's engines and trainers are then "
+                                    "detached actors that the next flow run of the experiment reuses.")
+    clsub = cl.add_subparsers(dest="cluster_command", required=True, metavar="SUBCOMMAND")
+    for name, text in (("up", "start the head (no-op if it runs) and print the RAY_ADDRESS to export"),
+                       ("status", "show the head and every reflow actor on it (weight version, pid)"),
+                       ("down", "release reflow's actors, then stop the head (with --experiment: that "
+                                "experiment's actors only, the head stays)")):
+        cp = clsub.add_parser(name, help=text, description=text)
+        cp.add_argument("--state-dir", default=None, help="where the head's record lives (default "
+                        "$REFLOW_CLUSTER_DIR or .reflow/cluster)")
+        if name == "up":
+            cp.add_argument("--port", type=int, default=6390, help="GCS port (default %(default)s)")
+            cp.add_argument("--num-cpus", type=int, default=None, help="logical CPUs (default max(4, cores))")
+        if name == "status":
+            cp.add_argument("--json", action="store_true", help="print JSON")
+        if name == "down":
+            cp.add_argument("--experiment", default=None, help="release only this experiment's actors")
+        cp.set_defaults(fn=cmd_cluster)
+
     c = sub.add_parser("config", help="validate a config (file + overrides) and print it resolved",
                        description="Validate an experiment file plus overrides and print the full resolved config.")
     c.add_argument("--config", "-c", default=None, help="experiment YAML (default: built-in defaults)")
@@ -150,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
+    attaching = args.command == "cluster" or bool(os.environ.get("RAY_ADDRESS"))
+    if attaching and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
+        # Ray reads this at import; a head from `ray start` / `reflow cluster up` uses token auth.
+        os.environ["RAY_AUTH_MODE"] = "token"
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,4 +1,6 @@
-"""One rollout iteration = one Prefect flow run: generate -> reward -> advantages -> train -> push -> report.
+"""One rollout iteration = one Prefect flow run: generate -> reward -> [PPO: critic values] -> advantages
+-> train ([PPO: critic, then] actor) -> push -> report. PPO's first `critic.warmup_iterations` train
+the critic alone.
 
 Colocated mode wraps train + push in the GPU hand-over (engines release memory, trainer reloads; then
 trainer offloads, engines resume weights, push, engines resume the rest)."""
@@ -13,7 +15,7 @@ from infra.config import RunConfig
 from tasks.colocate import to_engines, to_trainer
 from tasks.report import report
 from tasks.rollout import advantages, generate, reward
-from tasks.train import push_weights, train
+from tasks.train import actor_updates, critic_values, push_weights, train, train_critic
 
 
 class StageTimer:
@@ -40,12 +42,18 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
         batch = generate(config, iteration)
     with timer("reward"):
         batch = reward(config, batch)
-    with timer("advantages"):
-        batch = advantages(config, batch)
     colocate = config.cluster.colocate  # engines and trainers share GPUs: they take turns (tasks/colocate.py)
     swap = to_trainer(config) if colocate else {}
+    ppo = config.algorithm.type == "ppo"
+    if ppo:
+        with timer("values"):
+            batch = critic_values(config, batch)
+    with timer("advantages"):
+        batch = advantages(config, batch)
     with timer("train"):
-        train_metrics = train(config, batch)
+        train_metrics = train_critic(config, batch) if ppo else {}
+        if actor_updates(config, iteration):
+            train_metrics |= train(config, batch)
     if colocate:
         swap |= to_engines(config, "weights")
     with timer("push"):

@@ -3,7 +3,9 @@
     check storage -> find a checkpoint to resume from -> start cluster -> restore -> push weights
     -> eval (before training, fresh runs only)
     for each iteration: one `iteration` flow run; save at `checkpoint.save_interval`, on the
-    sentinel file and at the end; eval every `eval_interval` and at the end
+    sentinel file and at the end; eval every `eval.interval` and at the end (eval.blocking=false:
+    an eval overlaps the next iteration, its generation gating the next weight push; all are
+    recorded, in order, before the flow returns; see tasks/evaluate.py)
 
 `num_iterations` is the run's total: a run resumed after k iterations runs iterations k..n-1.
 """
@@ -16,12 +18,12 @@ from prefect.cache_policies import NO_CACHE
 
 from flows.iteration import iteration
 from infra import checkpoint as ckpt
-from infra.config import RunConfig
+from infra.config import FlowConfig, RunConfig, resolve_config
 from infra.runtime import get_runtime, shutdown_runtime
 from tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
-from tasks.report import plot_curves
-from tasks.rollout import evaluate
-from tasks.train import push_weights
+from tasks.report import plot_curves, start_progress, update_progress
+from tasks.evaluate import collect, launch_eval
+from tasks.train import initial_push
 
 
 @task(name="start-cluster", cache_policy=NO_CACHE)
@@ -32,7 +34,7 @@ def start_cluster(config: RunConfig) -> dict[str, object]:
 
 
 def _eval_due(config: RunConfig, done: int, last: int) -> bool:
-    every = config.eval_interval
+    every = config.eval.interval
     return done == last or (every is not None and done % every == 0)
 
 
@@ -49,45 +51,56 @@ def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
     return {"iterations": 0, "start": step, "already_complete": True, "message": msg, "evals": {}, "history": []}
 
 
-def _progress(done: int, total: int, m: dict[str, float], acc: float | None) -> str:
+def _progress(done: int, total: int, m: dict[str, float], ev: dict[str, dict] | None) -> str:
     stages = " ".join(f"{k[5:]} {v:.1f}s" for k, v in m.items() if k.startswith("time_") and k != "time_iteration")
-    acc_s = f" eval_acc {acc:.3f}" if acc is not None else ""
+    acc_s = "".join(f" eval {name} pass@1 {s['pass@1']:.3f}" for name, s in (ev or {}).items())
     return (f"iter {done}/{total} reward {m.get('reward_mean', float('nan')):.3f}{acc_s} "
             f"loss {m.get('loss', float('nan')):.4f} kl {m.get('kl', float('nan')):.4f} | {stages} "
             f"| total {m['time_iteration']:.1f}s")
 
 
 @flow(name="train", flow_run_name="{config.experiment}", log_prints=True)
-def train(config: RunConfig, release_cluster: bool = True) -> dict[str, object]:
-    """Run iterations up to `config.num_iterations` in total (stopping early at `debug_exit_after`)."""
+def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, object]:
+    """Run iterations up to `config.num_iterations` in total (stopping early at `debug_exit_after`).
+
+    config: the full run config, or {"file": "configs/X.yaml", "overrides": ["k=v", ...]}.
+    release_cluster: kill the experiment's actors at the end (true), keep them for the next flow
+    run (false), or (null) keep them only on a long-lived cluster (RAY_ADDRESS, `reflow cluster up`)."""
     log = get_run_logger()
     t0 = time.perf_counter()
+    config = resolve_config(config)
     log.info("storage: %s", check_storage(config))
     found = find_checkpoints(config)
     if found and found[0][0].step >= config.num_iterations:
         return _already_done(config, found[0][0].step, found[0][0].url)
     try:
         log.info("cluster: %s", start_cluster(config))
-        start = restore(config, found) if found else 0
-        push_weights(config, start)
-        evals: dict[int, float] = {}
-        if config.eval_before_train and start == 0:
-            evals[0] = evaluate(config, 0)["eval_accuracy"]
-            log.info("eval before training: held-out accuracy %.3f", evals[0])
+        restored = restore(config, found)
+        start = restored["step"]
+        initial_push(config, start, restored["loaded"])
+        evals: dict[int, dict[str, dict]] = {}  # policy version -> {eval set: summary}
+        pending: list = []  # launched evals not recorded yet
+        if config.eval.before_train and start == 0:
+            pending.append(launch_eval(config, 0))
+            evals |= collect(config, pending, wait=config.eval.blocking)
         last = config.num_iterations
         if config.debug_exit_after is not None:
             last = min(last, start + config.debug_exit_after)
         history: list[dict[str, float]] = []
+        progress = start_progress(config, start, config.num_iterations)
         for i in range(start, last):
             m = iteration(config, i)
+            update_progress(progress, i + 1, config.num_iterations)
             if _save_due(config, i + 1, last):
                 log.info("checkpoint: %s", save_checkpoint(config, i + 1))
                 if ckpt.sentinel_present(config.checkpoint.sentinel):
                     ckpt.remove_sentinel(config.checkpoint.sentinel)
             if _eval_due(config, i + 1, last):
-                evals[i + 1] = evaluate(config, i + 1)["eval_accuracy"]
+                pending.append(launch_eval(config, i + 1))
+            evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
             log.info(_progress(i + 1, last, m, evals.get(i + 1)))
+        evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
         log.info("curves: %s", plot_curves(config))
         if last < config.num_iterations:
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
@@ -95,5 +108,5 @@ def train(config: RunConfig, release_cluster: bool = True) -> dict[str, object]:
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
                 "seconds": time.perf_counter() - t0}
     finally:
-        if release_cluster:
-            shutdown_runtime(config.experiment)
+        if release_cluster is not False:  # False keeps this process's runtime too (tests inspect it)
+            shutdown_runtime(config.experiment, release_cluster)

@@ -2,6 +2,7 @@
 
     <experiment>/checkpoints/iter_000042/    42 = iterations completed (= the policy version it holds)
         model/  optim/  rng/                 uploaded by the trainer ranks (engines/trainer_ckpt.py)
+        critic/{model,optim,rng}/            PPO only: the same from the critic ranks (engines/critic.py)
         state.json                           step, data cursor, ranks, time
         config.yaml                          the resolved run config (no credentials: none are in it)
         MANIFEST.json                        {relative path: {sha256, bytes}} of every file above

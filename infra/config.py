@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 
 class _Strict(BaseModel):
@@ -27,6 +27,7 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     task: Literal["addition", "file"] = Field("addition", description="`addition`: the built-in synthetic task; `file`: prompts from `path`.")
     path: str | None = Field(None, description="jsonl/parquet of prompts (local or URL) when task=file.")
+    eval_path: str | None = Field(None, description="task=file: jsonl/parquet of held-out prompts (the `heldout` eval set); default: the last num_eval rows of `path`.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding the ground truth passed to the reward function.")
     reward_fn: str = Field("rl.demo_task:reward", description="`module:function` computing a reward from (response_text, label).")
@@ -59,7 +60,7 @@ class RolloutConfig(_Strict):
 class AlgorithmConfig(_Strict):
     """Advantage estimator and policy-loss options; docs/ALGORITHMS.md maps each to its paper."""
 
-    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"] = Field("grpo", description="Advantage estimator (rl/algorithms/); gspo = GRPO advantages with a sequence-level ratio; ppo needs the critic (not implemented yet).")
+    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"] = Field("grpo", description="Advantage estimator (rl/algorithms/); gspo = GRPO advantages with a sequence-level ratio; ppo = token-level GAE over a learned critic (see `critic:`).")
     normalize_std: bool = Field(True, description="GRPO/GSPO: divide by the group's reward std (False = Dr.GRPO).")
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip: lower ratio bound is 1 - clip_eps_low.")
     clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip: upper ratio bound is 1 + clip_eps_high (DAPO clip-higher when > clip_eps_low).")
@@ -75,12 +76,12 @@ class AlgorithmConfig(_Strict):
     max_sampling_rounds: int = Field(3, ge=1, description="Dynamic sampling: most generation rounds per iteration (the first included).")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: penalise responses longer than max_new_tokens - this; 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0.0, description="Overlong punishment at max_new_tokens (the penalty ramps linearly from 0 to -this over the buffer).")
+    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: GAE discount per response token.")
+    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda (bias/variance trade-off of the advantage).")
+    value_clip: float | None = Field(0.2, gt=0.0, description="PPO: clip the critic's new value to old +- this in the value loss (PPO2-style); null disables.")
 
     @model_validator(mode="after")
     def _check_type(self) -> "AlgorithmConfig":
-        if self.type == "ppo":
-            raise ValueError("type=ppo needs the critic (value model trained with GAE), which is not "
-                             "implemented yet; use grpo, rloo, reinforce_pp, reinforce_pp_baseline or gspo")
         if self.kl_in_reward > 0 and self.type not in ("reinforce_pp", "reinforce_pp_baseline"):
             raise ValueError(f"kl_in_reward is implemented for type=reinforce_pp / reinforce_pp_baseline "
                              f"only (got type={self.type}); use kl_coef for a KL term in the loss")
@@ -90,6 +91,16 @@ class AlgorithmConfig(_Strict):
     def needs_ref(self) -> bool:
         """Whether the trainer needs a frozen reference model (a KL term in the loss or the reward)."""
         return self.kl_coef > 0 or self.kl_in_reward > 0
+
+
+class CriticConfig(_Strict):
+    """PPO's value model (algorithm.type=ppo only): the policy's backbone plus a scalar head, trained by
+    its own DeepSpeed ranks (trainer.num_ranks of them, with trainer's zero_stage, precision, grad_clip)."""
+
+    path: str | None = Field(None, description="HF checkpoint folder or URL the critic's backbone starts from; default model.path.")
+    lr: float = Field(1e-3, gt=0.0, description="Critic learning rate (constant).")
+    warmup_iterations: int = Field(0, ge=0, description="The critic trains alone for this many first iterations; the policy is not updated.")
+    micro_batch_size: int | None = Field(None, ge=1, description="Samples per critic forward/backward on one rank; default trainer.micro_batch_size.")
 
 
 class TrainerConfig(_Strict):
@@ -121,6 +132,7 @@ class ClusterConfig(_Strict):
     address: str | None = Field(None, description="Ray address; default: $RAY_ADDRESS, else start a local cluster.")
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started cluster (default: all).")
     namespace_prefix: str = Field("reflow", description="Actors live in namespace `<prefix>-<experiment>`.")
+    bind_host: str = Field("127.0.0.1", description="Address engines and the router listen on: loopback for one machine; 0.0.0.0 on a multi-node cluster (they then advertise the node's IP).")
     colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
     release_tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(["weights", "kv_cache", "cuda_graph"], min_length=1, description="colocate: what engines release between rollout and train (SGLang's memory tags); resumed weights first, then the rest.")
 
@@ -138,6 +150,47 @@ class CheckpointConfig(_Strict):
     sentinel: str | None = Field(None, description="Path or URL of a file whose appearance requests a checkpoint after the current iteration; it is removed after the save.")
 
 
+class EvalSetConfig(_Strict):
+    """One named eval set: where its prompts come from, how responses are sampled and scored."""
+
+    name: str = Field("heldout", pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the set: its storage folder, artifact rows and plot curve.")
+    source: str = Field("heldout", min_length=1, description="`heldout`: the task's held-out split (data.*); else a jsonl/parquet file path or URL (file://, s3://).")
+    prompt_key: str | None = Field(None, description="Column holding the prompt text; default data.prompt_key.")
+    label_key: str | None = Field(None, description="Column holding the ground truth; default data.label_key.")
+    reward_fn: str | None = Field(None, description="`module:function` scoring (prompt, response, label); default data.reward_fn.")
+    correct_threshold: float = Field(1.0, description="A sample counts as correct (for pass@k) when its reward is >= this.")
+    n_samples: int | None = Field(None, ge=1, description="Samples per prompt; default rollout.n_samples_per_prompt, or 1 when greedy.")
+    temperature: float | None = Field(None, ge=0.0, description="Sampling temperature; default rollout.temperature; 0 = greedy.")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default rollout.top_p (1 when greedy).")
+    max_new_tokens: int | None = Field(None, ge=1, description="Maximum response length; default rollout.max_new_tokens.")
+    k: list[int] = Field([1], min_length=1, description="Report pass@k for each k (unbiased estimator; each k <= samples per prompt).")
+    max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first this many prompts of the set.")
+
+    def sampling(self, rollout: RolloutConfig) -> dict[str, Any]:
+        """This set's sampling options with the rollout's filling the gaps: n, temperature, top_p, top_k, max_new_tokens."""
+        temperature = self.temperature if self.temperature is not None else rollout.temperature
+        greedy = temperature == 0.0
+        n = self.n_samples or (1 if greedy else rollout.n_samples_per_prompt)
+        return {"n": n, "temperature": temperature, "top_p": 1.0 if greedy else (self.top_p or rollout.top_p),
+                "top_k": -1 if greedy else rollout.top_k, "max_new_tokens": self.max_new_tokens or rollout.max_new_tokens}
+
+
+class EvalConfig(_Strict):
+    """When and on what the policy is evaluated (tasks/evaluate.py, flows/evaluate.py)."""
+
+    sets: list[EvalSetConfig] = Field(default_factory=lambda: [EvalSetConfig(temperature=0.0)], description="Named eval sets; default: greedy accuracy on the task's held-out split.")
+    before_train: bool = Field(True, description="Evaluate the initial policy before training (fresh runs only).")
+    interval: int | None = Field(None, ge=1, description="Evaluate every this many iterations; the last iteration is always evaluated.")
+    blocking: bool = Field(True, description="false: an eval's generation overlaps the next iteration (the next weight push waits for it) and its scoring and records finish in the background; the run waits for every eval before it ends.")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "EvalConfig":
+        names = [s.name for s in self.sets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"eval set names must be unique, got {names}")
+        return self
+
+
 class RunConfig(_Strict):
     """One experiment: what to train, on what, how, and where results go."""
 
@@ -146,17 +199,41 @@ class RunConfig(_Strict):
     num_iterations: int = Field(20, ge=0, description="Total rollout iterations of the run (a target: a resumed run stops when this many iterations are done in total, not this many more).")
     resume: str = Field("auto", min_length=1, description="`auto`: continue from the latest committed checkpoint of the experiment (if any); `never`: start fresh (refused if the experiment already has checkpoints); or a checkpoint URL.")
     debug_exit_after: int | None = Field(None, ge=1, description="Stop after this many iterations of this invocation (debugging).")
-    eval_before_train: bool = Field(True, description="Evaluate the initial policy before training.")
-    eval_interval: int | None = Field(None, ge=1, description="Evaluate every this many iterations (and at the end).")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
+    critic: CriticConfig = CriticConfig()
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
     cluster: ClusterConfig = ClusterConfig()
     storage: StorageConfig = StorageConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_eval_keys(cls, data: Any) -> Any:
+        """Top-level `eval_before_train` / `eval_interval` (older files and checkpoints) become eval.*."""
+        if not isinstance(data, dict) or not {"eval_before_train", "eval_interval"} & data.keys():
+            return data
+        data, section = dict(data), dict(data.get("eval") or {})
+        for old, new in (("eval_before_train", "before_train"), ("eval_interval", "interval")):
+            if old in data:
+                if new in section:
+                    raise ValueError(f"{old} and eval.{new} are both set; keep eval.{new}")
+                section[new] = data.pop(old)
+        data["eval"] = section
+        return data
+
+    @model_validator(mode="after")
+    def _check_eval_k(self) -> "RunConfig":
+        for i, s in enumerate(self.eval.sets):
+            n = s.sampling(self.rollout)["n"]
+            if max(s.k) > n:
+                raise ValueError(f"eval.sets.{i} ({s.name}): pass@k with k={max(s.k)} needs at least k samples "
+                                 f"per prompt, but the set draws n={n} (set n_samples, or a temperature > 0)")
+        return self
 
     @model_validator(mode="after")
     def _check_batch(self) -> "RunConfig":
@@ -232,3 +309,40 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 def dump_config(cfg: RunConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+class ExperimentFile(_Strict):
+    """An experiment YAML plus dotted overrides: the short form of a flow's `config` parameter, for
+    `prefect deployment run` and the UI. Validated when the flow run starts: a bad file or override
+    fails the run before anything starts, with the same message as the CLI."""
+
+    file: str = Field("configs/demo.yaml", min_length=1, description="Experiment YAML, relative to the deployment's working directory (the repository).")
+    overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides, e.g. [\"num_iterations=40\", \"trainer.lr=1e-5\"].")
+
+    @model_validator(mode="after")
+    def _valid(self) -> "ExperimentFile":
+        self.resolve()  # a ConfigError (a ValueError) becomes the parameter's validation error
+        return self
+
+    def resolve(self) -> RunConfig:
+        return load_config(self.file, self.overrides)
+
+    @property
+    def experiment(self) -> str:  # for flow_run_name templates
+        return self.resolve().experiment
+
+
+def _config_kind(v: Any) -> str:
+    if isinstance(v, dict):
+        return "file" if "file" in v or "overrides" in v else "full"
+    return "file" if isinstance(v, ExperimentFile) else "full"
+
+
+# A flow's `config` parameter: the full RunConfig (the UI renders every field) or {file, overrides}.
+# The discriminator picks one by its keys, so a bad value gets one error list, not one per variant.
+FlowConfig = Annotated[Union[Annotated[RunConfig, Tag("full")], Annotated[ExperimentFile, Tag("file")]],
+                       Discriminator(_config_kind)]
+
+
+def resolve_config(config: "RunConfig | ExperimentFile") -> RunConfig:
+    return config.resolve() if isinstance(config, ExperimentFile) else config

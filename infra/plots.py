@@ -1,4 +1,4 @@
-"""Reward and held-out accuracy curves of an experiment, drawn from its records in storage."""
+"""Reward and eval curves of an experiment, drawn from its records in storage."""
 from __future__ import annotations
 
 import io
@@ -6,8 +6,9 @@ import io
 import pandas as pd
 
 
-def curves_png(table: pd.DataFrame, evals: list[tuple[int, float]], title: str) -> bytes:
-    """PNG bytes: mean rollout reward per iteration, and held-out accuracy at each eval point.
+def curves_png(table: pd.DataFrame, evals: dict[str, list[tuple[int, float]]], title: str) -> bytes:
+    """PNG bytes: mean rollout reward per iteration, and one curve per eval set (its pass@1 at each
+    eval point; `evals` maps set name -> [(policy version, pass@1)]).
 
     Iteration i's reward is plotted at x = i + 1 (the policy version its update produced), so both
     curves share the policy-version axis and the eval before training sits at x = 0.
@@ -20,11 +21,12 @@ def curves_png(table: pd.DataFrame, evals: list[tuple[int, float]], title: str) 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
     if not table.empty and "reward_mean" in table.columns:
         ax.plot(table["iteration"] + 1, table["reward_mean"], lw=1.2, label="mean rollout reward")
-    if evals:
-        xs, ys = zip(*sorted(evals))
-        ax.plot(xs, ys, "o-", lw=1.5, label="held-out accuracy (greedy)")
+    for name, points in evals.items():
+        if points:
+            xs, ys = zip(*sorted(points))
+            ax.plot(xs, ys, "o-", lw=1.5, label=f"eval {name}: pass@1")
     ax.set_xlabel("policy version (iterations trained)")
-    ax.set_ylabel("reward / accuracy")
+    ax.set_ylabel("reward / pass@1")
     ax.set_ylim(-0.02, 1.02)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")

@@ -13,9 +13,13 @@ from pathlib import Path
 import ray
 
 log = logging.getLogger("reflow.ray")
+_ATTACHED: list[str] = []  # the address this process attached to (empty: a cluster of its own, or none)
 
 # Passed to every worker so actors find the same JIT-extension cache and stay quiet.
-_WORKER_ENV_KEYS = ("TORCH_EXTENSIONS_DIR", "REFLOW_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+# S3-compatible endpoints and regions (not secrets) go along too, so model paths and disk pushes
+# at s3:// URLs reach the same server from every actor; credentials stay with the AWS chain.
+_WORKER_ENV_KEYS = ("TORCH_EXTENSIONS_DIR", "REFLOW_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
+                    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
 
 
 def namespace_for(prefix: str, experiment: str) -> str:
@@ -43,8 +47,16 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     if address:
         # Ray >= 2.5x uses token auth: "auto" finds the local head and its token; an explicit
         # host:port needs RAY_AUTH_MODE=token in the environment (see ENVIRONMENT.md).
-        ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
-                 log_to_driver=True)
+        try:
+            ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
+                     log_to_driver=True)
+        except ConnectionError as e:
+            hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
+                    " Ray 2.60 clusters use token auth: export RAY_AUTH_MODE=token before starting this process "
+                    "(Ray reads it at import).")
+            raise ConnectionError(f"cannot attach to the Ray cluster at {address}: {e}.{hint} Is it up? "
+                                  f"(`reflow cluster status`)") from e
+        _ATTACHED[:] = [address]
         return f"connected to Ray at {address}"
     # A fresh temp dir: a stale ray_current_cluster file from an earlier `ray stop` would make
     # ray.init try to join a dead cluster.
@@ -53,3 +65,9 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=tmp,
              runtime_env={"env_vars": worker_env()}, log_to_driver=True)
     return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp})"
+
+
+def attached_to_running_cluster() -> bool:
+    """True when this process attached to a cluster that outlives it (RAY_ADDRESS / cluster.address):
+    then an experiment's actors are detached and later flow runs reuse them."""
+    return bool(_ATTACHED) and ray.is_initialized()

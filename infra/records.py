@@ -43,11 +43,19 @@ def format_table(df: pd.DataFrame) -> str:
     return df[cols].to_string(index=False, float_format=lambda v: f"{v:.4f}")
 
 
-def eval_points(store: ExperimentStore) -> list[tuple[int, float]]:
-    """(policy version, held-out accuracy) of every eval point recorded under iterations/*/eval/."""
-    points = []
+def eval_points(store: ExperimentStore) -> dict[str, list[tuple[int, dict]]]:
+    """{eval set: [(policy version, summary), ...]} of every in-training eval recorded under
+    iterations/*/eval/<set>/summary.json, sorted by version. Records of older runs
+    (iterations/*/eval/summary.json with `eval_accuracy`) count as set "heldout" with that pass@1."""
+    points: dict[str, list[tuple[int, dict]]] = {}
     for name in store.listdir("iterations"):
-        rel = f"iterations/{name}/eval/summary.json"
-        if name.isdigit() and store.exists(rel):
-            points.append((int(name), float(store.read_json(rel)["eval_accuracy"])))
-    return sorted(points)
+        if not name.isdigit():
+            continue
+        d = f"iterations/{name}/eval"
+        for set_name in store.listdir(d):
+            if store.exists(f"{d}/{set_name}/summary.json"):
+                points.setdefault(set_name, []).append((int(name), store.read_json(f"{d}/{set_name}/summary.json")))
+        if store.exists(f"{d}/summary.json"):  # before named eval sets
+            acc = float(store.read_json(f"{d}/summary.json")["eval_accuracy"])
+            points.setdefault("heldout", []).append((int(name), {"pass@1": acc, "reward_mean": acc}))
+    return {k: sorted(v, key=lambda p: p[0]) for k, v in sorted(points.items())}

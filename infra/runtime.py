@@ -5,6 +5,7 @@ experiment in this process, so every task of every iteration flow run finds the 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -12,13 +13,16 @@ from typing import Any
 
 import ray
 
+from engines.critic import CriticGroup
 from engines.embedded_engine import EmbeddedEngine
 from engines.hf_io import load_tokenizer, resolve_checkpoint
 from engines.router import Router, SGLangRouter, sglang_router_available
 from engines.sglang_engine import SGLangEngine
-from engines.trainer_group import TrainerGroup
+from engines.trainer_group import TrainerGroup, TrainerInitError
 from infra.config import RunConfig, dump_config
-from infra.ray_cluster import connect, namespace_for
+from infra.eval_sets import EvalSet, load_eval_sets
+from infra import actors
+from infra.ray_cluster import attached_to_running_cluster, connect, namespace_for
 from infra.storage import ExperimentStore
 from rl.data import load_prompt_rows, tokenize_prompts
 from rl.rewards import load_reward_fn
@@ -35,7 +39,7 @@ class Runtime:
     eos_id: int
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
-    trainers: TrainerGroup
+    trainers: TrainerGroup | None  # None in an eval-only runtime (`get_eval_runtime`)
     engines: list[Any]  # Ray actor handles
     engine_urls: list[str]
     store: ExperimentStore
@@ -44,6 +48,13 @@ class Runtime:
     # still cut into one shard per engine and the router balances the shards).
     generate_urls: list[str] = field(default_factory=list)
     router: Any = None  # Ray actor handle of the router, when rollout.router
+    eval_sets: list[EvalSet] = field(default_factory=list)  # infra/eval_sets.py, loaded before Ray starts
+    # On a long-lived cluster (RAY_ADDRESS) the actors are detached and outlive this process; a
+    # later flow run reuses them. `reused`: names of actors an earlier flow run had created.
+    persistent: bool = False
+    actor_ids: dict[str, str] = field(default_factory=dict)
+    reused: list[str] = field(default_factory=list)
+    critic: Any = None  # engines.critic.CriticGroup when algorithm.type == ppo
 
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -52,25 +63,38 @@ _RUNTIMES: dict[str, Runtime] = {}
 def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     d = cfg.data
     train_rows, eval_rows = load_prompt_rows(d.task, d.path, d.prompt_key, d.label_key, d.seed,
-                                             d.num_train, d.num_eval, d.digits)
+                                             d.num_train, d.num_eval, d.digits, d.eval_path)
     return (tokenize_prompts(train_rows, tokenizer, d.max_prompt_len),
             tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len))
 
 
-def _start_engines(cfg: RunConfig, namespace: str) -> list[Any]:
-    """One named engine actor per engine; both backends answer url()/ready()/shutdown() and speak
+def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool):
+    """Get-or-create engine i (a named actor); both backends answer url()/ready()/shutdown() and speak
     SGLang's HTTP API, so nothing after this point knows which one runs."""
     r = cfg.rollout
     if r.backend == "embedded":
         actor_cls, options = ray.remote(EmbeddedEngine), {"num_cpus": 1}
-        kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size)
+        kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host)
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
-        kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static,
+        kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s)
-    return [actor_cls.options(name=f"engine-{i}", namespace=namespace, get_if_exists=True, **options)
-            .remote(model_path=cfg.model.path, engine_id=f"engine-{i}", **kwargs)
-            for i in range(r.num_engines)]
+    if detached:
+        options["lifetime"] = "detached"
+    return (actor_cls.options(name=f"engine-{i}", namespace=namespace, get_if_exists=True, **options)
+            .remote(model_path=cfg.model.path, engine_id=f"engine-{i}", **kwargs))
+
+
+def _start_engines(cfg: RunConfig, namespace: str, detached: bool = False) -> list[Any]:
+    """One named engine actor per engine. On a long-lived cluster an engine left by an earlier flow
+    run is reused when it answers; one that died or hangs is killed and recreated."""
+    engines = [_engine_actor(cfg, namespace, i, detached) for i in range(cfg.rollout.num_engines)]
+    for i, ok in enumerate(actors.answers(engines)):
+        if not ok:
+            log.warning("engine-%d of %s did not answer: recreating it", i, namespace)
+            ray.kill(engines[i], no_restart=True)
+            engines[i] = _engine_actor(cfg, namespace, i, detached)
+    return engines
 
 
 def _start_router(cfg: RunConfig, namespace: str, urls: list[str]) -> tuple[Any, list[str]]:
@@ -78,7 +102,8 @@ def _start_router(cfg: RunConfig, namespace: str, urls: list[str]) -> tuple[Any,
     if not cfg.rollout.router:
         return None, list(urls)
     actor_cls = ray.remote(SGLangRouter if sglang_router_available() else Router)
-    router = actor_cls.options(name="router", namespace=namespace, num_cpus=0, get_if_exists=True).remote(urls)
+    router = actor_cls.options(name="router", namespace=namespace, num_cpus=0, get_if_exists=True).remote(
+        urls, host=cfg.cluster.bind_host)
     ray.get(router.ready.remote())
     return router, [ray.get(router.url.remote())] * len(urls)
 
@@ -93,7 +118,22 @@ def _engine_gpus(cfg: RunConfig) -> float:
     return 0.2  # fractional: Ray lets the engine share the GPU a trainer rank holds
 
 
-def _start_trainers(cfg: RunConfig, namespace: str) -> TrainerGroup:
+def _attach_trainers(cfg: RunConfig, namespace: str) -> TrainerGroup | None:
+    """The policy ranks an earlier flow run left, if every one of them answers; else None (and
+    any survivors are killed: a group with a lost rank cannot rejoin its process group)."""
+    try:
+        group = TrainerGroup.attach(cfg.trainer.num_ranks, namespace, "policy")
+    except TrainerInitError:
+        group = None
+    if group is not None and all(actors.answers(group.actors, "ping")):
+        return group
+    for name in actors.named_actors(namespace):
+        if name.startswith("policy-trainer-"):
+            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+    return None
+
+
+def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False) -> TrainerGroup:
     t, a = cfg.trainer, cfg.algorithm
     total = t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
     ref = (cfg.model.ref_path or cfg.model.path) if a.needs_ref else None
@@ -102,7 +142,20 @@ def _start_trainers(cfg: RunConfig, namespace: str) -> TrainerGroup:
         model_path=cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=t.lr,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref)
+        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref, detached=detached)
+
+
+def _start_critic(cfg: RunConfig, namespace: str) -> CriticGroup | None:
+    """PPO's value model: its own DeepSpeed ranks (as many as the policy's, so the batch splits the
+    same way), started fresh by every runtime and restored with the policy's checkpoint."""
+    if cfg.algorithm.type != "ppo":
+        return None
+    t, c = cfg.trainer, cfg.critic
+    return CriticGroup.create(
+        num_ranks=t.num_ranks, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
+        model_path=c.path or cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=c.lr,
+        weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
+        threads=t.threads_per_rank, seed=cfg.seed)
 
 
 def build_runtime(cfg: RunConfig) -> Runtime:
@@ -112,10 +165,16 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     load_reward_fn(cfg.data.reward_fn)
     tokenizer = load_tokenizer(cfg.model.path)
     train_prompts, eval_prompts = _load_data(cfg, tokenizer)
+    eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)
     log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
-    engines = _start_engines(cfg, namespace)
-    trainers = _start_trainers(cfg, namespace)
+    persistent = attached_to_running_cluster()
+    record, reusable = actors.prepare_namespace(cfg, namespace) if persistent else (None, False)
+    before_ids = ray.get(record.get.remote()).get("actor_ids", {}) if reusable else {}
+    before = set(actors.named_actors(namespace)) if reusable else set()
+    engines = _start_engines(cfg, namespace, detached=persistent)
+    trainers = (_attach_trainers(cfg, namespace) if reusable else None) or _start_trainers(cfg, namespace, persistent)
+    critic = _start_critic(cfg, namespace)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
@@ -124,13 +183,57 @@ def build_runtime(cfg: RunConfig) -> Runtime:
                  train_prompts=train_prompts, eval_prompts=eval_prompts, trainers=trainers,
                  engines=engines, engine_urls=urls, store=store)
     rt.router, rt.generate_urls = _start_router(cfg, namespace, urls)
+    rt.eval_sets = eval_sets
+    rt.persistent = persistent
+    rt.critic = critic
+    rt.actor_ids = {name: actors.actor_id(h) for name, h in
+                    [(f"engine-{i}", e) for i, e in enumerate(engines)] +
+                    [(f"policy-trainer-{r}", a) for r, a in enumerate(trainers.actors)]}
+    rt.reused = sorted(n for n in rt.actor_ids if n in before and before_ids.get(n) == rt.actor_ids[n])
+    if record is not None:
+        ray.get(record.set.remote({"fingerprint": actors.fingerprint(cfg), "actor_ids": rt.actor_ids,
+                                   "updated_at": time.time()}))
     if cfg.cluster.colocate:  # the engines generate first: the trainer starts with its states offloaded
-        ray.get(trainers.offload_states())
+        ray.get(trainers.offload_states() + (critic.offload_states() if critic is not None else []))
     rt.timings["startup"] = time.perf_counter() - t0
     log.info("runtime ready in %.1fs: %d engine(s) %s, %d trainer rank(s), %d train / %d eval prompts, storage %s",
              rt.timings["startup"], len(engines), urls, cfg.trainer.num_ranks, len(train_prompts),
              len(eval_prompts), store.url())
     return rt
+
+
+def ensure_engines(cfg: RunConfig) -> list[str]:
+    """Recreate engines that died (e.g. mid-rollout, which the router survives) before the control
+    plane needs every one of them; the router swaps the URLs. Returns the names recreated; the
+    next push gives the new engines the current weights."""
+    rt = get_runtime(cfg)
+    dead = [i for i, ok in enumerate(actors.answers(rt.engines, "url", timeout_s=10)) if not ok]
+    for i in dead:
+        log.warning("engine-%d (%s) is gone: recreating it", i, rt.engine_urls[i])
+        ray.kill(rt.engines[i], no_restart=True)
+        rt.engines[i] = _engine_actor(cfg, rt.namespace, i, rt.persistent)
+        old, rt.engine_urls[i] = rt.engine_urls[i], ray.get(rt.engines[i].url.remote())
+        ray.get(rt.engines[i].ready.remote())
+        rt.actor_ids[f"engine-{i}"] = actors.actor_id(rt.engines[i])
+        if rt.router is not None:
+            ray.get(rt.router.add_worker.remote(rt.engine_urls[i]))
+            if old in ray.get(rt.router.workers.remote())["urls"]:  # it may have dropped the dead URL already
+                ray.get(rt.router.remove_worker.remote(old))
+        else:
+            rt.generate_urls[i] = rt.engine_urls[i]
+    return [f"engine-{i}" for i in dead]
+
+
+def recreate_trainers(cfg: RunConfig) -> TrainerGroup:
+    """Replace the policy ranks with fresh ones loaded from `model.path`."""
+    rt = get_runtime(cfg)
+    rt.trainers.kill()
+    rt.trainers = _start_trainers(cfg, rt.namespace, rt.persistent)
+    rt.reused = [n for n in rt.reused if not n.startswith("policy-trainer-")]
+    rt.actor_ids.update({f"policy-trainer-{r}": actors.actor_id(a) for r, a in enumerate(rt.trainers.actors)})
+    if cfg.cluster.colocate:
+        ray.get(rt.trainers.offload_states())
+    return rt.trainers
 
 
 def get_runtime(cfg: RunConfig) -> Runtime:
@@ -140,11 +243,80 @@ def get_runtime(cfg: RunConfig) -> Runtime:
     return rt
 
 
-def shutdown_runtime(experiment: str) -> None:
+def shutdown_runtime(experiment: str, release: bool | None = True) -> None:
+    """Forget this process's runtime of `experiment`; `release` also kills its actors
+    (None: release unless they live on a long-lived cluster, where the next flow run reuses them)."""
     rt = _RUNTIMES.pop(experiment, None)
     if rt is None:
         return
+    if rt.critic is not None:  # never kept: every flow run restores the critic from the checkpoint
+        rt.critic.kill()
+    if release is None:
+        release = not rt.persistent
+    if not release:
+        log.info("keeping %d actor(s) of %s for the next flow run: %s", len(rt.actor_ids), rt.namespace,
+                 sorted(rt.actor_ids))
+        return
+    if rt.persistent:
+        ray.kill(actors.record(rt.namespace), no_restart=True)
     rt.trainers.kill()
+    if rt.router is not None:
+        ray.kill(rt.router)
+    for e in rt.engines:
+        try:
+            ray.get(e.shutdown.remote(), timeout=10)
+        finally:
+            ray.kill(e)
+
+
+# ---------------------------------------------------------------- eval-only runtimes (flows/evaluate.py)
+
+
+def _eval_namespace(cfg: RunConfig) -> str:
+    """A namespace per served checkpoint, apart from the training actors': named actors are
+    get-or-create, so sharing the training namespace would evaluate whatever a training run holds."""
+    digest = hashlib.sha256(cfg.model.path.encode()).hexdigest()[:8]
+    return f"{namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)}-eval-{digest}"
+
+
+def build_eval_runtime(cfg: RunConfig) -> Runtime:
+    """Rollout engines serving `cfg.model.path` (e.g. a checkpoint's model/ folder) and the eval
+    sets; no trainers. Inputs are validated before any actor starts, as in `build_runtime`."""
+    t0 = time.perf_counter()
+    resolve_checkpoint(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
+    _, eval_prompts = _load_data(cfg, tokenizer)
+    eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
+    namespace = _eval_namespace(cfg)
+    log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
+    engines = _start_engines(cfg, namespace)
+    urls = ray.get([e.url.remote() for e in engines])
+    ray.get([e.ready.remote() for e in engines])
+    rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
+                 train_prompts=[], eval_prompts=eval_prompts, trainers=None, engines=engines, engine_urls=urls,
+                 store=ExperimentStore.from_config(cfg.storage, cfg.experiment), eval_sets=eval_sets)
+    rt.router, rt.generate_urls = _start_router(cfg, namespace, urls)
+    rt.timings["startup"] = time.perf_counter() - t0
+    log.info("eval runtime ready in %.1fs: %d engine(s) serving %s", rt.timings["startup"], len(engines), cfg.model.path)
+    return rt
+
+
+def get_eval_runtime(cfg: RunConfig) -> Runtime:
+    """This process's eval-only runtime of the experiment, rebuilt when the checkpoint it serves changes."""
+    key = f"{cfg.experiment}/eval-only"
+    rt = _RUNTIMES.get(key)
+    if rt is not None and rt.cfg.model.path != cfg.model.path:
+        shutdown_eval_runtime(cfg.experiment)
+        rt = None
+    if rt is None:
+        rt = _RUNTIMES[key] = build_eval_runtime(cfg)
+    return rt
+
+
+def shutdown_eval_runtime(experiment: str) -> None:
+    rt = _RUNTIMES.pop(f"{experiment}/eval-only", None)
+    if rt is None:
+        return
     if rt.router is not None:
         ray.kill(rt.router)
     for e in rt.engines:

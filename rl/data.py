@@ -20,26 +20,49 @@ from rl.types import Prompt
 _MAX_LISTED = 5  # bad rows quoted in an error message; the rest are counted
 
 
-def _read_table(path: str):
+def _read_jsonl(path: str):
+    """One JSON object per line (blank lines skipped); a bad line is named by its 1-based number."""
+    import json
+
+    import fsspec
+    import pandas as pd
+
+    records = []
+    with fsspec.open(path, "rt", encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path!r} line {lineno} is not valid JSON ({e.msg}): {line.strip()[:120]!r}") from None
+            if not isinstance(obj, dict):
+                raise ValueError(f"{path!r} line {lineno} is a JSON {type(obj).__name__}, not an object")
+            records.append(obj)
+    return pd.DataFrame.from_records(records)
+
+
+def _read_table(path: str, section: str = "data"):
     import pandas as pd
 
     name = path.lower().split("?")[0]
     if name.endswith((".parquet", ".pq")):
         return pd.read_parquet(path)
     if name.endswith((".jsonl", ".json")):
-        return pd.read_json(path, lines=True, dtype=False)
-    raise ValueError(f"data.path={path!r}: unknown file type; expected .jsonl, .json (lines) or .parquet")
+        return _read_jsonl(path)
+    raise ValueError(f"{section} file {path!r}: unknown file type; expected .jsonl, .json (lines) or .parquet")
 
 
 def _is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def read_rows(path: str, prompt_key: str, label_key: str) -> list[dict]:
+def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data") -> list[dict]:
     """All rows of a jsonl/parquet file as {"prompt", "label"} dicts; a row whose prompt cell is
-    empty keeps no "prompt" key (reported by `tokenize_prompts`), a missing label becomes None."""
-    df = _read_table(path)
-    for key, field in ((prompt_key, "data.prompt_key"), (label_key, "data.label_key")):
+    empty keeps no "prompt" key (reported by `tokenize_prompts`), a missing label becomes None.
+    `section` names the config section in errors (e.g. "eval.sets.1")."""
+    df = _read_table(path, section)
+    for key, field in ((prompt_key, f"{section}.prompt_key"), (label_key, f"{section}.label_key")):
         if key not in df.columns:
             raise ValueError(f"{path!r} has no column {key!r} ({field}); columns: {list(df.columns)}")
     rows = []

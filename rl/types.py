@@ -36,8 +36,13 @@ class RolloutBatch:
     label: list[Any]
     policy_version: int = 0
     rewards: list[float] | None = None
-    advantages: list[float] | None = None  # one per sample (GRPO: sequence-level)
+    advantages: list[float] | None = None  # one per sample (GRPO: sequence-level; PPO: first response token's)
     extra: dict[str, Any] = field(default_factory=dict)
+    # Token-level (PPO), one float per response token: the critic's V(s_t) before its update,
+    # GAE advantages and returns (value targets). See engines/critic.py for the alignment.
+    values: list[list[float]] | None = None
+    token_advantages: list[list[float]] | None = None
+    returns: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -58,7 +63,8 @@ class RolloutBatch:
             response_ids=pick(self.response_ids), rollout_logprobs=pick(self.rollout_logprobs),
             finish_reason=pick(self.finish_reason), label=pick(self.label),
             policy_version=self.policy_version, rewards=pick(self.rewards),
-            advantages=pick(self.advantages), extra=dict(self.extra),
+            advantages=pick(self.advantages), extra=dict(self.extra), values=pick(self.values),
+            token_advantages=pick(self.token_advantages), returns=pick(self.returns),
         )
 
 
@@ -66,7 +72,8 @@ def to_train_tensors(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor
     """Right-padded tensors for a causal LM forward pass over prompt+response.
 
     Position t of the `[B, T-1]` tensors scores token t+1 of `input_ids` (the usual shift):
-    `loss_mask` is 1 exactly where that token is a response token.
+    `loss_mask` is 1 exactly where that token is a response token. Token-level fields (PPO) land on
+    the same positions: `old_values`, `returns`, and `advantages` as [B, T-1] instead of [B].
     """
     seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     B, T = len(seqs), max(len(s) for s in seqs)
@@ -85,4 +92,19 @@ def to_train_tensors(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor
            "rollout_logprobs": rollout_lp}
     if batch.advantages is not None:
         out["advantages"] = torch.tensor(batch.advantages, dtype=torch.float32)  # [B]
+    for key, rows in (("old_values", batch.values), ("returns", batch.returns),
+                      ("advantages", batch.token_advantages)):
+        if rows is not None:
+            out[key] = _on_response_tokens(rows, batch, T)  # [B, T-1]
+    return out
+
+
+def _on_response_tokens(rows: list[list[float]], batch: RolloutBatch, T: int) -> torch.Tensor:
+    """Per-response-token values [B][len(response)] placed where `loss_mask` is 1 -> [B, T-1]."""
+    out = torch.zeros((len(rows), T - 1), dtype=torch.float32)  # [B, T-1]
+    for i, (p, r, row) in enumerate(zip(batch.prompt_ids, batch.response_ids, rows)):
+        if len(row) != len(r):
+            raise ValueError(f"sample {i}: {len(row)} token values for {len(r)} response tokens")
+        if r:
+            out[i, len(p) - 1 : len(p) + len(r) - 1] = torch.tensor(row, dtype=torch.float32)
     return out

@@ -1,7 +1,8 @@
 """Prefect tasks around checkpoints: storage preflight, choosing a resume point, save, restore.
 
 The trainer ranks upload and download their own files (engines/trainer_ckpt.py); the driver only
-merges their manifests, commits, and decides which checkpoint to load (infra/checkpoint.py).
+merges their manifests, commits, and decides which checkpoint to load (infra/checkpoint.py). With
+PPO the critic ranks do the same under `critic/` of the same checkpoint, inside the same manifest.
 """
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from prefect.cache_policies import NO_CACHE
 
 from infra import checkpoint as ckpt
 from infra.config import RunConfig, dump_config
-from infra.runtime import get_runtime
+from infra.runtime import get_runtime, recreate_trainers
 from infra.storage import ExperimentStore
+
+
+CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a checkpoint
 
 
 class ResumeError(RuntimeError):
@@ -49,52 +53,101 @@ def find_checkpoints(cfg: RunConfig) -> list[tuple[ckpt.Checkpoint, dict]]:
     return [(ck, files) for ck, files, _ in found]
 
 
-def _try_fetch(trainers, ck: ckpt.Checkpoint, files: dict) -> str | None:
-    """None if every rank downloaded and verified its files, else why not."""
+def _parts(ck: ckpt.Checkpoint, files: dict, trainers, critic=None) -> list[tuple[object, str, dict]]:
+    """(rank group, prefix, files) to fetch: the policy everything outside critic/, the PPO critic
+    its own subtree (the one manifest covers both, so neither half can be missing from a commit)."""
+    parts = [(trainers, ck.prefix, {k: v for k, v in files.items() if not k.startswith(CRITIC)})]
+    if critic is not None:
+        own = {k[len(CRITIC):]: v for k, v in files.items() if k.startswith(CRITIC)}
+        if not own:
+            raise ResumeError(f"{ck.url} holds no critic (saved by a run without algorithm.type=ppo); "
+                              f"resume it with that run's algorithm, or start a new experiment")
+        parts.append((critic, ck.rel(CRITIC.rstrip("/")), own))
+    return parts
+
+
+def _try_fetch(ck: ckpt.Checkpoint, parts: list[tuple[object, str, dict]]) -> str | None:
+    """None if every rank of every group downloaded and verified its files, else why not."""
     errors = []
-    for ref in trainers.fetch_checkpoint(ck.store, ck.prefix, files):  # every ref is read: no unhandled errors
+    refs = [ref for group, prefix, files in parts for ref in group.fetch_checkpoint(ck.store, prefix, files)]
+    for ref in refs:  # every ref is read: no unhandled errors
         try:
             ray.get(ref)
         except ray.exceptions.RayTaskError as e:  # deliberate: a bad checkpoint means trying the next one
             errors.append(str(e.cause if getattr(e, "cause", None) else e).splitlines()[0][:500])
     if not errors:
         return None
-    ray.get(trainers.drop_fetched_checkpoint())
+    ray.get([ref for group, _, _ in parts for ref in group.drop_fetched_checkpoint()])
     return errors[0]
 
 
-def load_first_valid(trainers, found: list[tuple[ckpt.Checkpoint, dict]], num_ranks: int) -> ckpt.Checkpoint:
-    """Load into every rank the first candidate whose files all verify; warn about each one skipped."""
+def _load(ck: ckpt.Checkpoint, parts: list[tuple[object, str, dict]]) -> str | None:
+    """Fetch then load every group's part; None on success, else why the checkpoint was skipped."""
+    why = _try_fetch(ck, parts)
+    if why is None:
+        ray.get([ref for group, _, _ in parts for ref in group.load_checkpoint()])
+    return why
+
+
+def load_first_valid(trainers, found: list[tuple[ckpt.Checkpoint, dict]], num_ranks: int,
+                     critic=None) -> ckpt.Checkpoint:
+    """Load into every rank (policy, and the PPO critic when given) the first candidate whose files
+    all verify; warn about each one skipped."""
     for ck, files in found:
         state = ckpt.read_state(ck, files)
         if state["num_trainer_ranks"] != num_ranks:
             raise ResumeError(f"{ck.url} was saved by {state['num_trainer_ranks']} trainer ranks; resume "
                               f"with trainer.num_ranks={state['num_trainer_ranks']}")
-        why = _try_fetch(trainers, ck, files)
+        why = _load(ck, _parts(ck, files, trainers, critic))
         if why is not None:
             ckpt.log.warning("skipping checkpoint %s: %s", ck.url, why)
             continue
-        ray.get(trainers.load_checkpoint())
         return ck
     raise ResumeError("no checkpoint could be loaded: " + ", ".join(ck.url for ck, _ in found))
 
 
+def _holds(trainers, ck: ckpt.Checkpoint, files: dict) -> bool:
+    """Whether reused trainer ranks already hold exactly this checkpoint's weights (the checksum
+    recorded at save time), so loading it again can be skipped."""
+    want = ckpt.read_state(ck, files).get("weights_sha256")
+    return want is not None and ray.get(trainers.weights_checksum())[0] == want
+
+
 @task(name="restore-checkpoint", cache_policy=NO_CACHE)
-def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> int:
-    """Load the newest loadable candidate into the trainer ranks; returns iterations done."""
-    ck = load_first_valid(get_runtime(cfg).trainers, found, cfg.trainer.num_ranks)
-    get_run_logger().info("resumed from %s: %d iterations done", ck.url, ck.step)
-    return ck.step
+def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[str, object]:
+    """Bring the trainer ranks to the newest loadable checkpoint (or to `model.path` when there is
+    none); returns {"step": iterations done, "loaded": whether anything had to be (re)loaded}.
+    Ranks reused from an earlier flow run are kept as they are when they hold its weights."""
+    rt, log = get_runtime(cfg), get_run_logger()
+    reused = any(n.startswith("policy-trainer-") for n in rt.reused)
+    if reused and found and _holds(rt.trainers, *found[0]):
+        log.info("trainer ranks from the previous flow run hold %s exactly: not loading it again", found[0][0].url)
+        if rt.critic is not None:  # the critic is never reused: load it alone
+            ck, files = found[0]
+            if (why := _load(ck, _parts(ck, files, rt.trainers, rt.critic)[1:])) is not None:
+                raise ResumeError(f"the critic of {ck.url} could not be loaded: {why}")
+        return {"step": found[0][0].step, "loaded": False}
+    if not found:
+        if reused:  # they trained past the (missing) checkpoint: start them again from model.path
+            recreate_trainers(cfg)
+        return {"step": 0, "loaded": reused}
+    ck = load_first_valid(rt.trainers, found, cfg.trainer.num_ranks, rt.critic)
+    log.info("resumed from %s: %d iterations done", ck.url, ck.step)
+    return {"step": ck.step, "loaded": True}
 
 
 def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: str,
-         keep_last: int) -> str:
-    """Every rank uploads its part, then MANIFEST -> COMMITTED -> latest; then retention."""
+         keep_last: int, critic=None) -> str:
+    """Every rank uploads its part (the PPO critic's ranks under critic/, alongside), then
+    MANIFEST -> COMMITTED -> latest; then retention."""
     ck = ckpt.at_step(store, step)
     ckpt.begin(ck)
+    critic_refs = critic.save_checkpoint(store, ck.rel(CRITIC.rstrip("/"))) if critic is not None else []
     files: dict[str, dict] = {}
     for rank_files in ray.get(trainers.save_checkpoint(store, ck.prefix)):
         files.update(rank_files)
+    for rank_files in ray.get(critic_refs):
+        files.update({CRITIC + rel: meta for rel, meta in rank_files.items()})
     ckpt.fault_point("KILL_DURING_SAVE", step)
     url = ckpt.commit(ck, files, state, config_yaml)
     ckpt.fault_point("KILL_AFTER_COMMIT", step)
@@ -106,4 +159,5 @@ def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: 
 def save_checkpoint(cfg: RunConfig, step: int) -> str:
     rt = get_runtime(cfg)
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
-    return save(rt.trainers, rt.store, step, state, dump_config(cfg), cfg.checkpoint.keep_last)
+    state["weights_sha256"] = ray.get(rt.trainers.weights_checksum())[0]  # lets a reused trainer skip a reload
+    return save(rt.trainers, rt.store, step, state, dump_config(cfg), cfg.checkpoint.keep_last, critic=rt.critic)

@@ -1,7 +1,8 @@
 """Prefect tasks of colocated mode: engines and trainers take turns on the same GPUs.
 
 Per iteration, after the rollout:
-  to_trainer  engines release_memory_occupation(tags); trainer ranks reload their DeepSpeed states
+  to_trainer  engines release_memory_occupation(tags); trainer (and PPO critic) ranks reload their
+              DeepSpeed states
   ... train ...
   to_engines("weights")  trainer ranks offload their states; engines resume their weights (the push
                          writes into them)
@@ -22,6 +23,7 @@ from prefect.cache_policies import NO_CACHE
 from engines.rollout_client import EngineClient
 from infra.config import RunConfig
 from infra.runtime import get_runtime
+from tasks.evaluate import wait_for_eval_generation
 
 
 def _each_engine(urls: list[str], call) -> None:
@@ -32,9 +34,12 @@ def _each_engine(urls: list[str], call) -> None:
 @task(name="colocate-to-trainer", cache_policy=NO_CACHE)
 def to_trainer(cfg: RunConfig) -> dict[str, float]:
     rt = get_runtime(cfg)
+    wait_for_eval_generation(rt.namespace)  # an eval may still generate on the engines (tasks/evaluate.py)
     t0 = time.perf_counter()
     _each_engine(rt.engine_urls, lambda c: c.release_memory_occupation(list(cfg.cluster.release_tags)))
+    critic = rt.critic.reload_states() if rt.critic is not None else []  # PPO: the critic takes turns too
     moves = ray.get(rt.trainers.reload_states())[0]["moves"]
+    ray.get(critic)
     return {"time_engines_release": time.perf_counter() - t0, "trainer_state_moves": float(moves)}
 
 
@@ -44,7 +49,7 @@ def to_engines(cfg: RunConfig, stage: Literal["weights", "rest"]) -> dict[str, f
     t0 = time.perf_counter()
     tags = [t for t in cfg.cluster.release_tags if (t == "weights") == (stage == "weights")]
     if stage == "weights":
-        ray.get(rt.trainers.offload_states())
+        ray.get(rt.trainers.offload_states() + (rt.critic.offload_states() if rt.critic is not None else []))
     if tags:
         _each_engine(rt.engine_urls, lambda c: c.resume_memory_occupation(tags))
     return {f"time_engines_resume_{stage}": time.perf_counter() - t0}

@@ -1,4 +1,4 @@
-"""Prefect tasks of the rollout side: generate, reward, advantages, evaluate.
+"""Prefect tasks of the rollout side: generate, reward, advantages (evaluation: tasks/evaluate.py).
 
 Thin wrappers: each submits a Ray remote function and returns a `BatchRef` (an ObjectRef plus
 small stats) or a metrics dict. Batches never travel through Prefect results; `NO_CACHE`
@@ -9,20 +9,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import ray
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from engines import rollout as ro
+from engines.critic import gae_batch
 from infra.config import RunConfig
 from infra.runtime import Runtime, get_runtime
 from infra.storage import ExperimentStore
 from rl.data import PromptSampler
 from rl.types import Prompt, RolloutBatch
+from tasks import stage_cache
+from tasks.faults import transient_fault
 
 _generate = ray.remote(num_cpus=0)(ro.generate)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
 _advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
 _dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
+_gae = ray.remote(num_cpus=0, num_returns=2)(gae_batch)
 
 
 @ray.remote(num_cpus=0)
@@ -50,21 +54,40 @@ def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: i
     return sampler.next_batch(k)
 
 
-def _sp(rt: Runtime, greedy: bool = False) -> dict:
+def _sp(rt: Runtime) -> dict:
     r = rt.cfg.rollout
-    return ro.sampling_params(0.0 if greedy else r.temperature, 1.0 if greedy else r.top_p,
-                              -1 if greedy else r.top_k, r.max_new_tokens, [rt.eos_id])
+    return ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id])
 
 
-@task(name="generate", cache_policy=NO_CACHE)
+def _cached(rt: Runtime, iteration: int, stage: str) -> BatchRef | None:
+    """The stage's persisted result from an earlier (crashed) flow run of this iteration, if any."""
+    meta = stage_cache.find(rt.store, iteration, stage, stage_cache.stage_key(rt.cfg, stage))
+    if meta is None:
+        return None
+    ref = stage_cache.load_stage.remote(rt.store, iteration, stage, meta["sha256"])
+    ray.wait([ref], fetch_local=False)
+    get_run_logger().info("iteration %d: %s rollouts loaded from storage (%d samples), not generated again",
+                          iteration, stage, meta["samples"])
+    return BatchRef(ref, {**meta["stats"], f"{stage}_from_storage": 1.0}, iteration)
+
+
+def _persist(rt: Runtime, batch: BatchRef, stage: str) -> BatchRef:
+    ray.get(stage_cache.save_stage.remote(batch.ref, rt.store, batch.iteration, stage,
+                                          stage_cache.stage_key(rt.cfg, stage), batch.stats))
+    return batch
+
+
+@task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_fault)
 def generate(cfg: RunConfig, iteration: int) -> BatchRef:
     rt = get_runtime(cfg)
+    if (cached := _cached(rt, iteration, "generated")) is not None:
+        return cached
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
                            iteration, cfg.rollout.request_timeout_s, seed)
     ray.wait([ref], fetch_local=False)
-    return BatchRef(ref, {"prompts": len(prompts)}, iteration)
+    return _persist(rt, BatchRef(ref, {"prompts": len(prompts)}, iteration), "generated")
 
 
 def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:
@@ -80,6 +103,8 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
     """Score the batch (reward fn + overlong penalty); with dynamic sampling, top it up to
     `prompts_per_iteration` groups with reward spread (engines/rollout.py `dynamic_fill`)."""
     a = cfg.algorithm
+    if batch.iteration is not None and (cached := _cached(get_runtime(cfg), batch.iteration, "scored")) is not None:
+        return cached
     score_kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, overlong_buffer=a.overlong_buffer,
                     overlong_factor=a.overlong_penalty)
     ref, stats = _score.remote(batch.ref, cfg.data.reward_fn, **score_kw)
@@ -95,26 +120,15 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
                                        cfg.seed if cfg.rollout.seeded_sampling else None)
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
-    return BatchRef(ref, {**batch.stats, **merged}, batch.iteration)
+    out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration)
+    return _persist(get_runtime(cfg), out, "scored") if batch.iteration is not None else out
 
 
 @task(name="advantages", cache_policy=NO_CACHE)
 def advantages(cfg: RunConfig, batch: BatchRef) -> BatchRef:
     a = cfg.algorithm
-    ref, stats = _advantages.remote(batch.ref, a.normalize_std, a.type, a.kl_in_reward > 0)
+    if a.type == "ppo":  # token-level GAE over the critic's values (tasks.train.critic_values ran first)
+        ref, stats = _gae.remote(batch.ref, a.gamma, a.lam)
+    else:
+        ref, stats = _advantages.remote(batch.ref, a.normalize_std, a.type, a.kl_in_reward > 0)
     return BatchRef(ref, {**batch.stats, **ray.get(stats)}, batch.iteration)
-
-
-@task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate(cfg: RunConfig, iteration: int) -> dict[str, float]:
-    """Greedy held-out accuracy: one greedy sample per eval prompt, scored by the reward fn."""
-    rt = get_runtime(cfg)
-    batch_ref = _generate.remote(rt.generate_urls, rt.eval_prompts, _sp(rt, greedy=True), 1, iteration,
-                                 cfg.rollout.request_timeout_s)
-    scored, stats = _score.remote(batch_ref, cfg.data.reward_fn)
-    rel = f"{rt.store.iteration_dir(iteration)}/eval/heldout.parquet"
-    stats, _ = ray.get([stats, write_table.remote(scored, rt.store, rel)])
-    summary = {"eval_accuracy": stats["reward_mean"], "eval_response_len_mean": stats["response_len_mean"],
-               "eval_samples": float(len(rt.eval_prompts))}
-    rt.store.write_json(f"{rt.store.iteration_dir(iteration)}/eval/summary.json", summary)
-    return summary

@@ -52,7 +52,7 @@ class LoopbackS3:
 
 def write_config(path: Path, policy: Path, storage_root: str, experiment: str, **extra) -> Path:
     cfg = {
-        "experiment": experiment, "seed": 0, "num_iterations": 6, "eval_before_train": False,
+        "experiment": experiment, "seed": 0, "num_iterations": 6, "eval": {"before_train": False},
         "model": {"path": str(policy)},
         "data": {"num_train": 64, "num_eval": 8, "reward_fn": "tests.ckpt_fixtures:digit_reward"},
         "rollout": {"prompts_per_iteration": 4, "n_samples_per_prompt": 4, "max_new_tokens": 4},

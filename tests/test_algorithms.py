@@ -219,7 +219,7 @@ def test_every_loss_option_is_finite_on_zero_length_responses(mode, ratio_level)
 
 def test_grpo_reexport_and_ppo_dispatch_error():
     assert_close(grpo_advantages(T([1.0, 0.0]), T([0, 0]), eps=0.0), T([1 / math.sqrt(2), -1 / math.sqrt(2)]))
-    with pytest.raises(NotImplementedError, match="needs the critic"):
+    with pytest.raises(ValueError, match="ppo is token-level"):
         sequence_advantages("ppo", T([1.0]), T([0]), T([1.0]))
 
 
@@ -258,8 +258,14 @@ def test_algorithm_config_fields_and_checks():
     cfg = load_config(None, ["algorithm.type=reinforce_pp", "algorithm.kl_in_reward=0.01", "algorithm.tis_cap=2",
                              "algorithm.dual_clip_c=3", "algorithm.loss_agg=seq-mean-token-sum-norm"])
     assert cfg.algorithm.needs_ref and cfg.algorithm.tis_cap == 2.0
-    with pytest.raises(ConfigError, match="needs the critic"):
-        load_config(None, ["algorithm.type=ppo"])
+    ppo = load_config(None, ["algorithm.type=ppo", "critic.warmup_iterations=2", "algorithm.value_clip=null"])
+    assert (ppo.algorithm.gamma, ppo.algorithm.lam, ppo.algorithm.value_clip) == (1.0, 0.95, None)
+    assert ppo.critic.warmup_iterations == 2 and ppo.critic.path is None
+    for bad, field in (("algorithm.lam=1.5", "algorithm.lam"), ("algorithm.gamma=-1", "algorithm.gamma"),
+                       ("algorithm.value_clip=0", "algorithm.value_clip"), ("critic.lr=0", "critic.lr"),
+                       ("critic.warmup_iterations=-1", "critic.warmup_iterations")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(None, ["algorithm.type=ppo", bad])
     with pytest.raises(ConfigError, match="kl_in_reward is implemented for type=reinforce_pp"):
         load_config(None, ["algorithm.type=grpo", "algorithm.kl_in_reward=0.1"])
     with pytest.raises(ConfigError, match="dual_clip_c"):

@@ -29,8 +29,8 @@ def _run(cfg):
 
 
 def test_colocated_distributed_push_through_router(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-colocate", "num_iterations=2", "eval_interval=null",
-                     "eval_before_train=false", "trainer.num_ranks=1", "rollout.num_engines=2",
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-colocate", "num_iterations=2", "eval.interval=null",
+                     "eval.before_train=false", "trainer.num_ranks=1", "rollout.num_engines=2",
                      "cluster.colocate=true", "rollout.router=true", "weight_sync.mode=distributed",
                      "weight_sync.verify=full")
     summary, infos = _run(cfg)
@@ -47,8 +47,8 @@ def test_colocated_distributed_push_through_router(ray_cluster, prefect_server, 
 
 
 def test_disk_push_with_partial_release_tags(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-disk", "num_iterations=1", "eval_interval=null",
-                     "eval_before_train=false", "trainer.num_ranks=1", "rollout.num_engines=1",
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-disk", "num_iterations=1", "eval.interval=null",
+                     "eval.before_train=false", "trainer.num_ranks=1", "rollout.num_engines=1",
                      "cluster.colocate=true", "cluster.release_tags=[kv_cache]", "weight_sync.mode=disk",
                      f"weight_sync.disk_dir={tmp_path}/push", "weight_sync.verify=full")
     summary, infos = _run(cfg)

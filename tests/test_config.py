@@ -17,11 +17,11 @@ def test_every_shipped_config_parses(path):
 
 
 def test_overrides_are_typed_and_nested():
-    cfg = load_config(None, ["trainer.lr=3e-4", "rollout.n_samples_per_prompt=4", "eval_interval=null",
+    cfg = load_config(None, ["trainer.lr=3e-4", "rollout.n_samples_per_prompt=4", "eval.interval=null",
                              "algorithm.normalize_std=false", "experiment=x1"])
     assert cfg.trainer.lr == pytest.approx(3e-4)
     assert cfg.rollout.n_samples_per_prompt == 4
-    assert cfg.eval_interval is None and cfg.algorithm.normalize_std is False and cfg.experiment == "x1"
+    assert cfg.eval.interval is None and cfg.algorithm.normalize_std is False and cfg.experiment == "x1"
 
 
 @pytest.mark.parametrize("override, field", [
@@ -37,6 +37,23 @@ def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError) as e:
         load_config(None, [override])
     assert field in str(e.value)
+
+
+def test_legacy_top_level_eval_keys_move_into_eval():
+    cfg = load_config(None, ["eval_before_train=false", "eval_interval=5"])
+    assert cfg.eval.before_train is False and cfg.eval.interval == 5
+    with pytest.raises(ConfigError, match="eval.interval"):
+        load_config(None, ["eval_interval=5", "eval.interval=3"])
+
+
+def test_eval_k_must_fit_the_samples_per_prompt():
+    with pytest.raises(ConfigError, match="k=4 needs at least k samples"):
+        load_config(None, ["eval.sets=[{name: a, temperature: 0, k: [1, 4]}]"])
+    with pytest.raises(ConfigError, match="unique"):
+        load_config(None, ["eval.sets=[{name: a}, {name: a}]"])
+    cfg = load_config(None, ["eval.sets=[{name: a, k: [1, 4]}]", "rollout.n_samples_per_prompt=4"])
+    assert cfg.eval.sets[0].sampling(cfg.rollout) == {"n": 4, "temperature": 1.0, "top_p": 1.0, "top_k": -1,
+                                                       "max_new_tokens": 8}
 
 
 def test_batch_must_split_over_ranks():

@@ -18,7 +18,7 @@ METRICS = ["reward_mean", "loss", "pg_loss", "kl", "entropy", "grad_norm", "clip
 
 def e2e_config(policy, tmp_path, *extra):
     return load_config(None, [
-        "experiment=e2e", f"model.path={policy}", "num_iterations=3", "eval_interval=2",
+        "experiment=e2e", f"model.path={policy}", "num_iterations=3", "eval.interval=2",
         "data.num_train=64", "data.num_eval=16", "rollout.prompts_per_iteration=4",
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "rollout.num_engines=2", "trainer.num_ranks=2",
         "trainer.zero_stage=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
@@ -62,9 +62,9 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
         assert json.loads((d / "metrics.json").read_text())["iteration"] == i
         df = pd.read_parquet(d / "rollouts.parquet")
         assert len(df) == 16 and set(df.finish_reason) <= {"stop", "length"}
-    assert len(pd.read_parquet(base / "iterations" / "000000" / "eval" / "heldout.parquet")) == 16
-    assert json.loads((base / "iterations" / "000002" / "eval" / "summary.json").read_text())["eval_accuracy"] \
-        == summary["evals"][2]
+    assert len(pd.read_parquet(base / "iterations" / "000000" / "eval" / "heldout" / "samples.parquet")) == 16
+    assert json.loads((base / "iterations" / "000002" / "eval" / "heldout" / "summary.json").read_text()) \
+        == summary["evals"][2]["heldout"]
     png = (base / "plots" / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
     assert "e2e-curves" in keys
@@ -83,7 +83,7 @@ def test_raising_reward_function_is_named(ray_cluster, prefect_server, tiny_poli
     from flows.train import train
 
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-badreward", "trainer.num_ranks=1",
-                     "eval_before_train=false", "data.reward_fn=tests.reward_fixtures:raising_reward")
+                     "eval.before_train=false", "data.reward_fn=tests.reward_fixtures:raising_reward")
     with pytest.raises(Exception) as e:
         train(cfg)
     msg = str(e.value)
@@ -94,7 +94,7 @@ def test_debug_exit_after_stops_early(ray_cluster, prefect_server, tiny_policy, 
     from flows.train import train
 
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-debug", "trainer.num_ranks=1",
-                     "rollout.num_engines=1", "debug_exit_after=1", "eval_before_train=false")
+                     "rollout.num_engines=1", "debug_exit_after=1", "eval.before_train=false")
     summary = train(cfg)
     assert summary["iterations"] == 1 and len(summary["history"]) == 1
     assert sorted(summary["evals"]) == [1]  # the last iteration of this invocation is evaluated

@@ -89,3 +89,42 @@ def test_killing_an_engine_mid_rollout_still_completes_the_batch(router, two_eng
     assert {o["meta_info"]["finish_reason"]["type"] for o in out} == {"length"}  # redone, not aborted
     assert all(len(o["output_ids"]) == 48 for o in out)
     assert router.workers()["dead"] == [urls[0]]
+
+
+def test_iteration_completes_when_an_engine_dies_mid_rollout(ray_cluster, prefect_server, tiny_policy, tmp_path):
+    """The whole iteration, not just the batch: the router finishes the rollout on the survivor,
+    and the push that follows recreates the lost engine and gives it the new weights."""
+    import ray
+
+    from flows.iteration import iteration
+    from infra.config import load_config
+    from infra.runtime import get_runtime, shutdown_runtime
+
+    cfg = load_config(None, [
+        "experiment=router-kill", f"model.path={tiny_policy}", "num_iterations=1", "data.num_train=64",
+        "data.num_eval=4", "rollout.num_engines=2", "rollout.router=true", "rollout.prompts_per_iteration=32",
+        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=48", "trainer.micro_batch_size=32",
+        "weight_sync.verify=full", f"storage.root=file://{tmp_path}/runs"])
+    rt = get_runtime(cfg)
+    try:
+        victim, victim_url = rt.engines[0], rt.engine_urls[0]
+        killed = threading.Event()
+
+        def kill_when_busy() -> None:
+            deadline = time.monotonic() + 60
+            while _running(victim_url) == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            ray.kill(victim)
+            killed.set()
+
+        killer = threading.Thread(target=kill_when_busy)
+        killer.start()
+        m = iteration(cfg, 0)
+        killer.join(60)
+        assert killed.is_set() and _running(victim_url) == 0
+        assert m["engines_recreated"] == 1.0
+        assert m["push_verified_tensors"] > 0  # the full check passed on both engines, the new one included
+        assert rt.engine_urls[0] != victim_url
+        assert sorted(ray.get(rt.router.workers.remote())["urls"]) == sorted(rt.engine_urls)
+    finally:
+        shutdown_runtime(cfg.experiment)

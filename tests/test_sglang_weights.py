@@ -172,3 +172,40 @@ def test_trainer_group_meets_sglangs_own_group_construction():
     broadcast(open_group("127.0.0.1", port, 0, 2, "wug", "gloo", timeout_s=30), torch.arange(4.0))
     th.join(30)
     assert torch.equal(got["t"], torch.arange(4.0))
+
+
+def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
+    """mode=disk with weight_sync.disk_dir in object storage: the trainer side uploads a versioned HF
+    folder (publish_folder), the engines download and load it; moto's S3 server on loopback.
+    A custom endpoint reaches both sides through AWS_ENDPOINT_URL_S3 (forwarded to Ray workers)."""
+    import socket
+
+    import s3fs
+    from moto.server import ThreadedMotoServer
+
+    from engines.weight_push import publish_folder
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        for k, v in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
+                     "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setattr("engines.hf_io.CACHE_DIR", tmp_path / "cache")
+        s3fs.S3FileSystem.clear_instance_cache()  # an earlier test's cached client may name another endpoint
+        s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pushes")
+        model, named = _new_named(tok, 14)
+        url = publish_folder(lambda out: save_policy(model, tok, out), "s3://pushes/run1", "7")
+        assert url == "s3://pushes/run1/v7"
+        stats = push_weights(clients, named, "disk-s3-v7", bucket_bytes=16 << 10, verify="full", mode="disk",
+                             model_path=url)
+        assert stats["verified_tensors"] == 2 * len(named)
+        p = tok.encode("(3+4)*5=")
+        out = clients[0].generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 10})
+        assert out["output_ids"] == _greedy(model, p, 10, {tok.eos_token_id})
+    finally:
+        server.stop()
+        s3fs.S3FileSystem.clear_instance_cache()  # cached clients keep this (now dead) endpoint

@@ -3,7 +3,8 @@
 `sequence_advantages` is the single dispatch point the rollout stage calls: every estimator here
 that works from sequence rewards returns one value per sample [N]. Token-level estimators run
 where their inputs live: REINFORCE++ with KL in the reward needs reference logprobs, so the
-trainer finishes it (`reinforce_pp.kl_shaped_returns`); GAE needs a critic (not implemented yet).
+trainer finishes it (`reinforce_pp.kl_shaped_returns`); GAE (`gae.py`, algorithm.type=ppo) needs the
+critic's values, so `engines.critic.gae_batch` runs it after the critic's pass.
 """
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from rl.algorithms.rloo import rloo_advantages
 
 AlgorithmType = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"]
 KL_IN_REWARD_TYPES = ("reinforce_pp", "reinforce_pp_baseline")
-PPO_CRITIC_MISSING = ("algorithm.type=ppo needs the critic (value model, GAE), which is not implemented "
-                      "yet; GAE exists only as the pure function rl.algorithms.gae.gae_advantages")
+PPO_IS_TOKEN_LEVEL = ("algorithm.type=ppo is token-level: GAE over the critic's values "
+                      "(engines.critic.gae_batch after the critic's pass), not a sequence-level estimator")
 
 
 def sequence_advantages(kind: str, rewards: Tensor, group_index: Tensor, lengths: Tensor, *,
@@ -38,5 +39,5 @@ def sequence_advantages(kind: str, rewards: Tensor, group_index: Tensor, lengths
             return reinforce_pp_scores(rewards, group_index, baseline).float()
         return reinforce_pp_advantages(rewards, group_index, lengths, baseline)
     if kind == "ppo":
-        raise NotImplementedError(PPO_CRITIC_MISSING)
+        raise ValueError(PPO_IS_TOKEN_LEVEL)
     raise ValueError(f"unknown algorithm.type {kind!r}; expected one of {AlgorithmType.__args__}")

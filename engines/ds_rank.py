@@ -1,0 +1,302 @@
+"""What every DeepSpeed data-parallel rank does, whatever it trains: the policy
+(`engines.trainer.TrainerRank`) and the PPO critic (`engines.critic.CriticRank`).
+
+`DeepSpeedRank` joins the torch.distributed group (gloo on CPU, nccl on GPU), wraps a model in a
+DeepSpeed engine with a client torch AdamW (no cpu_adam JIT build) and a LambdaLR schedule that it
+steps itself only after an *applied* update, accumulates micro-batch gradients by hand
+(`set_gradient_accumulation_boundary`, DeepSpeed's gradient_accumulation_steps=1) and vetoes the
+update on every rank when any rank saw a non-finite loss. It also gathers full weights (ZeRO-3
+included), offloads/reloads states for colocated mode and delegates checkpoints to
+`engines/trainer_ckpt.py`. Subclasses set `model_path`, `micro_batch_size`, `precision`,
+`zero_stage` and call `_start` then `_build_engine`; they write their HF folder in `_write_hf`.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import random
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+class NonFiniteLossError(FloatingPointError):
+    """A loss or gradient was NaN/inf; the optimizer update was skipped."""
+
+
+def lr_multiplier(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """LambdaLR factor after `step` applied updates: linear warm-up to 1, then constant or decay to 0."""
+    if schedule not in ("constant", "cosine", "linear"):
+        raise ValueError(f"unknown lr_schedule {schedule!r}; expected constant, cosine or linear")
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress)) if schedule == "cosine" else 1.0 - progress
+
+
+class _VetoableAdamW(torch.optim.AdamW):
+    """torch AdamW whose update can be vetoed for one `engine.step()`.
+
+    Vetoing here rather than not calling `engine.step()` lets DeepSpeed run its whole step on every
+    rank (reductions, clipping, clearing its partitioned gradient buffers), so no collective is left
+    unmatched and no stale gradient leaks into the next step. It also refuses non-finite gradients
+    on its own: a finite loss can still give them. Under ZeRO it sees this rank's fp32 partition.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.veto = False
+        self.refused_nonfinite = False
+
+    def step(self, closure=None):
+        if self.veto:
+            return None
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if grads and not bool(torch.stack([torch.isfinite(g).all() for g in grads]).all()):
+            self.refused_nonfinite = True
+            return None
+        return super().step(closure)
+
+
+def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_size: int, world_size: int,
+              zero3_param_persistence_threshold: int) -> dict:
+    """The DeepSpeed config dict (see the module docstring for why accumulation steps is 1)."""
+    zero: dict = {"stage": zero_stage}
+    if zero_stage == 3:
+        # Parameters smaller than this stay whole on every rank. DeepSpeed's 1e5 default is right for
+        # speed but leaves a tiny model unpartitioned; tests pass 0 so gather bugs cannot hide.
+        zero["stage3_param_persistence_threshold"] = zero3_param_persistence_threshold
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": micro_batch_size * world_size,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": zero,
+        # ZeRO checks the client optimizer's exact type; our AdamW subclass only adds the veto.
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    if precision == "bf16":
+        if zero_stage == 0:
+            # DeepSpeed's stage-0 bf16 path lets AdamW update the bf16 weights directly (no fp32 master
+            # copy), so small updates round away; stage 1 keeps fp32 master weights at little cost.
+            raise ValueError("precision=bf16 needs zero_stage >= 1 (stage 0 has no fp32 master weights)")
+        cfg["bf16"] = {"enabled": True}
+        cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # bf16 sums drop small micro-batch gradients
+    elif precision != "fp32":
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r} (fp16 does not run on CPU)")
+    return cfg
+
+
+def _init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
+    import deepspeed
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
+                      MASTER_PORT=str(master_port),
+                      # With nccl, Ray gives each actor one GPU, visible as device 0.
+                      LOCAL_RANK="0" if backend == "nccl" else str(rank))
+    if get_accelerator().device_name() == "cpu":
+        # DeepSpeed's shared-memory all-reduce kernel only serves inference_all_reduce (tensor-parallel
+        # inference), never training; marking it incompatible skips its ~40 s JIT build. The probed
+        # dict is documented as a persistent module-level cache.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def _hf_name(name: str) -> str:
+    while name.startswith("module."):  # DeepSpeed / DDP wrappers
+        name = name[len("module."):]
+    return name
+
+def _rows(t: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
+    """Rows [start, end) cut to the longest sequence among them (padding shared by all is dropped)."""
+    out = {k: v[start:end] for k, v in t.items()}
+    L = max(int(out["attention_mask"].sum(dim=1).max()), 2)
+    return {k: v if v.dim() == 1 else v[:, :L] if k in ("input_ids", "attention_mask") else v[:, : L - 1]
+            for k, v in out.items()}
+
+
+class DeepSpeedRank:
+    """One DeepSpeed data-parallel rank. Collective methods must be called on every rank together."""
+
+    def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
+               threads: int, seed: int) -> None:
+        """Seed this process and join the process group (before any model is built)."""
+        self.rank, self.world_size, self.iteration = rank, world_size, 0
+        torch.set_num_threads(threads)
+        random.seed(seed)
+        torch.manual_seed(seed)
+        _init_distributed(rank, world_size, master_addr, master_port, backend)
+
+    def _build_engine(self, model, cfg: dict, lr: float, weight_decay: float, lr_lambda) -> None:
+        import deepspeed
+
+        self.optimizer = _VetoableAdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
+                                        weight_decay=weight_decay)
+        # Stepped by us after applied updates only, so vetoed steps do not advance the schedule.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
+        self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=cfg)
+        # Dropout off: the old-logprob pass and the training pass must score the same function
+        # (ratio == 1 at the first mini-batch), as the rollout engine does.
+        self.engine.module.eval()
+
+    def ping(self) -> dict:
+        import ray
+
+        return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
+                "node_ip": ray.util.get_node_ip_address(), "init_time_s": self.init_time_s}
+
+    def _micro_slices(self, rows: int) -> list[tuple[int, int]]:
+        return [(s, min(s + self.micro_batch_size, rows)) for s in range(0, rows, self.micro_batch_size)]
+
+    def _accumulate_and_step(self, micros: list, loss_of, k: int, n_minis: int) -> float:
+        """Backward `loss_of(micro)` for each micro-batch of mini-batch k, then one step agreed by all
+        ranks. Returns the grad norm; raises NonFiniteLossError (update skipped) on NaN/inf."""
+        nonfinite = False
+        for j, micro in enumerate(micros):
+            self.engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
+            loss = loss_of(micro)
+            nonfinite |= not bool(torch.isfinite(loss))
+            self.engine.backward(loss)  # even when non-finite: the backward passes are collective
+        return self._step(nonfinite, k, n_minis)
+
+    def _step(self, nonfinite: bool, k: int, n_minis: int) -> float:
+        """Optimizer step agreed by all ranks; raises NonFiniteLossError after a skipped update."""
+        flag = torch.tensor([float(nonfinite)], dtype=torch.float64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.optimizer.veto = bool(flag.item())
+        pre_norm = self._full_grad_norm() if self.zero_stage == 0 and self.precision == "fp32" else None
+        try:
+            self.engine.step()
+        finally:
+            self.optimizer.veto = False
+        refused = torch.tensor([float(self.optimizer.refused_nonfinite or not self.engine.was_step_applied())],
+                               dtype=torch.float64)
+        self.optimizer.refused_nonfinite = False
+        dist.all_reduce(refused, op=dist.ReduceOp.MAX)
+        where = f"train_iteration #{self.iteration}, mini-batch {k + 1}/{n_minis}"
+        if flag.item():
+            raise NonFiniteLossError(
+                f"{where}: the loss was NaN/inf on at least one rank; the optimizer step was skipped on "
+                f"every rank and the weights are unchanged. Check advantages/rewards and old logprobs for "
+                f"NaN/inf, or lower the learning rate.")
+        if refused.item():
+            raise NonFiniteLossError(
+                f"{where}: the loss was finite but gradients were NaN/inf; no non-finite update was applied "
+                f"(under ZeRO, partitions with finite gradients may have been updated). Lower the learning "
+                f"rate or check the batch.")
+        self.scheduler.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = pre_norm if norm is None else float(norm)
+        return float("nan") if norm is None else norm
+
+    def _full_grad_norm(self) -> float:
+        """L2 norm of the (already all-reduced) full gradients; ZeRO stage 0 fp32 does not report it."""
+        grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads])))
+
+    # ---------------------------------------------------------------- weights
+
+    def _gathered(self, keep: bool) -> list[tuple[str, torch.Tensor]]:
+        """Full parameters as (HF name, CPU copy). Collective under ZeRO-3: every rank must call it."""
+        import deepspeed
+
+        named = list(self.engine.module.named_parameters())
+        # A no-op for parameters ZeRO-3 has not partitioned, so one code path serves every stage.
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            return [(_hf_name(n), p.detach().to("cpu", copy=True)) for n, p in named] if keep else []
+
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, full CPU tensor) for every parameter, as `from_pretrained` names them. Collective."""
+        return self._gathered(keep=True)
+
+    def save_hf(self, local_dir: str) -> str | None:
+        """Rank 0 writes an HF folder (`_write_hf`). Collective; returns the path on rank 0."""
+        named = self._gathered(keep=self.rank == 0)
+        if self.rank != 0:
+            return None
+        out = Path(local_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self._write_hf(named, out)
+        return str(out)
+
+    def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
+        raise NotImplementedError
+
+    def weights_checksum(self) -> str:
+        """sha256 over (name, dtype, shape, bytes) of the gathered weights in name order. Collective."""
+        h = hashlib.sha256()
+        for name, t in sorted(self._gathered(keep=True), key=lambda nt: nt[0]):
+            h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
+
+    @torch.no_grad()
+    def fill_weights(self, value: float) -> None:
+        """Set every parameter (and its fp32 master copy, if any) to `value`. Collective."""
+        import deepspeed
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        params = list(self.engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=0):
+            for p in params:  # every rank fills: same constant, and ZeRO-3 re-partitions rank 0's copy
+                p.data.fill_(value)
+        # ZeRO 1-3 and bf16 keep fp32 master weights that the next step would copy back otherwise.
+        for p in params:
+            shape = (p.ds_numel,) if hasattr(p, "ds_numel") else p.shape
+            safe_set_full_fp32_param(p, torch.full(shape, value, dtype=torch.float32, device=p.device))
+
+    # ---------------------------------------------------------------- checkpoints (engines/trainer_ckpt.py)
+
+    def save_checkpoint(self, store, prefix: str) -> dict[str, dict]:
+        """Upload this rank's part of a checkpoint under `prefix`; {relative path: sha256/bytes}. Collective."""
+        from engines import trainer_ckpt
+
+        return trainer_ckpt.save(self, store, prefix)
+
+    def fetch_checkpoint(self, store, prefix: str, manifest: dict[str, dict]) -> str:
+        """Download + sha256-check what this rank needs (not collective); ChecksumError on a mismatch."""
+        from engines import trainer_ckpt
+
+        return trainer_ckpt.fetch(self, store, prefix, manifest)
+
+    def load_checkpoint(self) -> dict:
+        """Load the fetched checkpoint: weights, optimizer, ZeRO partitions, LR schedule, RNG. Collective."""
+        from engines import trainer_ckpt
+
+        return trainer_ckpt.load(self)
+
+    def drop_fetched_checkpoint(self) -> None:
+        from engines import trainer_ckpt
+
+        trainer_ckpt.drop_fetched(self)
+
+    # ---------------------------------------------------------------- colocated mode
+
+    def offload_states(self) -> dict:
+        """Colocated mode, after training: DeepSpeed moves optimizer/grad/param state to host memory so the
+        engines can resume theirs. On CPU there is nowhere to move it: only the state is tracked."""
+        if getattr(self, "_offloaded", False):
+            raise RuntimeError("trainer states are already offloaded: call reload_states first")
+        if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU (and ZeRO >= 1 in DeepSpeed)
+            self.engine.offload_states()
+        self._offloaded, self._state_moves = True, getattr(self, "_state_moves", 0) + 1
+        return {"offloaded": True, "moves": self._state_moves}
+
+    def reload_states(self) -> dict:
+        """Colocated mode, before training (after the engines released their memory)."""
+        if not getattr(self, "_offloaded", False):
+            raise RuntimeError("trainer states are not offloaded: nothing to reload")
+        if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU
+            self.engine.reload_states()
+        self._offloaded, self._state_moves = False, self._state_moves + 1
+        return {"offloaded": False, "moves": self._state_moves}

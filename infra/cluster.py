@@ -1,0 +1,190 @@
+"""A long-lived local Ray head for reflow: `reflow cluster up|down|status`.
+
+`up` starts `ray start --head --block` in its own process session (loopback, no dashboard, no usage
+stats, its own temp dir) and records where it is in a state file; flows attach through
+`RAY_ADDRESS`. Ray 2.60 enables token auth, so clients also need `RAY_AUTH_MODE=token` (the token
+sits in ~/.ray/auth_token); `infra.ray_cluster.connect` sets it when it attaches by address.
+`down` releases reflow's actors and ends *that* head by PID: `ray stop` would kill every Ray
+process on the machine, including other people's clusters.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DEFAULT_STATE_DIR = Path(".reflow") / "cluster"
+DEFAULT_PORT = 6390
+
+
+class ClusterError(RuntimeError):
+    """The head could not be started, found or stopped; the message says what to do."""
+
+
+@dataclass
+class HeadInfo:
+    address: str  # host:port clients pass as RAY_ADDRESS
+    pid: int  # the `ray start --block` process; SIGTERM ends the head and its children
+    temp_dir: str
+    num_cpus: int
+    started_at: float
+
+    def env(self) -> dict[str, str]:
+        """What a shell, a Prefect worker or a test needs to attach flows to this head."""
+        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token"}
+
+
+def state_dir(path: str | Path | None = None) -> Path:
+    return Path(path or os.environ.get("REFLOW_CLUSTER_DIR") or DEFAULT_STATE_DIR)
+
+
+def _alive(pid: int) -> bool:
+    try:  # reap it first if it is our own exited child (a zombie still answers kill 0)
+        if os.waitpid(pid, os.WNOHANG)[0] == pid:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def read_head(path: str | Path | None = None) -> HeadInfo | None:
+    """The recorded head if its process still runs; a stale record is removed."""
+    f = state_dir(path) / "head.json"
+    if not f.is_file():
+        return None
+    info = HeadInfo(**json.loads(f.read_text()))
+    if not _alive(info.pid):
+        f.unlink(missing_ok=True)
+        return None
+    return info
+
+
+def _port_open(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.5)
+        return s.connect_ex((host, port)) == 0
+
+
+def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int | None = None,
+       host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[HeadInfo, bool]:
+    """Start the head unless one is recorded and alive; returns (head, started_now)."""
+    current = read_head(path)
+    if current is not None:
+        return current, False
+    if _port_open(host, port):
+        raise ClusterError(f"port {host}:{port} is taken by another process; pass --port to pick another "
+                           f"(or attach to that cluster with RAY_ADDRESS={host}:{port} RAY_AUTH_MODE=token)")
+    d = state_dir(path).resolve()
+    d.mkdir(parents=True, exist_ok=True)
+    # Ray's sockets live under its temp dir and AF_UNIX paths are capped at 107 bytes: keep it short.
+    tmp = Path(tempfile.mkdtemp(prefix="reflow_ray_", dir="/tmp"))
+    cpus = num_cpus or max(4, os.cpu_count() or 1)
+    ray_bin = Path(sys.executable).with_name("ray")
+    cmd = [str(ray_bin), "start", "--head", f"--port={port}", f"--node-ip-address={host}", "--block",
+           "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={cpus}", f"--temp-dir={tmp}"]
+    log = open(d / "head.log", "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    deadline = time.monotonic() + timeout_s
+    while not _port_open(host, port):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+            raise ClusterError(f"the Ray head did not come up on {host}:{port} within {timeout_s:.0f}s; "
+                               f"see {d / 'head.log'}")
+        time.sleep(0.2)
+    time.sleep(1.0)  # the GCS port opens before the raylet registers; let it settle
+    info = HeadInfo(address=f"{host}:{port}", pid=proc.pid, temp_dir=str(tmp), num_cpus=cpus,
+                    started_at=time.time())
+    (d / "head.json").write_text(json.dumps(asdict(info), indent=2))
+    return info, True
+
+
+def down(path: str | Path | None = None, timeout_s: float = 30.0) -> HeadInfo | None:
+    """End the recorded head (and with it every actor on it); None if none was running."""
+    info = read_head(path)
+    if info is None:
+        return None
+    os.killpg(info.pid, signal.SIGTERM)  # `ray start --block` stops its children on SIGTERM
+    deadline = time.monotonic() + timeout_s
+    while _alive(info.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if _alive(info.pid):
+        os.killpg(info.pid, signal.SIGKILL)
+    (state_dir(path) / "head.json").unlink(missing_ok=True)
+    return info
+
+
+def _attach(info: HeadInfo) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        os.environ.update(info.env())
+        ray.init(address=info.address, namespace="reflow-cli", log_to_driver=False)
+
+
+def experiment_actors(prefix: str = "reflow-") -> dict[str, list[str]]:
+    """{namespace: [actor names]} of reflow experiments on the connected cluster."""
+    import ray
+
+    out: dict[str, list[str]] = {}
+    for a in ray.util.list_named_actors(all_namespaces=True):
+        if a["namespace"].startswith(prefix) and a["namespace"] != "reflow-cli":
+            out.setdefault(a["namespace"], []).append(a["name"])
+    return {ns: sorted(names) for ns, names in sorted(out.items())}
+
+
+def _describe(namespace: str, name: str) -> dict[str, object]:
+    import ray
+
+    from infra.actors import actor_id
+
+    h = ray.get_actor(name, namespace=namespace)
+    row: dict[str, object] = {"namespace": namespace, "actor": name, "id": actor_id(h)}
+    method = "stats" if name.startswith("engine-") else "ping" if "-trainer-" in name else None
+    if method is not None:
+        try:
+            info = ray.get(getattr(h, method).remote(), timeout=10)
+            row.update({k: info[k] for k in ("weight_version", "sequences", "pid") if k in info})
+            row["alive"] = True
+        except (ray.exceptions.RayError, AttributeError) as e:  # deliberate: status reports it, not raises
+            row["alive"] = f"no answer ({type(e).__name__})"
+    return row
+
+
+def status(path: str | Path | None = None) -> dict[str, object]:
+    """The head (if up) and every reflow actor on it."""
+    info = read_head(path)
+    if info is None:
+        return {"up": False}
+    _attach(info)
+    rows = [_describe(ns, name) for ns, names in experiment_actors().items() for name in names]
+    return {"up": True, **asdict(info), "actors": rows}
+
+
+def release_experiments(path: str | Path | None = None, experiment: str | None = None,
+                        prefix: str = "reflow") -> list[str]:
+    """Kill the actors of one experiment (or of all) on the recorded head; returns what was killed."""
+    from infra.actors import release
+
+    info = read_head(path)
+    if info is None:
+        return []
+    _attach(info)
+    namespaces = experiment_actors(f"{prefix}-")
+    if experiment is not None:
+        namespaces = {ns: v for ns, v in namespaces.items() if ns == f"{prefix}-{experiment}"}
+    return [f"{ns}/{name}" for ns in namespaces for name in release(ns)]

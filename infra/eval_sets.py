@@ -1,0 +1,69 @@
+"""Builder of the eval sets: `eval.sets` config -> tokenized prompts plus explicit sampling/scoring arguments.
+
+Runs before any actor starts (infra/runtime.py), so a missing file, a malformed row or a bad reward
+function stops the run at once and names the set.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from infra.config import EvalSetConfig, RunConfig
+from rl.data import read_rows, tokenize_prompts
+from rl.rewards import load_reward_fn
+from rl.types import Prompt
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """One eval set, resolved: everything the evaluation needs, no config object."""
+
+    name: str
+    prompts: list[Prompt]
+    reward_fn: str  # `module:function`
+    correct_threshold: float
+    n: int  # samples per prompt
+    temperature: float
+    top_p: float
+    top_k: int
+    max_new_tokens: int
+    ks: list[int]
+    seed: int  # sampling seed stream of this set (per-sample seeds derive from it and the policy version)
+
+
+def set_seed(run_seed: int, name: str) -> int:
+    """A seed of its own per set, apart from the rollouts' (same policy version, other samples)."""
+    digest = hashlib.sha256(f"reflow-eval:{run_seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def _prompts(s: EvalSetConfig, where: str, cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[Prompt]:
+    if s.source == "heldout":
+        prompts = list(heldout)[: s.max_prompts]
+    else:
+        rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key, where)
+        try:
+            prompts = tokenize_prompts(rows[: s.max_prompts], tokenizer, cfg.data.max_prompt_len)
+        except ValueError as e:
+            raise ValueError(f"{where} ({s.name}, {s.source}): {e}") from None
+    if not prompts:
+        raise ValueError(f"{where} ({s.name}): {s.source!r} holds no prompts")
+    return prompts
+
+
+def load_eval_sets(cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[EvalSet]:
+    """Every configured eval set, loaded, tokenized and validated (reward function importable)."""
+    out = []
+    for i, s in enumerate(cfg.eval.sets):
+        where = f"eval.sets.{i}"
+        reward_fn = s.reward_fn or cfg.data.reward_fn
+        try:
+            load_reward_fn(reward_fn)
+        except ValueError as e:
+            raise ValueError(f"{where}.reward_fn ({s.name}): {e}") from None
+        sp = s.sampling(cfg.rollout)
+        out.append(EvalSet(name=s.name, prompts=_prompts(s, where, cfg, tokenizer, heldout), reward_fn=reward_fn,
+                           correct_threshold=s.correct_threshold, n=sp["n"], temperature=sp["temperature"],
+                           top_p=sp["top_p"], top_k=sp["top_k"], max_new_tokens=sp["max_new_tokens"],
+                           ks=sorted(set(s.k)), seed=set_seed(cfg.seed, s.name)))
+    return out

@@ -1,0 +1,117 @@
+"""Scheduled retraining's bookkeeping: which data each run consumed, and the champion gate.
+
+Storage layout under the experiment:
+    champion.json                     the promoted checkpoint and its eval metric
+    retrain/ledger.json               every data file consumed so far (url, size, run)
+    retrain/runs/<run>/decision.json  what one retrain run did and why
+    retrain/runs/<run>/prompts.jsonl  the new rows that run trained on (when new data was given)
+"""
+from __future__ import annotations
+
+import io
+import json
+import time
+from dataclasses import asdict, dataclass
+
+import fsspec
+import pandas as pd
+
+from infra.storage import ExperimentStore
+
+CHAMPION, LEDGER = "champion.json", "retrain/ledger.json"
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
+@dataclass
+class Decision:
+    promote: bool
+    reason: str
+    metric: str
+    candidate: float | None
+    champion: float | None
+    tolerance: float
+
+
+def decide(candidate: float | None, champion: float | None, tolerance: float, metric: str) -> Decision:
+    """Promote unless the candidate's metric falls more than `tolerance` below the champion's.
+    Higher is better (accuracy, pass@k, mean reward)."""
+    if candidate is None:
+        return Decision(False, f"the candidate has no {metric!r} (no eval recorded it)", metric, None, champion, tolerance)
+    if champion is None:
+        return Decision(True, "no champion yet: the first evaluated checkpoint becomes champion", metric,
+                        candidate, None, tolerance)
+    drop = champion - candidate
+    if drop > tolerance:
+        return Decision(False, f"{metric} regressed by {drop:.4f} ({champion:.4f} -> {candidate:.4f}), more than the "
+                               f"tolerance {tolerance:.4f}: the champion stays", metric, candidate, champion, tolerance)
+    return Decision(True, f"{metric} {candidate:.4f} vs champion {champion:.4f} (change {-drop:+.4f}, tolerance "
+                          f"{tolerance:.4f}): promoted", metric, candidate, champion, tolerance)
+
+
+def metric_of(evals: dict[int, dict[str, dict]], version: int, metric: str) -> float | None:
+    """`metric` is `<eval set>/<key>`, e.g. `heldout/pass@1`, read from the eval at `version`."""
+    name, _, key = metric.partition("/")
+    value = evals.get(version, {}).get(name, {}).get(key)
+    return None if value is None else float(value)
+
+
+def read_champion(store: ExperimentStore) -> dict | None:
+    return store.read_json(CHAMPION) if store.exists(CHAMPION) else None
+
+
+def write_champion(store: ExperimentStore, checkpoint_url: str, step: int, decision: Decision, run: str) -> str:
+    return store.write_json(CHAMPION, {"checkpoint": checkpoint_url, "step": step, "metric": decision.metric,
+                                       "value": decision.candidate, "promoted_by": run, "promoted_at": time.time()})
+
+
+def record_decision(store: ExperimentStore, run: str, decision: Decision, extra: dict) -> str:
+    return store.write_json(f"retrain/runs/{run}/decision.json", {**asdict(decision), **extra})
+
+
+# ---------------------------------------------------------------- data ledger
+
+
+def list_data_files(location: str, endpoint_url: str | None = None) -> list[dict]:
+    """Data files (jsonl/json/parquet) directly under a folder or URL prefix, with their sizes."""
+    opts = {"endpoint_url": endpoint_url} if endpoint_url and location.startswith("s3://") else {}
+    fs, root = fsspec.core.url_to_fs(location, **opts)
+    if not fs.exists(root):
+        raise FileNotFoundError(f"retrain data location {location!r} does not exist")
+    proto = location.split("://", 1)[0] + "://" if "://" in location else ""
+    out = []
+    for info in fs.ls(root, detail=True):
+        name = info["name"]
+        if info.get("type") == "file" and name.endswith(DATA_SUFFIXES):
+            out.append({"url": proto + name if proto and not name.startswith(proto) else name,
+                        "size": int(info.get("size") or 0)})
+    return sorted(out, key=lambda f: f["url"])
+
+
+def read_ledger(store: ExperimentStore) -> list[dict]:
+    return store.read_json(LEDGER) if store.exists(LEDGER) else []
+
+
+def new_files(store: ExperimentStore, files: list[dict]) -> list[dict]:
+    """Files not consumed by an earlier run (a file is identified by its URL and size: one that
+    grew or was replaced counts as new)."""
+    seen = {(f["url"], f["size"]) for f in read_ledger(store)}
+    return [f for f in files if (f["url"], f["size"]) not in seen]
+
+
+def merge_rows(files: list[dict], endpoint_url: str | None = None) -> bytes:
+    """The new files' rows as one jsonl (the run's training prompts, kept as its record)."""
+    frames = []
+    for f in files:
+        opts = {"endpoint_url": endpoint_url} if endpoint_url and f["url"].startswith("s3://") else {}
+        with fsspec.open(f["url"], "rb", **opts) as fh:
+            data = fh.read()
+        if f["url"].endswith(".parquet"):
+            frames.append(pd.read_parquet(io.BytesIO(data)))
+        else:
+            frames.append(pd.read_json(io.BytesIO(data), lines=f["url"].endswith(".jsonl")))
+    rows = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return "".join(json.dumps(r, default=str) + "\n" for r in rows.to_dict(orient="records")).encode()
+
+
+def append_ledger(store: ExperimentStore, files: list[dict], run: str) -> str:
+    return store.write_json(LEDGER, read_ledger(store) + [{**f, "run": run, "at": time.time()} for f in files])

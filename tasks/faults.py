@@ -1,0 +1,37 @@
+"""Which task failures are worth a retry: transient faults only (engine health, storage I/O).
+
+A bad request, a reward function that raises, NaN loss or a corrupt checkpoint fail the same way
+on every attempt; retrying them would only hide the error behind minutes of repeats.
+"""
+from __future__ import annotations
+
+import httpx
+import ray
+
+from engines.rollout_client import EngineError
+from infra.storage import is_transient
+
+
+def _root(e: BaseException) -> BaseException:
+    """The original exception behind Ray's wrapper (a remote function's error)."""
+    while isinstance(e, ray.exceptions.RayTaskError) and getattr(e, "cause", None) is not None:
+        e = e.cause
+    return e
+
+
+def is_transient_fault(e: BaseException) -> bool:
+    e = _root(e)
+    if isinstance(e, EngineError):  # no answer, or the engine is overloaded / restarting
+        return e.status is None or e.status in (502, 503, 504)
+    if isinstance(e, (httpx.TransportError, ray.exceptions.RayActorError)):
+        return True
+    return is_transient(e) and not isinstance(e, (ValueError, TypeError, KeyError, FloatingPointError))
+
+
+def transient_fault(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn`: retry only when the task failed on a transient fault."""
+    try:
+        state.result()
+    except Exception as e:  # deliberate: the state's own exception is what we classify
+        return is_transient_fault(e)
+    return False

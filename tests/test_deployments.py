@@ -1,0 +1,213 @@
+"""The Prefect product surface with real processes on loopback: `reflow cluster up`, a real
+`prefect server`, a `process` worker, deployments from prefect.yaml, `prefect deployment run`.
+
+One module-scoped setup; the tests run in order on one experiment and each builds on the last:
+first run -> second run reuses the actors -> an engine killed between runs is recreated -> a run
+killed mid-train is re-run without generating its rollouts again.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+EXP = "dep"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Stack:
+    """The processes of the module and the commands the tests run against them."""
+
+    def __init__(self, tmp: Path, policy: Path):
+        self.tmp, self.policy = tmp, policy
+        self.api = f"http://127.0.0.1:{_free_port()}/api"
+        self.ray_port = _free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_"))}
+        self.env = {**env, "PREFECT_HOME": str(tmp / "prefect"), "PREFECT_API_URL": self.api,
+                    "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_CLI_PROMPT": "false",
+                    "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+                    "REFLOW_CLUSTER_DIR": str(tmp / "cluster"), "PWD": str(REPO),
+                    "RAY_ADDRESS": f"127.0.0.1:{self.ray_port}", "RAY_AUTH_MODE": "token",
+                    "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+        self.procs: list[subprocess.Popen] = []
+
+    def cmd(self, *args: str, timeout: float = 300, check: bool = True) -> subprocess.CompletedProcess:
+        p = subprocess.run([str(BIN / args[0]), *args[1:]], cwd=REPO, env=self.env, capture_output=True,
+                           text=True, timeout=timeout)
+        if check and p.returncode:
+            raise AssertionError(f"{' '.join(args)} -> {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
+        return p
+
+    def spawn(self, name: str, *args: str) -> None:
+        log = open(self.tmp / f"{name}.log", "w")
+        self.procs.append(subprocess.Popen([str(BIN / args[0]), *args[1:]], cwd=REPO, env=self.env, stdout=log,
+                                           stderr=subprocess.STDOUT, start_new_session=True))
+
+    def post(self, path: str, body: dict) -> list[dict]:
+        r = httpx.post(self.api + path, json=body, timeout=30)
+        r.raise_for_status()
+        return r.json()
+
+    def flow_runs(self) -> dict[str, dict]:
+        return {r["name"]: r for r in self.post("/flow_runs/filter", {"limit": 200})}
+
+    def artifacts_of(self, run_id: str) -> list[dict]:
+        return self.post("/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run_id]}}})
+
+    def actors(self) -> dict[str, str]:
+        st = json.loads(self.cmd("reflow", "cluster", "status", "--json").stdout)
+        return {a["actor"]: a for a in st["actors"] if a["namespace"] == f"reflow-{EXP}"}
+
+    def overrides(self, iterations: int) -> list[str]:
+        return [f"experiment={EXP}", f"model.path={self.policy}", f"num_iterations={iterations}",
+                "data.num_train=64", "data.num_eval=8", "rollout.prompts_per_iteration=4",
+                "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4", "trainer.micro_batch_size=8",
+                "eval.before_train=false", f"storage.root=file://{self.tmp}/runs"]
+
+    def run_train(self, iterations: int, *extra: str) -> dict:
+        """`prefect deployment run train/train` with {file, overrides}; returns the parent flow run."""
+        params = json.dumps({"config": {"file": "configs/demo.yaml", "overrides": self.overrides(iterations)}})
+        out = self.cmd("prefect", "deployment", "run", "train/train", "--params", params, "--watch",
+                       "--watch-timeout", "400", *extra, timeout=460, check=False)
+        runs = [r for r in self.post("/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 50})
+                if r["deployment_id"] is not None]
+        assert runs, f"no deployment flow run\n{out.stdout[-2000:]}\n{out.stderr[-2000:]}"
+        return runs[0]
+
+    def run_dir(self) -> Path:
+        return self.tmp / "runs" / EXP
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.cmd("reflow", "cluster", "down", check=False)
+
+
+def _wait_healthy(url: str, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{url} not healthy after {timeout}s")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_policy, tmp_path_factory):
+    s = Stack(tmp_path_factory.mktemp("deploy"), tiny_policy)
+    try:
+        up = s.cmd("reflow", "cluster", "up", "--port", str(s.ray_port), "--num-cpus", "6")
+        assert f"RAY_ADDRESS=127.0.0.1:{s.ray_port}" in up.stdout
+        port = s.api.rsplit(":", 1)[1].split("/")[0]
+        s.spawn("server", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port)
+        _wait_healthy(s.api + "/health", 180)
+        s.cmd("prefect", "work-pool", "create", "reflow", "--type", "process")
+        deployed = s.cmd("prefect", "--no-prompt", "deploy", "--all")
+        assert "train/train" in deployed.stdout and "retrain/retrain" in deployed.stdout, deployed.stdout
+        s.spawn("worker", "prefect", "worker", "start", "--pool", "reflow")
+        yield s
+    finally:
+        s.close()
+
+
+def test_deployments_and_schedule(stack):
+    deps = {d["name"]: d for d in stack.post("/deployments/filter", {})}
+    assert {"train", "evaluate", "retrain"} <= set(deps)
+    sched = deps["retrain"]["schedules"]
+    assert sched and sched[0]["schedule"]["cron"] == "0 3 * * *" and sched[0]["active"] is False
+
+
+def test_train_deployment_run(stack):
+    parent = stack.run_train(2)
+    assert parent["state_type"] == "COMPLETED", parent["state"]
+    assert parent["name"] == EXP
+    runs = stack.flow_runs()
+    for i in range(2):
+        run = runs[f"{EXP}-iter-{i:04d}"]
+        assert run["state_type"] == "COMPLETED" and run["parent_task_run_id"] is not None
+        keys = {a["key"] for a in stack.artifacts_of(run["id"])}
+        assert {f"{EXP}-iteration-metrics", f"{EXP}-iteration-timings", f"{EXP}-iteration-samples"} <= keys, keys
+    parent_keys = {a["key"] for a in stack.artifacts_of(parent["id"])}
+    assert {f"{EXP}-progress", f"{EXP}-curves"} <= parent_keys, parent_keys
+    samples = [a for a in stack.artifacts_of(runs[f"{EXP}-iter-0001"]["id"]) if a["key"].endswith("samples")][0]
+    assert "| prompt | response | reward |" in samples["data"]
+    stack.first_actors = stack.actors()
+    assert {"engine-0", "policy-trainer-0"} <= set(stack.first_actors)
+
+
+def test_bad_parameters_fail_validation(stack):
+    params = json.dumps({"config": {"file": "configs/demo.yaml", "overrides": ["rollout.top_p=0"]}})
+    stack.cmd("prefect", "deployment", "run", "train/train", "--params", params, "--watch", "--watch-timeout", "200",
+              timeout=260, check=False)
+    run = [r for r in stack.post("/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 5})][0]
+    assert run["state_type"] == "FAILED", run["state"]
+    assert "rollout.top_p" in (run["state"]["message"] or ""), run["state"]["message"]
+
+
+def test_second_run_reuses_actors_and_continues(stack):
+    before = stack.first_actors
+    parent = stack.run_train(3)
+    assert parent["state_type"] == "COMPLETED", parent["state"]
+    after = stack.actors()
+    for name in ("engine-0", "policy-trainer-0"):
+        assert after[name]["id"] == before[name]["id"], f"{name} was recreated"
+    names = [r["name"] for r in stack.post("/flow_runs/filter", {"limit": 200})]
+    assert names.count(f"{EXP}-iter-0002") == 1 and names.count(f"{EXP}-iter-0000") == 1
+    assert after["engine-0"]["weight_version"] == "3"
+
+
+def test_killed_engine_is_recreated(stack):
+    before = stack.actors()
+    code = ("import os, signal, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False); "
+            f"e = ray.get_actor('engine-0', namespace='reflow-{EXP}'); "
+            "os.kill(ray.get(e.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)")
+    subprocess.run([sys.executable, "-c", code], env=stack.env, check=True, timeout=120, capture_output=True)
+    parent = stack.run_train(4)
+    assert parent["state_type"] == "COMPLETED", parent["state"]
+    after = stack.actors()
+    assert after["engine-0"]["id"] != before["engine-0"]["id"]
+    assert after["policy-trainer-0"]["id"] == before["policy-trainer-0"]["id"]
+    assert after["engine-0"]["weight_version"] == "4"
+
+
+def test_rerun_after_crash_in_train_does_not_generate_again(stack):
+    stages = stack.run_dir() / "iterations" / "000004" / "stages"
+    crashed = stack.run_train(5, "--job-variable", 'env={"REFLOW_FAULT_KILL_DURING_TRAIN": "4"}')
+    assert crashed["state_type"] in ("CRASHED", "FAILED"), crashed["state"]
+    assert (stages / "scored.json").is_file(), "the rollouts of iteration 4 were not persisted before train"
+    mtime = (stages / "scored.pkl").stat().st_mtime_ns
+    served = int(stack.actors()["engine-0"]["sequences"])
+
+    parent = stack.run_train(5)
+    assert parent["state_type"] == "COMPLETED", parent["state"]
+    metrics = json.loads((stack.run_dir() / "iterations" / "000004" / "metrics.json").read_text())
+    assert metrics.get("scored_from_storage") == 1.0
+    assert (stages / "scored.pkl").stat().st_mtime_ns == mtime
+    # The engine only served the final eval (8 held-out prompts, greedy): no rollout was regenerated.
+    assert int(stack.actors()["engine-0"]["sequences"]) - served == 8
