@@ -43,10 +43,12 @@ class TrainerGroup:
     def create(cls, num_ranks: int, namespace: str, name_prefix: str, num_cpus_per_rank: float = 1, *,
                num_gpus_per_rank: float = 0, detached: bool = False, init_timeout_s: float = 600.0,
                master_addr: str | None = None, master_port: int | None = None,
-               runtime_env: dict | None = None, **rank_kwargs) -> "TrainerGroup":
+               runtime_env: dict | None = None, options_per_rank: list[dict] | None = None,
+               **rank_kwargs) -> "TrainerGroup":
         """Start `num_ranks` TrainerRank actors and wait until all have joined the process group.
 
-        `rank_kwargs` go to `rank_cls.__init__` (model_path, zero_stage, lr, ...). The rendezvous
+        `rank_kwargs` go to `rank_cls.__init__` (model_path, zero_stage, lr, ...); `options_per_rank`
+        are extra Ray actor options of each rank (a placement-group bundle). The rendezvous
         address defaults to this node's IP and a free port here, which assumes rank 0 lands on the
         driver's node (true on one machine); on a multi-node cluster pass master_addr/master_port.
         """
@@ -59,7 +61,8 @@ class TrainerGroup:
         if runtime_env:
             options["runtime_env"] = runtime_env
         remote_cls = ray.remote(cls.rank_cls)
-        actors = [remote_cls.options(name=actor_name(name_prefix, r), **options)
+        per = options_per_rank or [{}] * num_ranks  # e.g. a placement-group bundle per rank (colocated mode)
+        actors = [remote_cls.options(name=actor_name(name_prefix, r), **options, **per[r])
                   .remote(r, num_ranks, addr, port, **rank_kwargs) for r in range(num_ranks)]
         group = cls(actors, namespace, name_prefix)
         group._wait_ready(init_timeout_s, f"{addr}:{port}")

@@ -21,7 +21,7 @@ from engines.sglang_engine import SGLangEngine
 from engines.trainer_group import TrainerGroup, TrainerInitError
 from infra.config import RunConfig, dump_config
 from infra.eval_sets import EvalSet, load_eval_sets
-from infra import actors
+from infra import actors, placement
 from infra.ray_cluster import attached_to_running_cluster, connect, namespace_for
 from infra.storage import ExperimentStore
 from rl.data import load_prompt_rows, tokenize_prompts
@@ -54,6 +54,7 @@ class Runtime:
     persistent: bool = False
     actor_ids: dict[str, str] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)
+    placement: Any = None  # colocated mode's placement group (infra/placement.py)
     critic: Any = None  # engines.critic.CriticGroup when algorithm.type == ppo
 
 
@@ -68,7 +69,7 @@ def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
             tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len))
 
 
-def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool):
+def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, pg=None):
     """Get-or-create engine i (a named actor); both backends answer url()/ready()/shutdown() and speak
     SGLang's HTTP API, so nothing after this point knows which one runs."""
     r = cfg.rollout
@@ -81,19 +82,21 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool):
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s)
     if detached:
         options["lifetime"] = "detached"
+    if pg is not None:  # colocated: in the bundle (GPU) of trainer rank i mod bundles
+        options.update(placement.in_bundle(pg, i % pg.bundle_count))
     return (actor_cls.options(name=f"engine-{i}", namespace=namespace, get_if_exists=True, **options)
             .remote(model_path=cfg.model.path, engine_id=f"engine-{i}", **kwargs))
 
 
-def _start_engines(cfg: RunConfig, namespace: str, detached: bool = False) -> list[Any]:
+def _start_engines(cfg: RunConfig, namespace: str, detached: bool = False, pg=None) -> list[Any]:
     """One named engine actor per engine. On a long-lived cluster an engine left by an earlier flow
     run is reused when it answers; one that died or hangs is killed and recreated."""
-    engines = [_engine_actor(cfg, namespace, i, detached) for i in range(cfg.rollout.num_engines)]
+    engines = [_engine_actor(cfg, namespace, i, detached, pg) for i in range(cfg.rollout.num_engines)]
     for i, ok in enumerate(actors.answers(engines)):
         if not ok:
             log.warning("engine-%d of %s did not answer: recreating it", i, namespace)
             ray.kill(engines[i], no_restart=True)
-            engines[i] = _engine_actor(cfg, namespace, i, detached)
+            engines[i] = _engine_actor(cfg, namespace, i, detached, pg)
     return engines
 
 
@@ -113,9 +116,10 @@ def _engine_gpus(cfg: RunConfig) -> float:
     if not cfg.cluster.colocate:
         return float(cfg.rollout.tp_size)
     if cfg.rollout.tp_size != 1:
-        raise NotImplementedError("cluster.colocate with rollout.tp_size > 1 needs placement-group bundles "
-                                  "shared with the trainer ranks, which reflow does not build yet; use tp_size=1")
-    return 0.2  # fractional: Ray lets the engine share the GPU a trainer rank holds
+        raise NotImplementedError("cluster.colocate with rollout.tp_size > 1 needs several placement-group bundles "
+                                  "per engine and a base GPU id per engine, which reflow does not build yet; use "
+                                  "tp_size=1 (one engine per trainer GPU)")
+    return placement.ENGINE_GPU  # a share of its bundle's GPU, which a trainer rank shares too
 
 
 def _attach_trainers(cfg: RunConfig, namespace: str) -> TrainerGroup | None:
@@ -133,7 +137,23 @@ def _attach_trainers(cfg: RunConfig, namespace: str) -> TrainerGroup | None:
     return None
 
 
-def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False) -> TrainerGroup:
+def _colocation(cfg: RunConfig, namespace: str, detached: bool):
+    """The placement group engines and trainers share in colocated mode (infra/placement.py), else None."""
+    if not cfg.cluster.colocate:
+        return None
+    spec = placement.bundles(cfg.trainer.num_ranks, cfg.rollout.num_engines, cfg.rollout.backend == "sglang",
+                             cfg.algorithm.type == "ppo")
+    return placement.group(spec, namespace, detached)
+
+
+def _rank_options(pg, num_ranks: int, gpu_share: float) -> dict:
+    if pg is None:
+        return {}
+    gpu = gpu_share if "GPU" in pg.bundle_specs[0] else 0.0
+    return {"num_gpus_per_rank": gpu, "options_per_rank": [placement.in_bundle(pg, r) for r in range(num_ranks)]}
+
+
+def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=None) -> TrainerGroup:
     t, a = cfg.trainer, cfg.algorithm
     total = t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
     ref = (cfg.model.ref_path or cfg.model.path) if a.needs_ref else None
@@ -142,10 +162,11 @@ def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False) -> T
         model_path=cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=t.lr,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref, detached=detached)
+        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref, detached=detached,
+        **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU))
 
 
-def _start_critic(cfg: RunConfig, namespace: str) -> CriticGroup | None:
+def _start_critic(cfg: RunConfig, namespace: str, pg=None) -> CriticGroup | None:
     """PPO's value model: its own DeepSpeed ranks (as many as the policy's, so the batch splits the
     same way), started fresh by every runtime and restored with the policy's checkpoint."""
     if cfg.algorithm.type != "ppo":
@@ -155,7 +176,7 @@ def _start_critic(cfg: RunConfig, namespace: str) -> CriticGroup | None:
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
         model_path=c.path or cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=c.lr,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed)
+        threads=t.threads_per_rank, seed=cfg.seed, **_rank_options(pg, t.num_ranks, placement.CRITIC_GPU))
 
 
 def build_runtime(cfg: RunConfig) -> Runtime:
@@ -172,9 +193,10 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     record, reusable = actors.prepare_namespace(cfg, namespace) if persistent else (None, False)
     before_ids = ray.get(record.get.remote()).get("actor_ids", {}) if reusable else {}
     before = set(actors.named_actors(namespace)) if reusable else set()
-    engines = _start_engines(cfg, namespace, detached=persistent)
-    trainers = (_attach_trainers(cfg, namespace) if reusable else None) or _start_trainers(cfg, namespace, persistent)
-    critic = _start_critic(cfg, namespace)
+    pg = _colocation(cfg, namespace, persistent)
+    engines = _start_engines(cfg, namespace, persistent, pg)
+    trainers = (_attach_trainers(cfg, namespace) if reusable else None) or _start_trainers(cfg, namespace, persistent, pg)
+    critic = _start_critic(cfg, namespace, pg)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
@@ -186,6 +208,7 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     rt.eval_sets = eval_sets
     rt.persistent = persistent
     rt.critic = critic
+    rt.placement = pg
     rt.actor_ids = {name: actors.actor_id(h) for name, h in
                     [(f"engine-{i}", e) for i, e in enumerate(engines)] +
                     [(f"policy-trainer-{r}", a) for r, a in enumerate(trainers.actors)]}
@@ -211,7 +234,7 @@ def ensure_engines(cfg: RunConfig) -> list[str]:
     for i in dead:
         log.warning("engine-%d (%s) is gone: recreating it", i, rt.engine_urls[i])
         ray.kill(rt.engines[i], no_restart=True)
-        rt.engines[i] = _engine_actor(cfg, rt.namespace, i, rt.persistent)
+        rt.engines[i] = _engine_actor(cfg, rt.namespace, i, rt.persistent, rt.placement)
         old, rt.engine_urls[i] = rt.engine_urls[i], ray.get(rt.engines[i].url.remote())
         ray.get(rt.engines[i].ready.remote())
         rt.actor_ids[f"engine-{i}"] = actors.actor_id(rt.engines[i])
@@ -228,7 +251,7 @@ def recreate_trainers(cfg: RunConfig) -> TrainerGroup:
     """Replace the policy ranks with fresh ones loaded from `model.path`."""
     rt = get_runtime(cfg)
     rt.trainers.kill()
-    rt.trainers = _start_trainers(cfg, rt.namespace, rt.persistent)
+    rt.trainers = _start_trainers(cfg, rt.namespace, rt.persistent, rt.placement)
     rt.reused = [n for n in rt.reused if not n.startswith("policy-trainer-")]
     rt.actor_ids.update({f"policy-trainer-{r}": actors.actor_id(a) for r, a in enumerate(rt.trainers.actors)})
     if cfg.cluster.colocate:
@@ -267,6 +290,7 @@ def shutdown_runtime(experiment: str, release: bool | None = True) -> None:
             ray.get(e.shutdown.remote(), timeout=10)
         finally:
             ray.kill(e)
+    placement.release(rt.placement)
 
 
 # ---------------------------------------------------------------- eval-only runtimes (flows/evaluate.py)

@@ -17,12 +17,25 @@ from tests.test_e2e import e2e_config
 pytestmark = pytest.mark.slow
 
 
+def _assert_placed_together(rt) -> None:
+    """Every engine and trainer rank runs inside the runtime's placement group (infra/placement.py)."""
+    import ray
+
+    where = lambda self: ray.get_runtime_context().get_placement_group_id()  # noqa: E731
+    got = ray.get([a.__ray_call__.remote(where) for a in rt.engines + rt.trainers.actors])
+    assert rt.placement is not None and set(got) == {rt.placement.id.hex()}, got
+    n = max(len(rt.trainers.actors), len(rt.engines))
+    assert len(rt.placement.bundle_specs) == n
+
+
 def _run(cfg):
     from flows.train import train
 
     try:
         summary = train(cfg, release_cluster=False)
-        infos = [EngineClient(u).server_info() for u in get_runtime(cfg).engine_urls]
+        rt = get_runtime(cfg)
+        infos = [EngineClient(u).server_info() for u in rt.engine_urls]
+        _assert_placed_together(rt)
         return summary, infos
     finally:
         shutdown_runtime(cfg.experiment)
@@ -55,3 +68,12 @@ def test_disk_push_with_partial_release_tags(ray_cluster, prefect_server, tiny_p
     assert summary["history"][0]["push_verified_tensors"] > 0
     assert infos[0]["memory_events"] == [["release", ["kv_cache"]], ["resume", ["kv_cache"]]]
     assert [p.name for p in (tmp_path / "push").iterdir()] == ["v1"]  # older pushes removed
+
+
+def test_colocation_bundles():
+    from infra.placement import bundles
+
+    # 2 ranks + PPO critic, 1 engine, GPUs: engine 0 shares bundle 0 with rank 0 and critic rank 0
+    assert bundles(2, 1, gpu=True, critic=True) == [{"CPU": 3.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
+    # 1 rank, 2 engines on CPU: the second engine gets a bundle of its own
+    assert bundles(1, 2, gpu=False, critic=False) == [{"CPU": 2.0}, {"CPU": 1.0}]
