@@ -20,6 +20,9 @@ class EngineError(RuntimeError):
         self.url, self.endpoint, self.status, self.message = url, endpoint, status, message
         super().__init__(f"engine {url} {endpoint} -> {status if status is not None else 'no answer'}: {message}")
 
+    def __reduce__(self):  # picklable with its fields, so it crosses Ray task boundaries as itself
+        return type(self), (self.url, self.endpoint, self.status, self.message)
+
 
 def _server_message(r: httpx.Response) -> str:
     """SGLang puts errors in {"error": str | {"message"}}, {"message"}, {"detail"} or plain text."""

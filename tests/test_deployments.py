@@ -211,3 +211,11 @@ def test_rerun_after_crash_in_train_does_not_generate_again(stack):
     assert (stages / "scored.pkl").stat().st_mtime_ns == mtime
     # The engine only served the final eval (8 held-out prompts, greedy): no rollout was regenerated.
     assert int(stack.actors()["engine-0"]["sequences"]) - served == 8
+
+
+def test_cluster_down_releases_the_experiment(stack):  # last: releases the actors
+    assert stack.actors()
+    out = stack.cmd("reflow", "cluster", "down", "--experiment", EXP)
+    assert f"reflow-{EXP}/engine-0" in out.stdout and f"reflow-{EXP}/policy-trainer-0" in out.stdout
+    assert stack.actors() == {}
+    assert json.loads(stack.cmd("reflow", "cluster", "status", "--json").stdout)["up"] is True  # the head stays
