@@ -27,6 +27,7 @@ import binascii
 import copyreg
 import io
 import pickle
+import threading
 from collections import ChainMap
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -84,12 +85,42 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False)
         offset = start + nbytes
     if shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
         _use_file_system_sharing()
-        flat = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(offset))  # [N]
+        flat = _shared_uint8(offset)  # [N]
     else:
         flat = torch.empty(offset, dtype=torch.uint8)  # [N]
     for (_, _, _, start, end, _), (_, t) in zip(metadata, named_tensors):
         flat[start:end] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
     return flat, metadata
+
+
+# Shared buffers handed back by `release` once every receiver of a payload is done, reused by the
+# next bucket that fits. Writing a fresh shared-memory segment pays a page fault per 4 KiB page,
+# which costs several times the copy itself (bench/weight_push.py). At most _POOL_MAX are kept.
+_POOL: list[torch.UntypedStorage] = []
+_POOL_MAX = 2
+_POOL_LOCK = threading.Lock()
+
+
+def _shared_uint8(nbytes: int) -> torch.Tensor:
+    """A uint8 [nbytes] tensor in shared memory: the smallest pooled buffer that fits, else a new one."""
+    with _POOL_LOCK:
+        fits = [i for i, st in enumerate(_POOL) if st.nbytes() >= nbytes]
+        storage = _POOL.pop(min(fits, key=lambda i: _POOL[i].nbytes())) if fits else None
+    if storage is None:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+
+
+def release(payload: "Payload") -> None:
+    """Every call that carried `payload` has returned: its shared buffers go back to the pool.
+
+    Only then: a receiver still reading a buffer would see the next bucket's bytes. A payload that
+    is never released is simply freed when dropped."""
+    with _POOL_LOCK:
+        _POOL.extend(t.untyped_storage() for t in payload.buffers)
+        _POOL.sort(key=lambda st: -st.nbytes())
+        del _POOL[_POOL_MAX:]
+    payload.buffers = []
 
 
 def _meta_fields(m) -> tuple:

@@ -4,7 +4,8 @@ Per SGLANG_API.md (and slime/miles), every push is pause -> flush -> begin sessi
 end session -> continue (`update_window`; the disk mode needs no session in SGLang). Modes:
 - tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
   <= bucket_bytes; each bucket is serialized once (a shared-memory / CUDA IPC handle) and sent to
-  every engine; its buffer stays alive until all those calls have returned.
+  every engine; its buffer stays alive until all those calls have returned, then is reused for
+  the next bucket and the next push (fresh shared memory pays page faults; tensor_bucket.release).
 - distributed: init_weights_update_group (this process is rank 0), then per bucket
   update_weights_from_distributed + one broadcast of the flattened buffer; group destroyed after.
 - disk: update_weights_from_disk of an HF folder / storage URL the caller wrote.
@@ -34,7 +35,7 @@ import torch
 
 from engines import weight_group
 from engines.rollout_client import EngineClient, EngineError
-from engines.tensor_bucket import serialize_bucket
+from engines.tensor_bucket import release, serialize_bucket
 
 log = logging.getLogger(__name__)
 _FLUSH_RETRIES = 20
@@ -89,12 +90,12 @@ def _send_buckets(clients: list[EngineClient], named_tensors: Named, bucket_byte
     buckets = make_buckets(named_tensors, bucket_bytes)
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         for bucket in buckets:
-            payload = serialize_bucket(bucket)  # holds the shared buffer until we drop it below
+            payload = serialize_bucket(bucket)  # holds the shared buffer until every engine has loaded it
             calls = [pool.submit(c.update_weights_from_tensor, [payload] * k, "flattened_bucket", True, version)
                      for c, k in zip(clients, tp)]
             for c, f in zip(clients, calls):
                 _check(c, f.result(), "a weight bucket")
-            del payload
+            release(payload)  # every engine has copied it: the next bucket (or push) reuses the buffer
     return len(buckets)
 
 
@@ -256,7 +257,7 @@ MODES = ("tensor", "distributed", "disk")
 def push_weights(clients: list[EngineClient], named_tensors: Named, version: str, bucket_bytes: int = 512 << 20,
                  verify: str = "full", verify_sample: int = 4, pause_mode: str = "abort", *, mode: str = "tensor",
                  verify_atol: float = 0.0, model_path: str | None = None, master_address: str = "127.0.0.1",
-                 backend: str = "gloo") -> dict:
+                 backend: str = "gloo", verify_rows: int | None = None) -> dict:
     """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
 
     mode: "tensor" (shared-memory / CUDA IPC buckets), "distributed" (a broadcast group with this
@@ -278,7 +279,7 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
         else:
             buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
-    verified = verify_weights(clients, named_tensors, version, verify, verify_sample, verify_atol)
+    verified = verify_weights(clients, named_tensors, version, verify, verify_sample, verify_atol, verify_rows)
     return {"bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
             "buckets": buckets, "engines": len(clients), "verified_tensors": verified,
             "verify_seconds": time.perf_counter() - t0 - seconds}
@@ -292,8 +293,11 @@ def _engine_dtype(client: EngineClient) -> torch.dtype | None:
 
 
 def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, torch.Tensor]], version: str,
-                   mode: str = "full", sample: int = 4, atol: float = 0.0) -> int:
+                   mode: str = "full", sample: int = 4, atol: float = 0.0, rows: int | None = None) -> int:
     """Check version and tensor values on every engine; returns how many tensors were compared.
+
+    mode="sample" with `rows` compares the first `rows` rows of each sampled tensor (SGLang's
+    `truncate_size`): the answer is JSON, so whole embedding matrices cost seconds per push.
 
     atol=0 demands bit-equality after casting to the engine's dtype; a quantised engine (fp8, int4)
     cannot reproduce the pushed values exactly, so give it the tolerance its format needs."""
@@ -310,16 +314,20 @@ def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, t
             raise WeightSyncError(f"engine {c.url} reports weight_version {got_version!r}, expected {version!r}")
         dtype = _engine_dtype(c)
         for name in names:
-            _compare(c, name, pushed[name], dtype, atol)
+            _compare(c, name, pushed[name], dtype, atol, rows if mode == "sample" else None)
             count += 1
     return count
 
 
 def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtype: torch.dtype | None,
-             atol: float = 0.0) -> None:
+             atol: float = 0.0, rows: int | None = None) -> None:
     want = pushed.detach().to("cpu").to(dtype or pushed.dtype).float()  # what the engine must hold
-    rows = want.shape[0] if want.dim() else 1
-    got = torch.tensor(client.get_weights_by_name(name, truncate_size=max(rows, want.numel())), dtype=torch.float32)
+    if rows is not None and want.dim() and want.shape[0] > rows:
+        want = want[:rows]  # the engine truncates along dim 0 the same way
+        size = rows
+    else:
+        size = max(want.shape[0] if want.dim() else 1, want.numel())
+    got = torch.tensor(client.get_weights_by_name(name, truncate_size=size), dtype=torch.float32)
     want = want.reshape(1) if want.dim() == 0 else want
     if tuple(got.shape) != tuple(want.shape):
         raise WeightSyncError(f"engine {client.url} tensor {name!r}: shape {tuple(got.shape)} "

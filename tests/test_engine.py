@@ -306,6 +306,21 @@ def test_bucket_roundtrip_and_unsafe_pickle_refused():
         load_payload(base64.b64encode(pickle.dumps(os.system)).decode(), "flattened_bucket")
 
 
+def test_released_bucket_buffer_is_reused_with_the_new_bytes():
+    from engines.tensor_bucket import release
+
+    first = serialize_bucket([("a", torch.ones(64))])
+    ptr = first.buffers[0].untyped_storage().data_ptr()
+    release(first)
+    assert first.buffers == []
+    second = serialize_bucket([("a", torch.full((48,), 2.0))])  # smaller: fits the pooled buffer
+    assert second.buffers[0].untyped_storage().data_ptr() == ptr
+    assert torch.equal(load_payload(second, "flattened_bucket")[0][1], torch.full((48,), 2.0))
+    third = serialize_bucket([("a", torch.full((64,), 3.0))])  # the pooled one is in use: a new buffer
+    assert third.buffers[0].untyped_storage().data_ptr() != ptr
+    assert torch.equal(load_payload(third, "flattened_bucket")[0][1], torch.full((64,), 3.0))
+
+
 # The subset of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (sglang/srt/utils/common.py) that
 # a CPU payload can need: the real server refuses anything else.
 SGLANG_ALLOWED = {("torch", "Tensor"), ("torch", "Size"), ("torch.storage", "UntypedStorage"),

@@ -1,0 +1,329 @@
+"""GPU benchmark in one process: trainer tokens/s and MFU, engine tokens/s, weight-push GB/s.
+
+    python3 bench/gpu.py                          # on one H200 (a Qwen2.5-0.5B-shaped model, bf16)
+    .venv/bin/python bench/gpu.py --device cpu --tiny    # a smoke test of the same code on CPU
+
+The GPU machine has torch and transformers but no Ray or Prefect, so the classes the Ray actors
+host are driven directly in this process: `engines.trainer.TrainerRank` (DeepSpeed, one rank,
+ZeRO-1, bf16; a plain torch loop with the same loss if DeepSpeed cannot be imported), and
+`engines.embedded_engine.EmbeddedEngine` (its HTTP server in a thread; the model moved to the
+GPU). Wheels for DeepSpeed and the HTTP server are carried along (see bench/RESULTS.md).
+
+- trainer: `train_iteration` on a synthetic batch of B x T tokens (old-logprob pass, then one
+  PPO-clip step). MFU = model FLOPs it executes / seconds / peak (989 TFLOP/s dense bf16, the
+  H200's datasheet figure). Model FLOPs per sequence: forward 2*N*T + 2*L*d*T^2 (causal attention),
+  N = parameters of the matrix products (the tied embedding counted once, as the LM head);
+  the iteration runs 1 forward (old logprobs) + 1 forward/backward (3 forwards) = 4 forwards.
+  Next to it, a plain torch loop: same model, SDPA, fused AdamW on bf16 weights, cross-entropy,
+  1 forward/backward per step (3 forwards).
+- engine: response tokens/s of our engine (in process, and over HTTP) and of transformers
+  `generate` on the same model, batch 64, equal and varying lengths (bench/engine_throughput.py).
+- push: trainer -> engine through `engines.weight_push.push_weights` (what `TrainerRank.push_weights`
+  calls; that method only adds Ray's node address) next to a plain device-to-device copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+import engine_throughput as ET  # noqa: E402
+
+PEAK_BF16 = {"cuda": 989e12, "cpu": float("nan")}
+TINY = dict(hidden=64, layers=2, heads=4, mlp=256, vocab=512)
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def gpu_peak_gib(reset: bool = True) -> float:
+    if not torch.cuda.is_available():
+        return float("nan")
+    v = torch.cuda.max_memory_allocated() / 2**30
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return v
+
+
+def model_flops(cfg, seqs: int, T: int, forwards: int) -> float:
+    """Forward FLOPs (2*N*T + causal attention 2*L*d*T^2) per sequence, times sequences and forwards."""
+    h, L, V, mlp = cfg.hidden_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    n = L * (h * h * 2 + 2 * h * kv + 3 * h * mlp) + V * h  # q, o, k, v, MLP per layer; LM head
+    return forwards * seqs * (2 * n * T + 2 * L * h * T * T)
+
+
+def synthetic_batch(B: int, T: int, vocab: int, prompt: int):
+    from rl.types import RolloutBatch
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, vocab, (B, T), generator=g).tolist()
+    return RolloutBatch(group_index=[i // 2 for i in range(B)], prompt_text=[""] * B,
+                        prompt_ids=[r[:prompt] for r in ids], response_text=[""] * B,
+                        response_ids=[r[prompt:] for r in ids], rollout_logprobs=[[-1.0] * (T - prompt)] * B,
+                        finish_reason=["length"] * B, label=[None] * B,
+                        advantages=[1.0 if i % 2 else -1.0 for i in range(B)])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_trainer(folder: Path, args):
+    """TrainerRank (DeepSpeed) when it imports; None otherwise (the caller falls back)."""
+    try:
+        import deepspeed  # noqa: F401
+
+        from engines.trainer import TrainerRank
+    except ImportError as e:
+        print(f"# DeepSpeed unavailable ({e}); the trainer row is the plain loop with the RL loss")
+        return None
+    cuda = args.device == "cuda"
+    if cuda:
+        # TrainerRank's own init joins an nccl-only group, and its step flags and metric sums are CPU
+        # tensors, which nccl cannot reduce ("No backend type associated with device type cpu").
+        # A group with gloo for CPU tensors and nccl for CUDA ones serves both; DeepSpeed reuses it.
+        import torch.distributed as dist
+
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
+                                world_size=1)
+    return TrainerRank(0, 1, "127.0.0.1", _free_port(), str(folder), zero_stage=1, precision="bf16", lr=1e-6,
+                       lr_schedule="constant", warmup_steps=0, total_steps=1000, weight_decay=0.0, grad_clip=1.0,
+                       micro_batch_size=args.micro, threads=4, seed=0, backend="nccl" if cuda else "gloo")
+
+
+def bench_trainer(trainer, cfg, args) -> dict:
+    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
+    kw = dict(minibatches=1, temperature=1.0, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k1",
+              entropy_coef=0.0, loss_agg="token-mean", pad_id=0)
+    trainer.train_iteration(batch, **kw)  # warm-up
+    gpu_peak_gib()
+    sync()
+    t0, old = time.perf_counter(), 0.0
+    for _ in range(args.steps):
+        old += trainer.train_iteration(batch, **kw)["old_logprob_time_s"]
+    sync()
+    sec, old = (time.perf_counter() - t0) / args.steps, old / args.steps
+    tokens = args.batch * args.seq
+    fl, fl_update = model_flops(cfg, args.batch, args.seq, forwards=4), model_flops(cfg, args.batch, args.seq, 3)
+    peak = PEAK_BF16[args.device]
+    print(f"  trainer: old-logprob pass {old:.3f}s ({model_flops(cfg, args.batch, args.seq, 1) / old / peak:.1%} MFU), "
+          f"update {sec - old:.3f}s ({fl_update / (sec - old) / peak:.1%} MFU)", flush=True)
+    return {"what": "TrainerRank.train_iteration (DeepSpeed ZeRO-1 bf16)", "s": sec, "tok_s": tokens / sec,
+            "tflops": fl / sec / 1e12, "mfu": fl / sec / peak, "gpu_gib": gpu_peak_gib(),
+            "old_s": old, "update_mfu": fl_update / (sec - old) / peak}
+
+
+def bench_plain(folder: Path, cfg, args) -> dict:
+    """The plain way: bf16 weights, SDPA, fused AdamW, cross-entropy; micro-batches accumulate to B."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=args.device == "cuda")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(4, cfg.vocab_size, (args.batch, args.seq), generator=g).to(dev)
+
+    def step():
+        for s in range(0, args.batch, args.micro):
+            mb = ids[s:s + args.micro]
+            (model(input_ids=mb, labels=mb).loss * mb.shape[0] / args.batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    gpu_peak_gib()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    sync()
+    sec = (time.perf_counter() - t0) / args.steps
+    fl = model_flops(cfg, args.batch, args.seq, forwards=3)
+    out = {"what": "plain torch loop (fused AdamW, bf16 weights)", "s": sec, "tok_s": args.batch * args.seq / sec,
+           "tflops": fl / sec / 1e12, "mfu": fl / sec / PEAK_BF16[args.device], "gpu_gib": gpu_peak_gib()}
+    return out
+
+
+def start_engine(folder: Path, args):
+    """The embedded engine (HTTP server thread) with its model moved to the device."""
+    from engines.embedded_engine import EmbeddedEngine
+    from engines.rollout_client import EngineClient
+
+    server = EmbeddedEngine(model_path=str(folder), engine_id="gpu-bench", threads=4, dtype="bf16")
+    gen = server.generator
+    gen.model.to(args.device)  # parameters keep their identity, so the engine's name map stays valid
+    gen.device = torch.device(args.device)
+    server.ready()
+    return server, gen, EngineClient(server.url(), timeout=3600)
+
+
+def bench_engine(gen, client, args) -> list[dict]:
+    class A:  # lengths_for's arguments
+        length, min_len, max_len = args.gen_len, 4, args.gen_len
+    engines = {"ours": lambda pr, ln: ET.run_ours(gen, pr, ln), "ours/http": lambda pr, ln: ET.run_http(client, pr, ln),
+               "hf": lambda pr, ln: ET.run_hf(gen.model, pr, ln, 0)}
+    for fn in engines.values():
+        fn(ET.prompts_for(2, gen.vocab_size, 32), [4, 4])
+    rows, base = [], (torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0)
+    for mode in ("equal", "varying"):
+        prompts, lengths = ET.prompts_for(args.gen_batch, gen.vocab_size, 32), ET.lengths_for(args.gen_batch, mode, A)
+        best: dict[str, float] = {}
+        for r in range(args.repeat):
+            for name in engines:
+                gpu_peak_gib()
+                sec, _ = ET.timed(lambda: engines[name](prompts, lengths))
+                best[name] = min(best.get(name, math.inf), sec)
+                best[f"{name}_gib"] = gpu_peak_gib() - base  # over what is resident (trainer, models)
+        rows.append({"mode": mode, "batch": args.gen_batch, "tokens": sum(lengths),
+                     **{f"{k}_tps": sum(lengths) / best[k] for k in engines},
+                     **{f"{k}_gib": best[f"{k}_gib"] for k in engines},
+                     "ratio": best["hf"] / best["ours"], "http_ratio": best["hf"] / best["ours/http"]})
+        print(f"  engine {mode}: " + ", ".join(f"{k} {rows[-1][f'{k}_tps']:.0f} tok/s" for k in engines), flush=True)
+    return rows
+
+
+def bench_push(trainer, plain_named, gen, client, args) -> dict:
+    """Gather + push (verify off) against a device-to-device copy and a device->host->device copy."""
+    from engines.weight_push import push_weights
+
+    def gathered():
+        if trainer is not None:
+            return trainer.named_weights()  # every parameter as a CPU copy (TrainerRank.push_weights does this)
+        return [(n, p.detach().to("cpu")) for n, p in plain_named]
+
+    src = dict(trainer.engine.module.named_parameters()) if trainer is not None else dict(plain_named)
+    dst = {n: gen._params[n] for n in src}
+    nbytes = sum(t.numel() * t.element_size() for t in src.values())
+    version = iter(range(1, 10**6))
+    best = {"push": math.inf, "gather": math.inf, "d2d": math.inf, "staged": math.inf}
+    for r in range(args.repeat + 1):  # the first round is a warm-up
+        sync()
+        t0 = time.perf_counter()
+        named = gathered()
+        t1 = time.perf_counter()
+        push_weights([client], named, str(next(version)), 512 << 20, "off")
+        sync()
+        t2 = time.perf_counter()
+        with torch.no_grad():
+            for n, t in src.items():
+                dst[n].copy_(t)
+            sync()
+            t3 = time.perf_counter()
+            for n, t in src.items():
+                dst[n].copy_(t.to("cpu"))
+            sync()
+            t4 = time.perf_counter()
+        if r:
+            for k, v in (("push", t2 - t0), ("gather", t1 - t0), ("d2d", t3 - t2), ("staged", t4 - t3)):
+                best[k] = min(best[k], v)
+    t0 = time.perf_counter()
+    push_weights([client], gathered(), str(next(version)), 512 << 20, "sample")  # proves the weights landed
+    verified = time.perf_counter() - t0
+    gb = nbytes / 1e9
+    return {"gb": gb, **{f"{k}_s": v for k, v in best.items()}, **{f"{k}_gbs": gb / v for k, v in best.items()},
+            "verified_s": verified}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--tiny", action="store_true", help="tiny Llama and batches: a smoke test")
+    p.add_argument("--batch", type=int, default=16, help="trainer sequences per step")
+    p.add_argument("--seq", type=int, default=2048, help="trainer tokens per sequence")
+    p.add_argument("--micro", type=int, default=8, help="trainer micro-batch (sequences)")
+    p.add_argument("--steps", type=int, default=3, help="timed trainer steps")
+    p.add_argument("--gen-batch", type=int, default=64)
+    p.add_argument("--gen-len", type=int, default=256)
+    p.add_argument("--repeat", type=int, default=2)
+    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer, plain, engine, push")
+    args = p.parse_args()
+    if args.tiny:
+        args.batch, args.seq, args.micro, args.steps, args.gen_batch, args.gen_len = 4, 64, 2, 1, 8, 16
+    C.set_bench_env()
+    import logging
+
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-stage memory printouts
+    from rl.demo_policy import save_policy
+
+    C.header(f"GPU benchmark, one process ({args.device})")
+    kind = "llama" if args.tiny else "qwen2-0.5b"
+    model = ET.build_model(kind, TINY, torch.bfloat16, args.device)
+    cfg, n_total = model.config, sum(p.numel() for p in model.parameters())
+    folder = save_policy(model, ET.build_tokenizer(cfg.vocab_size), Path(tempfile.mkdtemp(prefix="reflow-gpu-")) / "m")
+    del model
+    print(f"# model: {kind}, {n_total / 1e6:.0f}M parameters, bf16; trainer batch {args.batch} x {args.seq} "
+          f"(micro {args.micro}); engine batch {args.gen_batch} x up to {args.gen_len} tokens", flush=True)
+    skip, res = set(args.skip.split(",")), {"train": [], "engine": [], "push": None}
+    trainer = make_trainer(folder, args) if "trainer" not in skip or "push" not in skip else None
+    if trainer is not None and "trainer" not in skip:
+        res["train"].append(bench_trainer(trainer, cfg, args))
+        print(f"  trainer: {res['train'][-1]['tok_s']:.0f} tok/s", flush=True)
+    if "plain" not in skip:
+        res["train"].append(bench_plain(folder, cfg, args))
+        print(f"  plain: {res['train'][-1]['tok_s']:.0f} tok/s", flush=True)
+    server, gen, client = start_engine(folder, args)
+    if "engine" not in skip:
+        res["engine"] = bench_engine(gen, client, args)
+    if "push" not in skip:
+        plain_named = None
+        if trainer is None:
+            from transformers import AutoModelForCausalLM
+
+            plain_named = list(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+                               .to(args.device).named_parameters())
+        res["push"] = bench_push(trainer, plain_named, gen, client, args)
+    server.shutdown()
+    report(res, args)
+
+
+def report(res: dict, args) -> None:
+    print()
+    if res["train"]:
+        print(C.table(res["train"], [("what", "trainer", ""), ("s", "s/step", ".3f"), ("tok_s", "tokens/s", ".0f"),
+                                     ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
+                                     ("gpu_gib", "GPU peak GiB", ".1f")]))
+    if res["engine"]:
+        print(C.table(res["engine"], [("mode", "lengths", ""), ("batch", "batch", "d"), ("tokens", "tokens", "d"),
+                                      ("ours_tps", "ours tok/s", ".0f"), ("ours/http_tps", "ours/http tok/s", ".0f"),
+                                      ("hf_tps", "generate tok/s", ".0f"), ("ratio", "ours/generate", ".2f"),
+                                      ("http_ratio", "http/generate", ".2f"), ("ours_gib", "ours +GiB", ".2f"),
+                                      ("hf_gib", "generate +GiB", ".2f")]))
+    if res["push"]:
+        pu = res["push"]
+        print(C.table([pu], [("gb", "GB", ".2f"), ("push_s", "push s", ".3f"), ("push_gbs", "push GB/s", ".2f"),
+                             ("gather_s", "of which gather s", ".3f"), ("verified_s", "verified push s", ".3f"),
+                             ("d2d_gbs", "plain d2d GB/s", ".1f"), ("staged_gbs", "plain d->h->d GB/s", ".2f")]))
+    print(f"peak RSS: this process {C.self_peak_mib():.0f} MiB")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu.json").write_text(json.dumps(res, indent=1, default=str))
+    tr = next((r for r in res["train"] if r["what"].startswith("Trainer")), None)
+    eng = next((r for r in res["engine"] if r["mode"] == "varying"), None)
+    parts = []
+    if tr:
+        parts.append(f"trainer MFU {tr['mfu']:.1%} (target 40%)")
+    if eng:
+        parts.append(f"engine/generate {eng['ratio']:.2f} at batch {eng['batch']} varying (target 3)")
+    if res["push"]:
+        parts.append(f"push {res['push']['push_gbs']:.2f} GB/s vs d2d {res['push']['d2d_gbs']:.0f} GB/s")
+    print("\ngpu: " + "; ".join(parts))
+
+
+if __name__ == "__main__":
+    main()

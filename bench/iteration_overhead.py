@@ -1,0 +1,342 @@
+"""Iteration breakdown and framework overhead: the real train flow next to a bare loop doing the same work.
+
+    .venv/bin/python bench/iteration_overhead.py                 # demo and large sizes, 4-6 min on 2 cores
+    .venv/bin/python bench/iteration_overhead.py --sizes large --iters 4
+
+"full" is the real thing: `flows.train.train` (Prefect flow, one `iteration` subflow per iteration,
+Ray actors: embedded engine over HTTP, DeepSpeed trainer rank) with configs/demo.yaml plus
+save and eval after every iteration. Stage seconds are the iteration flow's own `time_<stage>`
+metrics; save and eval are timed around the parent flow's calls; orchestration = total minus
+the stages (Prefect flow/task runs, Ray scheduling, logging).
+
+"bare" is the same work in one process with no Ray, Prefect, HTTP or DeepSpeed: the same
+prompts, per-sample seeds and sampling through the same `Generator`, the same reward function,
+GRPO advantages and PPO-clip loss (rl/), a torch AdamW step with the same clipping, weights copied
+into the engine's model in place, the same records (metrics.json, rollouts.parquet), a checkpoint
+(HF folder + optimizer state) and the same greedy eval of 200 held-out prompts.
+
+Both run as child processes of this script, one after the other (bare first), so each one's peak
+memory is its own; the first `--warmup` iterations are not counted. Policies are randomly
+initialised (a warmed-up policy would only change response lengths, equally for both).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common as C  # noqa: E402
+
+SIZES = {"demo": dict(hidden=128, layers=4, mlp=512), "large": dict(hidden=512, layers=6, mlp=2048)}
+STAGES = ("generate", "reward", "advantages", "train", "push", "report", "save", "eval")
+DEMO_YAML = C.ROOT / "configs" / "demo.yaml"
+
+
+# ---------------------------------------------------------------- full: the real flow
+
+
+def _eval_every_iteration() -> list[str]:
+    """Overrides for an eval after every iteration and none before training (either config layout)."""
+    from infra.config import RunConfig
+
+    if "eval" in RunConfig.model_fields:
+        return ["eval.before_train=false", "eval.interval=1"]
+    return ["eval_before_train=false", "eval_interval=1"]
+
+
+def run_full(args) -> dict:
+    import ray
+
+    import flows.train as ft
+    from infra.config import load_config
+    from infra.runtime import shutdown_runtime
+
+    work = Path(tempfile.mkdtemp(prefix="reflow-bench-full-"))
+    exp = f"bench-{os.getpid()}"
+    cfg = load_config(str(DEMO_YAML), _eval_every_iteration() + [
+        f"model.path={args.policy}", f"experiment={exp}", f"num_iterations={args.warmup + args.iters}",
+        "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+        f"storage.root=file://{work}/runs", f"rollout.engine_threads={args.threads}",
+        f"trainer.threads_per_rank={args.threads}", "resume=never"])
+    marks: list[tuple[str, float, float]] = []  # (kind, start, end) of every hooked call
+
+    def timed(kind, fn):
+        def wrapper(*a, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                marks.append((kind, t0, time.perf_counter()))
+        return wrapper
+
+    # Timing hooks only: the flow looks these names up in its module at call time.
+    for name, kind in (("iteration", "iteration"), ("save_checkpoint", "save"), ("evaluate", "eval"),
+                       ("launch_eval", "eval"), ("collect", "eval")):
+        if hasattr(ft, name):
+            setattr(ft, name, timed(kind, getattr(ft, name)))
+    cpu0 = {k: c for k, _, _, c in C.process_tree_usage()}  # none yet: Ray and Prefect start inside train
+    t_run = time.perf_counter()
+    summary = ft.train(cfg, release_cluster=False)
+    usage = C.process_tree_usage()
+    peaks = [(k, n, m) for k, n, m, _ in usage]
+    cpu = {"wall": time.perf_counter() - t_run, **{k: c - cpu0.get(k, 0.0) for k, _, _, c in usage}}
+    shutdown_runtime(exp)
+    ray.shutdown()
+    shutil.rmtree(work, ignore_errors=True)
+    starts = [t0 for kind, t0, _ in marks if kind == "iteration"]
+    rows = []
+    for i in range(args.warmup, args.warmup + args.iters):
+        # iteration i's window: from its start to the next one's (the last: to the last hooked call's end)
+        lo, hi = starts[i], starts[i + 1] if i + 1 < len(starts) else max(t1 for _, _, t1 in marks)
+        m = summary["history"][i]
+        row = {s: m[f"time_{s}"] for s in STAGES if f"time_{s}" in m}
+        for kind in ("save", "eval"):
+            row[kind] = sum(t1 - t0 for k, t0, t1 in marks if k == kind and lo <= t0 < hi)
+        row["total"] = hi - lo
+        row["push_send"], row["push_verify"] = m.get("push_seconds", 0.0), m.get("push_verify_seconds", 0.0)
+        rows.append(row)
+    return {"rows": rows, "peak_self_mib": C.self_peak_mib(), "peaks": peaks, "cpu": cpu}
+
+
+# ---------------------------------------------------------------- bare: one process, plain torch
+
+
+def _bare_setup(args):
+    import torch
+
+    from engines.generator import Generator
+    from engines.hf_io import load_causal_lm, load_tokenizer
+    from infra.config import load_config
+    from rl.data import load_prompt_rows, tokenize_prompts
+    from rl.rewards import load_reward_fn
+
+    torch.set_num_threads(args.threads)
+    cfg = load_config(str(DEMO_YAML), [f"model.path={args.policy}"])
+    tok = load_tokenizer(args.policy)
+    policy = load_causal_lm(args.policy)  # trained copy
+    policy.eval()  # dropout off, as the trainer does
+    gen = Generator(load_causal_lm(args.policy), tok, max_batch_size=cfg.rollout.max_batch_size)  # engine copy
+    d = cfg.data
+    train_rows, eval_rows = load_prompt_rows(d.task, d.path, d.prompt_key, d.label_key, d.seed, d.num_train,
+                                             d.num_eval, d.digits)
+    t = cfg.trainer
+    opt = torch.optim.AdamW(policy.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+    return (cfg, tok, policy, gen, opt, load_reward_fn(d.reward_fn),
+            tokenize_prompts(train_rows, tok, d.max_prompt_len), tokenize_prompts(eval_rows, tok, d.max_prompt_len))
+
+
+def _bare_generate(cfg, gen, tok, prompts, it: int, greedy: bool = False):
+    from engines.rollout import sample_seeds, sampling_params
+    from rl.data import PromptSampler
+    from rl.types import RolloutBatch
+
+    r = cfg.rollout
+    if greedy:
+        chosen, n = prompts, 1
+        sps = sampling_params(0.0, 1.0, -1, r.max_new_tokens, [tok.eos_token_id])
+        recs = gen.generate([p.input_ids for p in chosen], sps, 1)
+    else:  # the flow's prompt order and per-sample seeds (tasks.rollout / engines.rollout_client)
+        k, n = r.prompts_per_iteration, r.n_samples_per_prompt
+        epoch, cursor = divmod(it * k, len(prompts))
+        sampler = PromptSampler(prompts, cfg.data.seed)
+        sampler.load_state_dict({"epoch": epoch, "cursor": cursor})
+        chosen = sampler.next_batch(k)
+        sp = sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [tok.eos_token_id])
+        seeds = sample_seeds(cfg.seed, it, k * n)
+        ids = [p.input_ids for p in chosen for _ in range(n)]
+        recs = gen.generate(ids, [{**sp, "sampling_seed": s} for s in seeds], 1)
+    gi = [i // n for i in range(len(recs))]
+    return RolloutBatch(group_index=gi, prompt_text=[chosen[g].text for g in gi],
+                        prompt_ids=[chosen[g].input_ids for g in gi], response_text=[o["text"] for o in recs],
+                        response_ids=[o["output_ids"] for o in recs],
+                        rollout_logprobs=[[lp[0] for lp in o["output_token_logprobs"]] for o in recs],
+                        finish_reason=[o["finish_reason"]["type"] for o in recs], label=[chosen[g].label for g in gi],
+                        policy_version=it)
+
+
+def _bare_train(cfg, policy, opt, batch, pad_id: int) -> float:
+    import torch
+
+    from rl.losses import aggregate, entropy_from_logits, policy_loss, token_logprobs
+    from rl.types import to_train_tensors
+
+    t, a, temp = cfg.trainer, cfg.algorithm, cfg.rollout.temperature
+    x = to_train_tensors(batch, pad_id)
+    B, mbs = x["input_ids"].shape[0], t.micro_batch_size
+
+    def rows(s, e):
+        L = max(int(x["attention_mask"][s:e].sum(1).max()), 2)
+        return {k: v[s:e] if v.dim() == 1 else v[s:e, :L] if k in ("input_ids", "attention_mask") else v[s:e, :L - 1]
+                for k, v in x.items()}
+
+    def logits(mb):
+        return policy(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits[:, :-1]
+
+    old = torch.zeros_like(x["loss_mask"])  # [B, T-1]
+    with torch.no_grad():
+        for s in range(0, B, mbs):
+            mb = rows(s, min(s + mbs, B))
+            old[s:s + mbs, :mb["input_ids"].shape[1] - 1] = token_logprobs(logits(mb), mb["input_ids"][:, 1:], temp)
+    x["old_logprobs"] = old
+    units = x["loss_mask"].sum().clamp_min(1.0)
+    for s in range(0, B, mbs):
+        mb = rows(s, min(s + mbs, B))
+        lg = logits(mb)
+        logp = token_logprobs(lg, mb["input_ids"][:, 1:], temp)
+        pg, _ = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], a.clip_eps_low,
+                            a.clip_eps_high, a.loss_agg)
+        with torch.no_grad():
+            aggregate(entropy_from_logits(lg), mb["loss_mask"], a.loss_agg)  # the trainer's entropy metric
+        (pg * mb["loss_mask"].sum() / units).backward()
+    torch.nn.utils.clip_grad_norm_(policy.parameters(), t.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return float(pg.detach())
+
+
+def run_bare(args) -> dict:
+    import torch
+
+    from engines.rollout import rollout_table
+    from rl.algorithms import sequence_advantages
+    from rl.rewards import compute_rewards
+
+    cfg, tok, policy, gen, opt, reward_fn, prompts, eval_prompts = _bare_setup(args)
+    work = Path(tempfile.mkdtemp(prefix="reflow-bench-bare-"))
+    rows = []
+    for it in range(args.warmup + args.iters):
+        sec: dict[str, float] = {}
+        t_it = time.perf_counter()
+
+        def mark(stage, t0):
+            sec[stage] = time.perf_counter() - t0
+            return time.perf_counter()
+
+        t0 = time.perf_counter()
+        batch = _bare_generate(cfg, gen, tok, prompts, it)
+        t0 = mark("generate", t0)
+        batch = batch.with_(rewards=compute_rewards(reward_fn, batch.prompt_text, batch.response_text, batch.label))
+        t0 = mark("reward", t0)
+        adv = sequence_advantages(cfg.algorithm.type, torch.tensor(batch.rewards), torch.tensor(batch.group_index),
+                                  torch.tensor([float(len(r)) for r in batch.response_ids]),
+                                  normalize_std=cfg.algorithm.normalize_std)
+        batch = batch.with_(advantages=adv.tolist())
+        t0 = mark("advantages", t0)
+        loss = _bare_train(cfg, policy, opt, batch, tok.pad_token_id)
+        t0 = mark("train", t0)
+        with torch.no_grad():
+            gen.load_named_tensors([(n, p.detach()) for n, p in policy.named_parameters()])
+        t0 = mark("push", t0)
+        d = work / "iterations" / f"{it:06d}"
+        d.mkdir(parents=True)
+        (d / "metrics.json").write_text(json.dumps({"iteration": it, "loss": loss, **sec}))
+        rollout_table(batch).to_parquet(d / "rollouts.parquet")
+        t0 = mark("report", t0)
+        ck = work / "checkpoint"
+        shutil.rmtree(ck, ignore_errors=True)
+        policy.save_pretrained(ck)
+        tok.save_pretrained(ck)
+        torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, ck / "optim.pt")
+        t0 = mark("save", t0)
+        ev = _bare_generate(cfg, gen, tok, eval_prompts, it, greedy=True)
+        acc = compute_rewards(reward_fn, ev.prompt_text, ev.response_text, ev.label)
+        rollout_table(ev).to_parquet(d / "heldout.parquet")
+        (d / "eval.json").write_text(json.dumps({"eval_accuracy": sum(acc) / len(acc)}))
+        mark("eval", t0)
+        sec["total"] = time.perf_counter() - t_it
+        if it >= args.warmup:
+            rows.append(sec)
+    shutil.rmtree(work, ignore_errors=True)
+    return {"rows": rows, "peak_self_mib": C.self_peak_mib(), "peaks": []}
+
+
+# ---------------------------------------------------------------- parent: run both, print the table
+
+
+def _child(args, part: str, policy: Path, out: Path, log: Path) -> dict:
+    cmd = [sys.executable, __file__, "--part", part, "--policy", str(policy), "--json", str(out),
+           "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    env = {**os.environ, **C.BENCH_ENV, "PREFECT_HOME": str(out.parent / f"prefect-{part}"),
+           "PREFECT_LOGGING_LEVEL": "WARNING"}
+    t0 = time.perf_counter()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=C.ROOT).returncode
+    if rc != 0:
+        sys.stdout.write(log.read_text()[-6000:])
+        raise SystemExit(f"{part} run failed (exit {rc}); log above and in {log}")
+    res = json.loads(out.read_text())
+    res["wall_s"] = time.perf_counter() - t0
+    return res
+
+
+def _median(rows: list[dict], key: str) -> float:
+    """Median over iterations (robust to a burst of load from other processes on a shared machine)."""
+    if key == "orchestration":
+        return statistics.median(r["total"] - sum(r.get(s, 0.0) for s in STAGES) for r in rows)
+    return statistics.median(r.get(key, 0.0) for r in rows)
+
+
+def _report(size: str, nparams: int, full: dict, bare: dict) -> float:
+    out = []
+    for stage in STAGES + ("orchestration", "total"):
+        f, b = _median(full["rows"], stage), _median(bare["rows"], stage)
+        out.append({"stage": stage, "full": f, "bare": b, "ratio": f / b if b > 1e-3 else float("nan"),
+                    "share": f / _median(full["rows"], "total")})
+    print(f"\n## {size}: {nparams / 1e6:.1f}M parameters; seconds per iteration, median of {len(full['rows'])} "
+          f"(after {full.get('warmup', 1)} warm-up)")
+    print(C.table(out, [("stage", "stage", ""), ("full", "full s", ".3f"), ("bare", "bare s", ".3f"),
+                        ("ratio", "full/bare", ".2f"), ("share", "share of full", ".1%")]))
+    send, verify = _median(full["rows"], "push_send"), _median(full["rows"], "push_verify")
+    print(f"full push: {send:.3f}s sending (weight_push), {verify:.3f}s verifying (4 sampled tensors read back "
+          f"over HTTP), {_median(full['rows'], 'push') - send - verify:.3f}s the rest (gather, Ray call)")
+    print(f"peak RSS full: {C.fmt_peaks(full['peaks'], full['peak_self_mib'])}")
+    print(f"peak RSS bare: this process {bare['peak_self_mib']:.0f} MiB")
+    cpu = full.get("cpu", {})
+    if cpu:
+        busy = sorted(((k, v) for k, v in cpu.items() if k != "wall"), key=lambda kv: -kv[1])
+        print(f"CPU seconds of the full run's other processes over its {cpu['wall']:.0f}s (2 cores = "
+              f"{2 * cpu['wall']:.0f} CPU-s): " + ", ".join(f"{k} {v:.0f}" for k, v in busy[:7]))
+    return out[-1]["ratio"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="demo,large", help="comma list of: " + ", ".join(SIZES))
+    p.add_argument("--iters", type=int, default=3, help="measured iterations per run")
+    p.add_argument("--warmup", type=int, default=1, help="iterations run first and not counted")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and trainer (both runs)")
+    p.add_argument("--part", choices=["all", "full", "bare"], default="all", help=argparse.SUPPRESS)
+    p.add_argument("--policy", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--json", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    C.set_bench_env()
+    if args.part != "all":
+        res = run_full(args) if args.part == "full" else run_bare(args)
+        res["warmup"] = args.warmup
+        Path(args.json).write_text(json.dumps(res))
+        return
+    C.header("iteration breakdown: train flow (Prefect + Ray + DeepSpeed + HTTP engine) vs a bare loop")
+    work = Path(tempfile.mkdtemp(prefix="reflow-bench-iter-"))
+    ratios = {}
+    try:
+        for size in args.sizes.split(","):
+            policy = C.demo_policy(work / f"policy-{size}", **SIZES[size])
+            bare = _child(args, "bare", policy, work / f"{size}-bare.json", work / f"{size}-bare.log")
+            full = _child(args, "full", policy, work / f"{size}-full.json", work / f"{size}-full.log")
+            ratios[size] = _report(size, C.n_params(policy), full, bare)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("\niteration_overhead: full/bare per iteration " +
+          " ".join(f"{k}={v:.2f}" for k, v in ratios.items()) + " (target <= 1.05 on large)")
+
+
+if __name__ == "__main__":
+    main()
