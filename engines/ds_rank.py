@@ -107,6 +107,12 @@ def _init_distributed(rank: int, world_size: int, master_addr: str, master_port:
         # inference), never training; marking it incompatible skips its ~40 s JIT build. The probed
         # dict is documented as a persistent module-level cache.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    if backend == "nccl" and not torch.distributed.is_initialized():
+        # The step's veto flags and the metric sums are CPU tensors, which nccl cannot reduce ("No
+        # backend type associated with device type cpu"): gloo serves CPU tensors, nccl CUDA ones.
+        # DeepSpeed then reuses this group. (Found by bench/gpu.py on the H200.)
+        torch.distributed.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://{master_addr}:{master_port}",
+                                             rank=rank, world_size=world_size)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 

@@ -238,7 +238,7 @@ class TrainerRank(DeepSpeedRank):
 
     def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str, verify_sample: int,
                      mode: str = "tensor", verify_atol: float = 0.0, disk_dir: str | None = None,
-                     backend: str = "gloo") -> dict:
+                     backend: str = "gloo", verify_rows: int | None = None) -> dict:
         """Every rank gathers; rank 0 pushes to the engines at `urls` (engines.weight_push, `mode`
         tensor|distributed|disk) and returns the report. Collective."""
         named = self._gathered(keep=self.rank == 0)
@@ -254,7 +254,7 @@ class TrainerRank(DeepSpeedRank):
             path = publish_folder(lambda out: self._write_hf(named, out), disk_dir, version)
         return push_weights([EngineClient(u) for u in urls], named, version, bucket_bytes, verify, verify_sample,
                             mode=mode, verify_atol=verify_atol, model_path=path,
-                            master_address=ray.util.get_node_ip_address(), backend=backend)
+                            master_address=ray.util.get_node_ip_address(), backend=backend, verify_rows=verify_rows)
 
     def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
         self.engine.module.save_pretrained(out, state_dict=dict(named))

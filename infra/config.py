@@ -121,6 +121,7 @@ class TrainerConfig(_Strict):
 class WeightSyncConfig(_Strict):
     verify: Literal["full", "sample", "off"] = Field("sample", description="Check engine weights after each push: every tensor, a sample, or not at all.")
     verify_sample: int = Field(4, ge=1, description="Tensors compared when verify=sample.")
+    verify_rows: int | None = Field(64, ge=1, description="verify=sample: compare the first this many rows of each sampled tensor (SGLang's truncate_size; the answer is JSON, so whole embedding matrices cost seconds); null compares them whole.")
     bucket_mb: int = Field(512, ge=1, description="Flattened bucket size of a tensor or distributed push.")
     mode: Literal["tensor", "distributed", "disk"] = Field("tensor", description="tensor: update_weights_from_tensor with IPC buckets (engines on the trainer's node/GPUs); distributed: a broadcast group + update_weights_from_distributed (engines on other GPUs); disk: the trainer writes HF safetensors, engines reload them.")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Process-group backend of mode=distributed: gloo on CPU, nccl between GPUs.")

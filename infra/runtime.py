@@ -283,6 +283,12 @@ def shutdown_runtime(experiment: str, release: bool | None = True) -> None:
     if rt.persistent:
         ray.kill(actors.record(rt.namespace), no_restart=True)
     rt.trainers.kill()
+    _stop_serving(rt)
+    placement.release(rt.placement)
+
+
+def _stop_serving(rt: Runtime) -> None:
+    """Kill the router and shut the engines down (then kill them)."""
     if rt.router is not None:
         ray.kill(rt.router)
     for e in rt.engines:
@@ -290,7 +296,6 @@ def shutdown_runtime(experiment: str, release: bool | None = True) -> None:
             ray.get(e.shutdown.remote(), timeout=10)
         finally:
             ray.kill(e)
-    placement.release(rt.placement)
 
 
 # ---------------------------------------------------------------- eval-only runtimes (flows/evaluate.py)
@@ -341,10 +346,4 @@ def shutdown_eval_runtime(experiment: str) -> None:
     rt = _RUNTIMES.pop(f"{experiment}/eval-only", None)
     if rt is None:
         return
-    if rt.router is not None:
-        ray.kill(rt.router)
-    for e in rt.engines:
-        try:
-            ray.get(e.shutdown.remote(), timeout=10)
-        finally:
-            ray.kill(e)
+    _stop_serving(rt)

@@ -69,6 +69,7 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
     t0 = time.perf_counter()
     results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), w.bucket_mb << 20, w.verify,
                                                w.verify_sample, mode=w.mode, verify_atol=w.verify_atol,
+                                               verify_rows=w.verify_rows,
                                                disk_dir=w.disk_dir, backend=w.backend))
     stats = next((r for r in results if r), {})
     return {"push_seconds": time.perf_counter() - t0, "push_eval_wait_seconds": eval_wait,

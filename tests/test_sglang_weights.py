@@ -209,3 +209,23 @@ def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
     finally:
         server.stop()
         s3fs.S3FileSystem.clear_instance_cache()  # cached clients keep this (now dead) endpoint
+
+
+def test_sampled_verify_compares_the_first_rows(clients, tok):
+    """verify=sample with rows: the first `rows` rows of each sampled tensor, truncated by the engine
+    as SGLang's get_weights_by_name does; a difference there is caught, one further down is not."""
+    _, named = _new_named(tok, 15)
+    push_weights(clients, named, "rows-v1", bucket_bytes=16 << 10, verify="off")
+    n = verify_weights(clients, named, "rows-v1", "sample", sample=len(named), rows=2)
+    assert n == 2 * len(named)
+    name, t = next((n, t) for n, t in named if t.dim() == 2 and t.shape[0] > 4)
+    for row, caught in ((0, True), (3, False)):
+        tampered = [(k, v.clone()) for k, v in named]
+        dict(tampered)[name][row, 0] += 1.0
+        if caught:
+            with pytest.raises(WeightSyncError, match=name):
+                verify_weights(clients, tampered, "rows-v1", "sample", sample=len(named), rows=2)
+        else:
+            verify_weights(clients, tampered, "rows-v1", "sample", sample=len(named), rows=2)
+    with pytest.raises(WeightSyncError, match=name):  # rows=None compares whole tensors
+        verify_weights(clients, tampered, "rows-v1", "sample", sample=len(named), rows=None)
