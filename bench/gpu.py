@@ -92,15 +92,7 @@ def make_trainer(folder: Path, args):
     except ImportError as e:
         print(f"# DeepSpeed unavailable ({e}); the trainer row is the plain loop with the RL loss")
         return None
-    cuda = args.device == "cuda"
-    if cuda:
-        # TrainerRank's own init joins an nccl-only group, and its step flags and metric sums are CPU
-        # tensors, which nccl cannot reduce ("No backend type associated with device type cpu").
-        # A group with gloo for CPU tensors and nccl for CUDA ones serves both; DeepSpeed reuses it.
-        import torch.distributed as dist
-
-        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0,
-                                world_size=1)
+    cuda = args.device == "cuda"  # backend nccl: the trainer builds a cpu:gloo,cuda:nccl group itself
     return TrainerRank(0, 1, "127.0.0.1", _free_port(), str(folder), zero_stage=1, precision="bf16", lr=1e-6,
                        lr_schedule="constant", warmup_steps=0, total_steps=1000, weight_decay=0.0, grad_clip=1.0,
                        micro_batch_size=args.micro, threads=4, seed=0, backend="nccl" if cuda else "gloo")
