@@ -30,7 +30,8 @@ from tasks.checkpoint import experiment_store
 from tasks.report import artifact_key
 
 
-def _run_name(cfg: RunConfig) -> str:
+def _run_name() -> str:
+    """A sortable id of this retrain run: time + the flow run's name."""
     name = runtime.flow_run.get_name() or "local"
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
 
@@ -68,7 +69,7 @@ def retrain(config: FlowConfig, iterations: int = Field(10, ge=1), new_data: str
     cfg = resolve_config(config)
     store = experiment_store(cfg)
     store.preflight()
-    run = _run_name(cfg)
+    run = _run_name()
     files: list[dict] = []
     if new_data:
         new_cfg, files = take_new_data(cfg, new_data, run)
