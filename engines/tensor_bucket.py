@@ -27,7 +27,6 @@ import binascii
 import copyreg
 import io
 import pickle
-import threading
 from collections import ChainMap
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -93,33 +92,18 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False)
     return flat, metadata
 
 
-# Shared buffers handed back by `release` once every receiver of a payload is done, reused by the
-# next bucket that fits. Writing a fresh shared-memory segment pays a page fault per 4 KiB page,
-# which costs several times the copy itself (bench/weight_push.py). At most _POOL_MAX are kept.
-_POOL: list[torch.UntypedStorage] = []
-_POOL_MAX = 2
-_POOL_LOCK = threading.Lock()
-
-
 def _shared_uint8(nbytes: int) -> torch.Tensor:
-    """A uint8 [nbytes] tensor in shared memory: the smallest pooled buffer that fits, else a new one."""
-    with _POOL_LOCK:
-        fits = [i for i, st in enumerate(_POOL) if st.nbytes() >= nbytes]
-        storage = _POOL.pop(min(fits, key=lambda i: _POOL[i].nbytes())) if fits else None
-    if storage is None:
-        storage = torch.UntypedStorage._new_shared(nbytes)
-    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
+    """A fresh uint8 [nbytes] tensor allocated in shared memory.
+
+    Buffers are not pooled across buckets: one pickle of a payload is sent to every engine, each
+    receiver's rebuild drops a reference torch's file_system strategy counts in the segment, so
+    after k > 1 receivers the segment is unlinked while this process still holds it; a reused
+    buffer then fails to open ("unable to open shared memory object", seen with 2 engines)."""
+    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,))
 
 
 def release(payload: "Payload") -> None:
-    """Every call that carried `payload` has returned: its shared buffers go back to the pool.
-
-    Only then: a receiver still reading a buffer would see the next bucket's bytes. A payload that
-    is never released is simply freed when dropped."""
-    with _POOL_LOCK:
-        _POOL.extend(t.untyped_storage() for t in payload.buffers)
-        _POOL.sort(key=lambda st: -st.nbytes())
-        del _POOL[_POOL_MAX:]
+    """Every call that carried `payload` has returned: drop its shared buffers now."""
     payload.buffers = []
 
 

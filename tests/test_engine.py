@@ -306,19 +306,28 @@ def test_bucket_roundtrip_and_unsafe_pickle_refused():
         load_payload(base64.b64encode(pickle.dumps(os.system)).decode(), "flattened_bucket")
 
 
-def test_released_bucket_buffer_is_reused_with_the_new_bytes():
+def test_bucket_sent_to_two_receivers_then_next_bucket(tmp_path):
+    """One pickle of a bucket goes to every engine; each receiver opens and frees the shared buffer.
+    Two receivers, then the next bucket: every load must see its own bytes (a pooled buffer whose
+    shared-memory file the receivers had unlinked failed here with 2 engines)."""
+    import subprocess
+    import sys
+
     from engines.tensor_bucket import release
 
-    first = serialize_bucket([("a", torch.ones(64))])
-    ptr = first.buffers[0].untyped_storage().data_ptr()
-    release(first)
-    assert first.buffers == []
-    second = serialize_bucket([("a", torch.full((48,), 2.0))])  # smaller: fits the pooled buffer
-    assert second.buffers[0].untyped_storage().data_ptr() == ptr
-    assert torch.equal(load_payload(second, "flattened_bucket")[0][1], torch.full((48,), 2.0))
-    third = serialize_bucket([("a", torch.full((64,), 3.0))])  # the pooled one is in use: a new buffer
-    assert third.buffers[0].untyped_storage().data_ptr() != ptr
-    assert torch.equal(load_payload(third, "flattened_bucket")[0][1], torch.full((64,), 3.0))
+    code = ("import sys; from engines.tensor_bucket import load_payload; "
+            "print(float(load_payload(open(sys.argv[1]).read(), 'flattened_bucket')[0][1].sum()))")
+    for k in range(3):
+        payload = serialize_bucket([("a", torch.full((4096,), float(k + 1)))])
+        (tmp_path / "p.txt").write_text(str(payload))
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "p.txt")], stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]  # concurrently
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err[-2000:]
+            assert float(out) == 4096.0 * (k + 1)
+        release(payload)
+        assert payload.buffers == []
 
 
 # The subset of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (sglang/srt/utils/common.py) that
