@@ -20,12 +20,13 @@ import importlib.util
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
+from engines.http_serve import ThreadedServer, advertised_url
 
 
 class NoWorkerError(RuntimeError):
@@ -114,28 +115,14 @@ class Router:
     """Our least-loaded proxy, served in this process (or Ray actor)."""
 
     def __init__(self, worker_urls: list[str], host: str = "127.0.0.1", port: int = 0, timeout: float = 600.0):
-        import uvicorn
-
         self.host, self.pool = host, WorkerPool(worker_urls)
         self.app = build_router_app(self.pool, timeout)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: Nagle off
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((host, port))
-        self._sock.listen(512)
-        self.port = self._sock.getsockname()[1]
-        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="reflow-router", daemon=True)
-        self._thread.start()
+        self.http = ThreadedServer(self.app, host, port, "reflow-router")
+        self.port = self.http.port
 
     def url(self) -> str:
         """Base URL other processes use; a wildcard bind advertises this node's IP."""
-        host = self.host
-        if host in ("0.0.0.0", "", "::"):
-            from engines.embedded_engine import _node_ip
-
-            host = _node_ip()
-        return f"http://{host}:{self.port}"
+        return advertised_url(self.host, self.port)
 
     def ready(self, timeout: float = 60.0) -> bool:
         deadline = time.monotonic() + timeout
@@ -157,9 +144,7 @@ class Router:
         return httpx.get(f"{self.url()}/list_workers").json()
 
     def shutdown(self) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+        self.http.stop()
 
 
 def sglang_router_available() -> bool:

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from engines.http_serve import advertised_url, node_ip
 from engines.rollout_client import poll_health
 
 INSTALL_HINT = ("rollout.backend=sglang needs SGLang on the engine nodes: pip install 'reflow[sglang]' "
@@ -126,7 +127,7 @@ class SGLangEngine:
         require_sglang(python, self.env)
         port, nccl_port, dist_port = allocate_ports(3)
         self.host = host
-        dist_addr = f"{_node_ip()}:{dist_port}" if multi_node else None  # TP across nodes only
+        dist_addr = f"{node_ip()}:{dist_port}" if multi_node else None  # TP across nodes only
         self.args = server_args(model_path, host=host, port=port, nccl_port=nccl_port, tp_size=tp_size,
                                 mem_fraction_static=mem_fraction_static, enable_memory_saver=enable_memory_saver,
                                 base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed)
@@ -137,8 +138,7 @@ class SGLangEngine:
                                          start_new_session=True)
 
     def url(self) -> str:
-        host = _node_ip() if self.host in ("0.0.0.0", "", "::") else self.host
-        return f"http://{host}:{self.args['port']}"
+        return advertised_url(self.host, self.args["port"])
 
     def _check_process(self) -> None:
         if self.proc.poll() is not None:
@@ -179,11 +179,3 @@ def _signal_group(pid: int, sig: int) -> None:
     except ProcessLookupError:
         pass  # already gone: nothing to stop
 
-
-def _node_ip() -> str:
-    try:
-        import ray
-
-        return ray.util.get_node_ip_address()
-    except Exception:  # deliberate: outside Ray, fall back to the host's own address
-        return socket.gethostbyname(socket.gethostname())
