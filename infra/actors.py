@@ -103,9 +103,10 @@ def answers(handles: list, method: str = "url", timeout_s: float = 30.0) -> list
     return ok
 
 
-def prepare_namespace(cfg: RunConfig, namespace: str) -> tuple[Any, bool]:
-    """(record actor, whether existing actors may be reused). Actors built from other settings
-    are killed here, so the builder's get-or-create makes fresh ones."""
+def prepare_namespace(cfg: RunConfig, namespace: str) -> tuple[Any, dict[str, str]]:
+    """(record actor, {name: actor id} of the actors an earlier flow run left that may be reused;
+    empty when there are none). Actors built from other settings are killed here, so the builder's
+    get-or-create makes fresh ones."""
     rec = record(namespace)
     old = ray.get(rec.get.remote())
     fp = fingerprint(cfg)
@@ -113,8 +114,8 @@ def prepare_namespace(cfg: RunConfig, namespace: str) -> tuple[Any, bool]:
         killed = kill_named(namespace, keep=(RECORD,))
         log.warning("actors of %s were built from other settings (fingerprint %s, now %s): recreated %s",
                     namespace, old.get("fingerprint"), fp, killed)
-        return rec, False
-    return rec, bool(old)
+        return rec, {}
+    return rec, dict(old.get("actor_ids", {}))
 
 
 def release(namespace: str) -> list[str]:

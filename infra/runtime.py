@@ -190,9 +190,8 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     namespace = namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)
     log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
     persistent = attached_to_running_cluster()
-    record, reusable = actors.prepare_namespace(cfg, namespace) if persistent else (None, False)
-    before_ids = ray.get(record.get.remote()).get("actor_ids", {}) if reusable else {}
-    before = set(actors.named_actors(namespace)) if reusable else set()
+    record, before_ids = actors.prepare_namespace(cfg, namespace) if persistent else (None, {})
+    reusable = bool(before_ids)
     pg = _colocation(cfg, namespace, persistent)
     engines = _start_engines(cfg, namespace, persistent, pg)
     trainers = (_attach_trainers(cfg, namespace) if reusable else None) or _start_trainers(cfg, namespace, persistent, pg)
@@ -212,7 +211,7 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     rt.actor_ids = {name: actors.actor_id(h) for name, h in
                     [(f"engine-{i}", e) for i, e in enumerate(engines)] +
                     [(f"policy-trainer-{r}", a) for r, a in enumerate(trainers.actors)]}
-    rt.reused = sorted(n for n in rt.actor_ids if n in before and before_ids.get(n) == rt.actor_ids[n])
+    rt.reused = sorted(n for n, i in rt.actor_ids.items() if before_ids.get(n) == i)  # same actor as last run
     if record is not None:
         ray.get(record.set.remote({"fingerprint": actors.fingerprint(cfg), "actor_ids": rt.actor_ids,
                                    "updated_at": time.time()}))

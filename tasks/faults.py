@@ -25,7 +25,7 @@ def is_transient_fault(e: BaseException) -> bool:
         return e.status is None or e.status in (502, 503, 504)
     if isinstance(e, (httpx.TransportError, ray.exceptions.RayActorError)):
         return True
-    return is_transient(e) and not isinstance(e, (ValueError, TypeError, KeyError, FloatingPointError))
+    return is_transient(e)  # storage: connection errors, timeouts, 5xx; never a missing file
 
 
 def transient_fault(task, task_run, state) -> bool:

@@ -53,7 +53,8 @@ SAMPLES_SHOWN = 4
 @ray.remote(num_cpus=0)
 def _samples(batch: RolloutBatch, k: int) -> list[dict]:
     """A few samples for the UI: the best and the worst rewarded of the batch, then the first ones."""
-    order = sorted(range(len(batch)), key=lambda i: -(batch.rewards or [0.0] * len(batch))[i])
+    rewards = batch.rewards or [0.0] * len(batch)
+    order = sorted(range(len(batch)), key=lambda i: -rewards[i])
     picked = list(dict.fromkeys(order[: k // 2] + order[-(k - k // 2):]))[:k] if order else []
     return [{"prompt": batch.prompt_text[i], "response": batch.response_text[i],
              "reward": None if batch.rewards is None else batch.rewards[i],
