@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup demo test test-fast bench clean
+.PHONY: setup demo test test-random test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,9 +35,16 @@ demo: setup
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/reflow demo $(ARGS)
 
+# The whole suite (CI runs this). Per-test timeout and summary: pyproject.toml [tool.pytest.ini_options].
 test: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -q --timeout=1200 tests $(ARGS)
+	$(BIN)/python -m pytest -q --durations=15 tests $(ARGS)
 
+# The same suite with modules and tests shuffled (the seed is printed; repeat one with
+# ARGS=--random-order-seed=N).
+test-random: $(BIN)/.installed-test
+	$(BIN)/python -m pytest -q --durations=15 --random-order tests $(ARGS)
+
+# The quick tier: no Ray, DeepSpeed or Prefect start-up (tests/conftest.py fails a test that does).
 test-fast: $(BIN)/.installed-test
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 

@@ -16,6 +16,7 @@ new data needs `data.eval_path` or eval sets with their own `source`.
 from __future__ import annotations
 
 import time
+import uuid
 
 from prefect import flow, get_run_logger, runtime, task
 from prefect.artifacts import create_markdown_artifact
@@ -31,9 +32,12 @@ from tasks.report import artifact_key
 
 
 def _run_name() -> str:
-    """A sortable id of this retrain run: time + the flow run's name."""
+    """A sortable, unique id of this retrain run: time + the flow run's name + its id. The id matters:
+    two runs started within one second (a quick "no new data" run, then the next) would otherwise
+    share a record folder."""
     name = runtime.flow_run.get_name() or "local"
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}"
+    run_id = str(runtime.flow_run.get_id() or uuid.uuid4())
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{run_id[:8]}"
 
 
 @task(name="take-new-data", cache_policy=NO_CACHE)

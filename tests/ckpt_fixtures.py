@@ -110,9 +110,14 @@ def final_weights(local_model_dir: Path) -> dict:
     return load_file(str(local_model_dir / "model.safetensors"))
 
 
-def max_abs_diff(a: dict, b: dict) -> float:
+def assert_bit_identical(a: dict, b: dict) -> None:
+    """Every tensor equal bit for bit (dtype, shape, values): resume is exact, not approximately so."""
+    import torch
+
     assert a.keys() == b.keys()
-    return max(float((a[k] - b[k]).abs().max()) for k in a)
+    differ = {k: float((a[k].double() - b[k].double()).abs().max()) for k in a
+              if a[k].dtype != b[k].dtype or a[k].shape != b[k].shape or not torch.equal(a[k], b[k])}
+    assert not differ, f"resumed weights differ from the uninterrupted run (max abs diff per tensor): {differ}"
 
 
 def dump(obj) -> str:

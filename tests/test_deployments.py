@@ -19,7 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-pytestmark = pytest.mark.slow
+# The tests tell one story on one experiment (see above), so they keep their order under
+# `--random-order` (the module itself is still shuffled among the others).
+pytestmark = [pytest.mark.slow, pytest.mark.random_order(disabled=True)]
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -95,14 +97,18 @@ class Stack:
         return self.tmp / "runs" / EXP
 
     def close(self) -> None:
+        """SIGTERM the worker and the server, SIGKILL what is left after 10 s (nothing they hold is
+        needed any more), then `reflow cluster down`."""
         for p in self.procs:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
         for p in self.procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
         self.cmd("reflow", "cluster", "down", check=False)
 
 

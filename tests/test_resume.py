@@ -7,6 +7,7 @@ tasks/checkpoint.py. One uninterrupted run (module fixture) is the reference for
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -15,11 +16,12 @@ import pytest
 
 from infra import checkpoint as ckpt
 from infra.storage import ExperimentStore
-from tests.ckpt_fixtures import (LoopbackS3, final_weights, iteration_rewards, max_abs_diff, reap, run_train,
+from tests.ckpt_fixtures import (LoopbackS3, assert_bit_identical, final_weights, iteration_rewards, reap, run_train,
                                  write_config)
 
 pytestmark = pytest.mark.slow
 N = 6
+RETRY_LOGGED = re.compile(r"storage: .* failed \(.*\); retry \d+/\d+")  # infra/storage.with_retries
 ROLLOUT_COLUMNS = {"prompt", "response", "prompt_tokens", "response_tokens", "reward", "advantage",
                    "finish_reason", "policy_version"}
 
@@ -68,8 +70,7 @@ def _assert_matches_baseline(store: ExperimentStore, baseline, tmp: Path) -> Non
     assert iteration_rewards(store.read_json, N) == rewards
     for f in ("model.safetensors", "config.json"):
         store.get_file(f"{ckpt.ROOT}/{ckpt.name_of(N)}/model/{f}", tmp / "final" / f)
-    diff = max_abs_diff(final_weights(tmp / "final"), weights)
-    assert diff <= 1e-6, f"resumed weights differ from the uninterrupted run by {diff}"
+    assert_bit_identical(final_weights(tmp / "final"), weights)
     for i in range(N):
         df = pd.read_parquet(store.fs.open(store._path(f"iterations/{i:06d}/rollouts.parquet")))
         assert ROLLOUT_COLUMNS <= set(df.columns) and len(df) == 16
@@ -100,14 +101,20 @@ def test_kill_after_commit_and_mid_save_resume_exactly(env, baseline, tiny_polic
 
 
 def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, seconds: float = 4.0) -> None:
-    """Once `rel` exists, stop the S3 server for `seconds`, then start it again on the same port."""
+    """Once `rel` exists, stop the S3 server until the run has logged a storage retry (at least
+    `seconds`), then start it again on the same port. Waiting for the run to notice, rather than for
+    a fixed time, keeps the test honest on a slow machine: a fixed window can fall between two writes."""
     deadline = time.monotonic() + 240
     while not store.exists(rel):
         assert proc.poll() is None, proc.log_path.read_text()[-3000:]
         assert time.monotonic() < deadline, f"the run did not write {rel}"
         time.sleep(0.2)
     server.stop()  # mid-run: the next requests hit a closed port
-    time.sleep(seconds)
+    down_since = time.monotonic()
+    while not RETRY_LOGGED.search(proc.log_path.read_text()) or time.monotonic() - down_since < seconds:
+        assert proc.poll() is None, "the run ended during the outage:\n" + proc.log_path.read_text()[-3000:]
+        assert time.monotonic() - down_since < 120, "no storage retry logged in 120 s of outage"
+        time.sleep(0.2)
     server.start()  # moto's buckets live in this process, so the data is still there
 
 
@@ -126,7 +133,7 @@ def test_s3_outage_then_kill_then_resume_exactly(env, baseline, s3, tiny_policy,
         reap(proc)
     out = proc.log_path.read_text()
     assert proc.returncode == -9, out[-3000:]
-    assert "retry" in out, "the outage was not noticed: no storage retry logged"
+    assert RETRY_LOGGED.search(out), "the outage was not noticed: no storage retry logged"
     assert store.read_text(ckpt.LATEST) == ckpt.name_of(3)
 
     rc, out = run_train(cfg, env)

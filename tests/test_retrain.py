@@ -66,6 +66,9 @@ def test_retrain_gate_and_ledger(ray_cluster, prefect_server, tiny_policy, tmp_p
     nothing = retrain(cfg, **kw)  # no new file: nothing trained, champion untouched
     assert nothing["skipped"] and not nothing["promoted"]
     assert "no new data" in nothing["reason"] and champion()["step"] == 1
+    again = retrain(cfg, **kw)  # usually within the same second: still a record of its own
+    runs = {first["run"], nothing["run"], again["run"]}
+    assert len(runs) == 3 and all((store / "retrain" / "runs" / r / "decision.json").is_file() for r in runs), runs
 
     _rows(data / "batch2.jsonl", [{"prompt": f"9{a}+1=", "label": str(91 + a)} for a in range(4)])
     _canary(canary, 0.0)  # the evaluation regresses by 1.0 > tolerance

@@ -16,8 +16,9 @@ from engines.rollout_client import EngineClient, EngineError, generate_batch
 from engines.router import Router
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def two_engines(ray_cluster, tiny_policy):
+    """Fresh per test: one test kills an engine, so sharing them would make the others order-dependent."""
     import ray
 
     actors = [ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), f"routed-{i}", threads=1)
@@ -68,7 +69,7 @@ def test_router_with_no_live_engine_is_a_clear_503():
         r.shutdown()
 
 
-def test_killing_an_engine_mid_rollout_still_completes_the_batch(router, two_engines):  # last: kills one
+def test_killing_an_engine_mid_rollout_still_completes_the_batch(router, two_engines):
     import ray
 
     actors, urls = two_engines
