@@ -35,6 +35,7 @@ class TrainerGroup:
 
     def __init__(self, actors: list, namespace: str, name_prefix: str):
         self.actors, self.namespace, self.name_prefix = actors, namespace, name_prefix
+        self._init: tuple[float, str] = (600.0, "unknown")  # (init timeout s, rendezvous) of `create`
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -44,8 +45,9 @@ class TrainerGroup:
                num_gpus_per_rank: float = 0, detached: bool = False, init_timeout_s: float = 600.0,
                master_addr: str | None = None, master_port: int | None = None,
                runtime_env: dict | None = None, options_per_rank: list[dict] | None = None,
-               **rank_kwargs) -> "TrainerGroup":
-        """Start `num_ranks` TrainerRank actors and wait until all have joined the process group.
+               wait: bool = True, **rank_kwargs) -> "TrainerGroup":
+        """Start `num_ranks` TrainerRank actors and wait until all have joined the process group
+        (`wait=False`: return at once; the caller starts other actors meanwhile, then `wait_ready()`).
 
         `rank_kwargs` go to `rank_cls.__init__` (model_path, zero_stage, lr, ...); `options_per_rank`
         are extra Ray actor options of each rank (a placement-group bundle). The rendezvous
@@ -65,7 +67,9 @@ class TrainerGroup:
         actors = [remote_cls.options(name=actor_name(name_prefix, r), **options, **per[r])
                   .remote(r, num_ranks, addr, port, **rank_kwargs) for r in range(num_ranks)]
         group = cls(actors, namespace, name_prefix)
-        group._wait_ready(init_timeout_s, f"{addr}:{port}")
+        group._init = (init_timeout_s, f"{addr}:{port}")
+        if wait:
+            group.wait_ready()
         return group
 
     @classmethod
@@ -80,8 +84,9 @@ class TrainerGroup:
                                        f"{namespace!r}: create the group first") from e
         return cls(actors, namespace, name_prefix)
 
-    def _wait_ready(self, timeout_s: float, rendezvous: str) -> list[dict]:
+    def wait_ready(self) -> list[dict]:
         """Init is collective, so all actors were created first; now fail fast on the first broken rank."""
+        timeout_s, rendezvous = self._init
         pending = {a.ping.remote(): r for r, a in enumerate(self.actors)}
         infos: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s

@@ -89,9 +89,14 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, pg=Non
 
 
 def _start_engines(cfg: RunConfig, namespace: str, detached: bool = False, pg=None) -> list[Any]:
-    """One named engine actor per engine. On a long-lived cluster an engine left by an earlier flow
-    run is reused when it answers; one that died or hangs is killed and recreated."""
-    engines = [_engine_actor(cfg, namespace, i, detached, pg) for i in range(cfg.rollout.num_engines)]
+    """One named engine actor per engine (get-or-create), returned before they have loaded: callers
+    start the trainers meanwhile, then `_check_engines`."""
+    return [_engine_actor(cfg, namespace, i, detached, pg) for i in range(cfg.rollout.num_engines)]
+
+
+def _check_engines(cfg: RunConfig, namespace: str, engines: list[Any], detached: bool = False, pg=None) -> list[Any]:
+    """Wait until every engine answers. On a long-lived cluster an engine left by an earlier flow
+    run that died or hangs is killed and recreated."""
     for i, ok in enumerate(actors.answers(engines)):
         if not ok:
             log.warning("engine-%d of %s did not answer: recreating it", i, namespace)
@@ -153,7 +158,7 @@ def _rank_options(pg, num_ranks: int, gpu_share: float) -> dict:
     return {"num_gpus_per_rank": gpu, "options_per_rank": [placement.in_bundle(pg, r) for r in range(num_ranks)]}
 
 
-def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=None) -> TrainerGroup:
+def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=None, wait: bool = True) -> TrainerGroup:
     t, a = cfg.trainer, cfg.algorithm
     total = t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
     ref = (cfg.model.ref_path or cfg.model.path) if a.needs_ref else None
@@ -162,11 +167,11 @@ def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=N
         model_path=cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=t.lr,
         lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref, detached=detached,
+        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref, detached=detached, wait=wait,
         **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU))
 
 
-def _start_critic(cfg: RunConfig, namespace: str, pg=None) -> CriticGroup | None:
+def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) -> CriticGroup | None:
     """PPO's value model: its own DeepSpeed ranks (as many as the policy's, so the batch splits the
     same way), started fresh by every runtime and restored with the policy's checkpoint."""
     if cfg.algorithm.type != "ppo":
@@ -176,7 +181,7 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None) -> CriticGroup | None
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
         model_path=c.path or cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=c.lr,
         weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed, **_rank_options(pg, t.num_ranks, placement.CRITIC_GPU))
+        threads=t.threads_per_rank, seed=cfg.seed, wait=wait, **_rank_options(pg, t.num_ranks, placement.CRITIC_GPU))
 
 
 def build_runtime(cfg: RunConfig) -> Runtime:
@@ -193,9 +198,23 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     record, before_ids = actors.prepare_namespace(cfg, namespace) if persistent else (None, {})
     reusable = bool(before_ids)
     pg = _colocation(cfg, namespace, persistent)
+    # Engines, policy ranks and critic ranks load at the same time (each is seconds of imports and
+    # loading); only then is each waited for.
     engines = _start_engines(cfg, namespace, persistent, pg)
-    trainers = (_attach_trainers(cfg, namespace) if reusable else None) or _start_trainers(cfg, namespace, persistent, pg)
-    critic = _start_critic(cfg, namespace, pg)
+    trainers = _attach_trainers(cfg, namespace) if reusable else None
+    fresh = trainers is None
+    if fresh:
+        trainers = _start_trainers(cfg, namespace, persistent, pg, wait=False)
+    critic = _start_critic(cfg, namespace, pg, wait=False)
+    try:
+        for group in ([trainers] if fresh else []) + ([critic] if critic is not None else []):
+            group.wait_ready()  # a group that fails kills its own ranks
+    except TrainerInitError:
+        for group in (trainers, critic):
+            if group is not None:
+                group.kill()
+        raise
+    engines = _check_engines(cfg, namespace, engines, persistent, pg)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
@@ -317,7 +336,7 @@ def build_eval_runtime(cfg: RunConfig) -> Runtime:
     eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = _eval_namespace(cfg)
     log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
-    engines = _start_engines(cfg, namespace)
+    engines = _check_engines(cfg, namespace, _start_engines(cfg, namespace))
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
