@@ -303,6 +303,3 @@ class Generator:
             raise KeyError(f"unknown weight name {name!r}")
         with self.lock:
             return self._params[name].detach().clone()
-
-    def weight_names(self) -> list[str]:
-        return list(self._params)

@@ -177,10 +177,3 @@ class SGLangRouter:
         self.proc.terminate()
         self.proc.wait(timeout=30)
 
-
-def start_router(worker_urls: list[str], host: str = "127.0.0.1", timeout: float = 600.0):
-    """sglang-router when installed, else our least-loaded proxy; returns it ready."""
-    router = SGLangRouter(worker_urls, host) if sglang_router_available() else Router(worker_urls, host,
-                                                                                      timeout=timeout)
-    router.ready()
-    return router

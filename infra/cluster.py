@@ -96,8 +96,10 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
     cmd = [str(ray_bin), "start", "--head", f"--port={port}", f"--node-ip-address={host}", "--block",
            "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={cpus}", f"--temp-dir={tmp}"]
     log = open(d / "head.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    # Ray 2.60's head drains for up to 30 s on SIGTERM (for Ray Serve replicas on Kubernetes);
+    # `reflow cluster down` means stop now, and reflow runs no Serve, so the drain is turned off.
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while not _port_open(host, port):
         if proc.poll() is not None or time.monotonic() > deadline:

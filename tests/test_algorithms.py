@@ -12,7 +12,9 @@ import torch
 from torch.testing import assert_close
 
 from infra.config import ConfigError, load_config
-from rl.advantages import grpo_advantages, rloo_advantages, sequence_advantages
+from rl.algorithms import sequence_advantages
+from rl.algorithms.grpo import grpo_advantages
+from rl.algorithms.rloo import rloo_advantages
 from rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from rl.algorithms.gae import gae_advantages, value_loss_tokens
 from rl.algorithms.gspo import gspo_log_ratio

@@ -1,4 +1,4 @@
-"""Hand-computed checks of the pure RL math (rl/losses.py, rl/advantages.py, rl/types.py).
+"""Hand-computed checks of the pure RL math (rl/losses.py, rl/algorithms/, rl/types.py).
 
 Every expected number is written out so it can be re-derived on paper.
 """
@@ -9,7 +9,7 @@ import math
 import torch
 from torch.testing import assert_close
 
-from rl.advantages import grpo_advantages
+from rl.algorithms.grpo import grpo_advantages
 from rl.losses import (aggregate, entropy_from_logits, kl_estimate, masked_mean, policy_loss,
                        policy_loss_tokens, token_logprobs)
 from rl.types import RolloutBatch, to_train_tensors

@@ -77,8 +77,16 @@ def test_values_align_with_a_plain_forward(critic, tiny_policy, pad):
     assert len({round(v, 6) for row in out.values for v in row}) > 4, "values do not depend on the position"
 
 
-def test_one_critic_step_decreases_the_value_loss(critic, tiny_policy, pad):
-    """The critic's first update (fresh Adam state: placed before the other training tests)."""
+@pytest.fixture()
+def fresh_critic(ray_cluster, tiny_policy):
+    group = _create("critic-fresh", 2, tiny_policy, zero_stage=3)
+    yield group
+    group.kill()
+
+
+def test_one_critic_step_decreases_the_value_loss(fresh_critic, tiny_policy, pad):
+    """The critic's first update (fresh weights and Adam state, whatever ran before)."""
+    critic = fresh_critic
     batch = _with_values(critic, _batch(tiny_policy).with_(rewards=REWARDS), pad)
     out, _ = gae_batch(batch, 1.0, LAM)
     before = ray.get(critic.weights_checksum())

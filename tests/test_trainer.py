@@ -97,8 +97,10 @@ def _one_iteration(group, policy, **train_over):
     return m
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def zero3(ray_cluster, tiny_policy):
+    """Fresh per test: the tests change the weights (a step, a fill), and the first one needs
+    policy == reference, so a shared group would make them depend on their order."""
     group = _create("z3", 2, tiny_policy, zero_stage=3, ref_model_path=str(tiny_policy))
     yield group
     group.kill()
