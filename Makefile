@@ -14,7 +14,7 @@ export TOKENIZERS_PARALLELISM ?= false
 export HF_HUB_OFFLINE ?= 1
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: setup demo test test-random test-fast bench clean
+.PHONY: setup demo lint test test-random test-fast bench clean
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,8 +35,14 @@ demo: setup
 	mkdir -p $(PREFECT_HOME)
 	$(BIN)/reflow demo $(ARGS)
 
+# Lint and type checks (seconds); `make test` runs them first. (No `ruff format --check`: the
+# formatter splits argument lists into runs of 6+ same-shape lines, which `duplicates` flags.)
+lint: $(BIN)/.installed-test
+	$(BIN)/ruff check .
+	$(BIN)/mypy rl infra/config.py
+
 # The whole suite (CI runs this). Per-test timeout and summary: pyproject.toml [tool.pytest.ini_options].
-test: $(BIN)/.installed-test
+test: lint
 	$(BIN)/python -m pytest -q --durations=15 tests $(ARGS)
 
 # The same suite with modules and tests shuffled (the seed is printed; repeat one with

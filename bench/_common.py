@@ -128,7 +128,7 @@ def table(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
 
 def demo_policy(out: Path, hidden: int, layers: int, mlp: int | None = None, seed: int = 0) -> Path:
     """A randomly initialised demo-shaped policy (char tokenizer, Llama) saved as an HF folder."""
-    from rl.demo_policy import build_model, build_tokenizer, save_policy
+    from reflow.rl.demo_policy import build_model, build_tokenizer, save_policy
 
     if (out / "config.json").is_file():
         return out

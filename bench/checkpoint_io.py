@@ -4,10 +4,10 @@
     .venv/bin/python bench/checkpoint_io.py --moto                # S3 API: moto server on loopback
     .venv/bin/python bench/checkpoint_io.py --storage s3://bucket/prefix --endpoint-url URL
 
-"save" is the real path (tasks.checkpoint.save): every trainer rank runs DeepSpeed's
+"save" is the real path (reflow.tasks.checkpoint.save): every trainer rank runs DeepSpeed's
 save_checkpoint and writes the HF folder to a local temp dir, hashes and uploads each file, then
 the driver commits (MANIFEST, COMMITTED, latest). "load" is the real resume path
-(tasks.checkpoint.load_first_valid): validate, download + sha256-check, engine.load_checkpoint.
+(reflow.tasks.checkpoint.load_first_valid): validate, download + sha256-check, engine.load_checkpoint.
 "raw" is `fs.put` / `fs.get` of the identical files to/from the same storage root. ratio = ours /
 raw time (1.0 = no overhead beyond moving the bytes). Not a test; numbers depend on the machine.
 """
@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def _policy(out: Path, hidden: int, layers: int) -> Path:
-    from rl.demo_policy import build_model, build_tokenizer, save_policy
+    from reflow.rl.demo_policy import build_model, build_tokenizer, save_policy
 
     tok = build_tokenizer()
     return save_policy(build_model(tok, hidden=hidden, layers=layers, heads=max(1, hidden // 64),
@@ -34,7 +34,7 @@ def _policy(out: Path, hidden: int, layers: int) -> Path:
 
 
 def _batch(tok):
-    from rl.types import RolloutBatch
+    from reflow.rl.types import RolloutBatch
 
     ids = [tok("12+34=", add_special_tokens=False)["input_ids"]] * 4
     resp = [tok("46", add_special_tokens=False)["input_ids"]] * 4
@@ -46,8 +46,8 @@ def _batch(tok):
 def _trainers(policy: Path, ranks: int, zero: int):
     import ray
 
-    from engines.hf_io import load_tokenizer
-    from engines.trainer_group import TrainerGroup
+    from reflow.engines.hf_io import load_tokenizer
+    from reflow.engines.train.group import TrainerGroup
 
     group = TrainerGroup.create(ranks, "bench-ckpt", "bench", model_path=str(policy), zero_stage=zero,
                                 precision="fp32", lr=1e-4, lr_schedule="constant", warmup_steps=0, total_steps=10,
@@ -68,9 +68,9 @@ def _timed(fn) -> float:
 def run(args) -> None:
     import ray
 
-    from infra import checkpoint as ckpt
-    from infra.storage import ExperimentStore
-    from tasks.checkpoint import load_first_valid, save
+    from reflow.infra import checkpoint as ckpt
+    from reflow.infra.storage import ExperimentStore
+    from reflow.tasks.checkpoint import load_first_valid, save
 
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-"))
     ray.init(num_cpus=max(4, args.ranks + 1), include_dashboard=False, _temp_dir=str(work / "ray"),

@@ -166,10 +166,10 @@ def main() -> None:
     C.set_bench_env()
     if args.threads:
         torch.set_num_threads(args.threads)
-    from engines.embedded_engine import EmbeddedEngine
-    from engines.generator import Generator
-    from engines.rollout_client import EngineClient
-    from rl.demo_policy import save_policy
+    from reflow.engines.embedded.engine import EmbeddedEngine
+    from reflow.engines.embedded.generator import Generator
+    from reflow.engines.rollout_client import EngineClient
+    from reflow.rl.demo_policy import save_policy
 
     C.header("rollout engine throughput: our engine vs transformers generate (CPU)")
     tok = build_tokenizer(SHAPE["vocab"])

@@ -4,9 +4,9 @@
     .venv/bin/python bench/gpu.py --device cpu --tiny    # a smoke test of the same code on CPU
 
 The GPU machine has torch and transformers but no Ray or Prefect, so the classes the Ray actors
-host are driven directly in this process: `engines.trainer.TrainerRank` (DeepSpeed, one rank,
+host are driven directly in this process: `reflow.engines.train.trainer.TrainerRank` (DeepSpeed, one rank,
 ZeRO-1, bf16; a plain torch loop with the same loss if DeepSpeed cannot be imported), and
-`engines.embedded_engine.EmbeddedEngine` (its HTTP server in a thread; the model moved to the
+`reflow.engines.embedded.engine.EmbeddedEngine` (its HTTP server in a thread; the model moved to the
 GPU). Wheels for DeepSpeed and the HTTP server are carried along (see bench/RESULTS.md).
 
 - trainer: `train_iteration` on a synthetic batch of B x T tokens (old-logprob pass, then one
@@ -18,7 +18,7 @@ GPU). Wheels for DeepSpeed and the HTTP server are carried along (see bench/RESU
   1 forward/backward per step (3 forwards).
 - engine: response tokens/s of our engine (in process, and over HTTP) and of transformers
   `generate` on the same model, batch 64, equal and varying lengths (bench/engine_throughput.py).
-- push: trainer -> engine through `engines.weight_push.push_weights` (what `TrainerRank.push_weights`
+- push: trainer -> engine through `reflow.engines.weights.push.push_weights` (what `TrainerRank.push_weights`
   calls; that method only adds Ray's node address) next to a plain device-to-device copy.
 """
 from __future__ import annotations
@@ -66,7 +66,7 @@ def model_flops(cfg, seqs: int, T: int, forwards: int) -> float:
 
 
 def synthetic_batch(B: int, T: int, vocab: int, prompt: int):
-    from rl.types import RolloutBatch
+    from reflow.rl.types import RolloutBatch
 
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(4, vocab, (B, T), generator=g).tolist()
@@ -88,7 +88,7 @@ def make_trainer(folder: Path, args):
     try:
         import deepspeed  # noqa: F401
 
-        from engines.trainer import TrainerRank
+        from reflow.engines.train.trainer import TrainerRank
     except ImportError as e:
         print(f"# DeepSpeed unavailable ({e}); the trainer row is the plain loop with the RL loss")
         return None
@@ -155,8 +155,8 @@ def bench_plain(folder: Path, cfg, args) -> dict:
 
 def start_engine(folder: Path, args):
     """The embedded engine (HTTP server thread) with its model moved to the device."""
-    from engines.embedded_engine import EmbeddedEngine
-    from engines.rollout_client import EngineClient
+    from reflow.engines.embedded.engine import EmbeddedEngine
+    from reflow.engines.rollout_client import EngineClient
 
     server = EmbeddedEngine(model_path=str(folder), engine_id="gpu-bench", threads=4, dtype="bf16")
     gen = server.generator
@@ -193,7 +193,7 @@ def bench_engine(gen, client, args) -> list[dict]:
 
 def bench_push(trainer, plain_named, gen, client, args) -> dict:
     """Gather + push (verify off) against a device-to-device copy and a device->host->device copy."""
-    from engines.weight_push import push_weights
+    from reflow.engines.weights.push import push_weights
 
     def gathered():
         if trainer is not None:
@@ -252,7 +252,7 @@ def main() -> None:
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-stage memory printouts
-    from rl.demo_policy import save_policy
+    from reflow.rl.demo_policy import save_policy
 
     C.header(f"GPU benchmark, one process ({args.device})")
     kind = "llama" if args.tiny else "qwen2-0.5b"

@@ -3,7 +3,7 @@
     .venv/bin/python bench/iteration_overhead.py                 # demo and large sizes, 4-6 min on 2 cores
     .venv/bin/python bench/iteration_overhead.py --sizes large --iters 4
 
-"full" is the real thing: `flows.train.train` (Prefect flow, one `iteration` subflow per iteration,
+"full" is the real thing: `reflow.flows.train.train` (Prefect flow, one `iteration` subflow per iteration,
 Ray actors: embedded engine over HTTP, DeepSpeed trainer rank) with configs/demo.yaml plus
 save and eval after every iteration. Stage seconds are the iteration flow's own `time_<stage>`
 metrics; save and eval are timed around the parent flow's calls; orchestration = total minus
@@ -45,7 +45,7 @@ DEMO_YAML = C.ROOT / "configs" / "demo.yaml"
 
 def _eval_every_iteration() -> list[str]:
     """Overrides for an eval after every iteration and none before training (either config layout)."""
-    from infra.config import RunConfig
+    from reflow.infra.config import RunConfig
 
     if "eval" in RunConfig.model_fields:
         return ["eval.before_train=false", "eval.interval=1"]
@@ -55,9 +55,9 @@ def _eval_every_iteration() -> list[str]:
 def run_full(args) -> dict:
     import ray
 
-    import flows.train as ft
-    from infra.config import load_config
-    from infra.runtime import shutdown_runtime
+    import reflow.flows.train as ft
+    from reflow.infra.config import load_config
+    from reflow.infra.runtime import shutdown_runtime
 
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-full-"))
     exp = f"bench-{os.getpid()}"
@@ -112,11 +112,11 @@ def run_full(args) -> dict:
 def _bare_setup(args):
     import torch
 
-    from engines.generator import Generator
-    from engines.hf_io import load_causal_lm, load_tokenizer
-    from infra.config import load_config
-    from rl.data import load_prompt_rows, tokenize_prompts
-    from rl.rewards import load_reward_fn
+    from reflow.engines.embedded.generator import Generator
+    from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+    from reflow.infra.config import load_config
+    from reflow.rl.data import load_prompt_rows, tokenize_prompts
+    from reflow.rl.rewards import load_reward_fn
 
     torch.set_num_threads(args.threads)
     cfg = load_config(str(DEMO_YAML), [f"model.path={args.policy}"])
@@ -134,16 +134,16 @@ def _bare_setup(args):
 
 
 def _bare_generate(cfg, gen, tok, prompts, it: int, greedy: bool = False):
-    from engines.rollout import sample_seeds, sampling_params
-    from rl.data import PromptSampler
-    from rl.types import RolloutBatch
+    from reflow.engines.rollout_stages import sample_seeds, sampling_params
+    from reflow.rl.data import PromptSampler
+    from reflow.rl.types import RolloutBatch
 
     r = cfg.rollout
     if greedy:
         chosen, n = prompts, 1
         sps = sampling_params(0.0, 1.0, -1, r.max_new_tokens, [tok.eos_token_id])
         recs = gen.generate([p.input_ids for p in chosen], sps, 1)
-    else:  # the flow's prompt order and per-sample seeds (tasks.rollout / engines.rollout_client)
+    else:  # the flow's prompt order and per-sample seeds (reflow.tasks.rollout / reflow.engines.rollout_client)
         k, n = r.prompts_per_iteration, r.n_samples_per_prompt
         epoch, cursor = divmod(it * k, len(prompts))
         sampler = PromptSampler(prompts, cfg.data.seed)
@@ -165,8 +165,8 @@ def _bare_generate(cfg, gen, tok, prompts, it: int, greedy: bool = False):
 def _bare_train(cfg, policy, opt, batch, pad_id: int) -> float:
     import torch
 
-    from rl.losses import aggregate, entropy_from_logits, policy_loss, token_logprobs
-    from rl.types import to_train_tensors
+    from reflow.rl.losses import aggregate, entropy_from_logits, policy_loss, token_logprobs
+    from reflow.rl.types import to_train_tensors
 
     t, a, temp = cfg.trainer, cfg.algorithm, cfg.rollout.temperature
     x = to_train_tensors(batch, pad_id)
@@ -205,9 +205,9 @@ def _bare_train(cfg, policy, opt, batch, pad_id: int) -> float:
 def run_bare(args) -> dict:
     import torch
 
-    from engines.rollout import rollout_table
-    from rl.algorithms import sequence_advantages
-    from rl.rewards import compute_rewards
+    from reflow.engines.rollout_stages import rollout_table
+    from reflow.rl.algorithms import sequence_advantages
+    from reflow.rl.rewards import compute_rewards
 
     cfg, tok, policy, gen, opt, reward_fn, prompts, eval_prompts = _bare_setup(args)
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-bare-"))

@@ -4,7 +4,7 @@
     .venv/bin/python bench/weight_push.py --sizes 256x4,1024x8 --bucket-mb 64
 
 "push" is the production path: `TrainerGroup.push_weights` on a DeepSpeed trainer rank (a Ray
-actor) gathers its parameters, then `engines.weight_push` pauses the engine (another Ray actor,
+actor) gathers its parameters, then `reflow.engines.weights.push` pauses the engine (another Ray actor,
 the embedded engine over HTTP), opens a weight session, sends shared-memory buckets through
 `/update_weights_from_tensor`, closes the session and resumes. Timed from the driver around the
 whole Ray call, verification off; the verified push (the default `verify=sample`) is shown too.
@@ -54,7 +54,7 @@ def plain_copy(policy: Path, threads: int, repeat: int) -> tuple[float, float]:
     """(copy_ into the existing tensors of a second model, clone into fresh memory), best of `repeat`."""
     import torch
 
-    from engines.hf_io import load_causal_lm
+    from reflow.engines.hf_io import load_causal_lm
 
     torch.set_num_threads(threads)
     src, dst = load_causal_lm(str(policy)), load_causal_lm(str(policy))
@@ -71,8 +71,8 @@ def plain_copy(policy: Path, threads: int, repeat: int) -> tuple[float, float]:
 def push(policy: Path, args, size: str) -> dict:
     import ray
 
-    from engines.embedded_engine import EmbeddedEngine
-    from engines.trainer_group import TrainerGroup
+    from reflow.engines.embedded.engine import EmbeddedEngine
+    from reflow.engines.train.group import TrainerGroup
 
     ns = f"bench-push-{size}"
     group = TrainerGroup.create(1, ns, "bench", model_path=str(policy), zero_stage=0, precision="fp32", lr=1e-4,

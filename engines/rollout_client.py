@@ -7,8 +7,9 @@ the server's own message.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import httpx
 
@@ -113,7 +114,7 @@ class EngineClient:
 
     def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
                                    flush_cache: bool = True, weight_version: str | None = None) -> dict:
-        """`serialized_named_tensors`: one payload per TP rank (engines.tensor_bucket makes them)."""
+        """`serialized_named_tensors`: one payload per TP rank (reflow.engines.weights.buckets makes them)."""
         return self._call("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version})

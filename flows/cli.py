@@ -17,7 +17,7 @@ RESUME_HELP = ("auto (default): continue from the experiment's latest committed 
 
 
 def _config(path: str | None, overrides: list[str]):
-    from infra.config import ConfigError, load_config
+    from reflow.infra.config import ConfigError, load_config
 
     try:
         return load_config(path, overrides)
@@ -26,13 +26,13 @@ def _config(path: str | None, overrides: list[str]):
 
 
 def cmd_config(args) -> None:
-    from infra.config import dump_config
+    from reflow.infra.config import dump_config
 
     print(dump_config(_config(args.config, args.overrides)), end="")
 
 
 def cmd_bootstrap(args) -> None:
-    from rl.demo_policy import bootstrap
+    from reflow.rl.demo_policy import bootstrap
 
     kw = {"steps": args.steps} if args.steps is not None else {}
     report = bootstrap(args.out, seed=args.seed, digits=args.digits, **kw)
@@ -44,7 +44,7 @@ def _resume_override(args) -> list[str]:
 
 
 def cmd_train(args) -> None:
-    from flows.train import train
+    from reflow.flows.train import train
 
     cfg = _config(args.config, args.overrides + _resume_override(args))
     summary = train(cfg)
@@ -54,15 +54,15 @@ def cmd_train(args) -> None:
 
 
 def cmd_evaluate(args) -> None:
-    from flows.evaluate import evaluate
+    from reflow.flows.evaluate import evaluate
 
     summary = evaluate(_config(args.config, args.overrides), checkpoint=args.checkpoint)
     print(json.dumps(summary, indent=2, default=str))
 
 
 def cmd_runs_show(args) -> None:
-    from infra.records import format_table, iteration_table
-    from infra.storage import ExperimentStore
+    from reflow.infra.records import format_table, iteration_table
+    from reflow.infra.storage import ExperimentStore
 
     store = ExperimentStore.open(args.storage, args.experiment, endpoint_url=args.endpoint_url)
     df = iteration_table(store)
@@ -75,7 +75,7 @@ def cmd_runs_show(args) -> None:
 
 
 def _demo_policy(seed: int, digits: int) -> Path:
-    from rl.demo_policy import bootstrap
+    from reflow.rl.demo_policy import bootstrap
 
     out = Path(".reflow/models") / f"demo-policy-d{digits}-s{seed}"
     if not (out / "config.json").is_file():
@@ -85,7 +85,7 @@ def _demo_policy(seed: int, digits: int) -> Path:
 
 
 def cmd_demo(args) -> None:
-    from flows.train import train
+    from reflow.flows.train import train
 
     t0 = time.perf_counter()
     base = _config(str(DEMO_CONFIG), [])
@@ -106,7 +106,7 @@ def cmd_demo(args) -> None:
 
 
 def cmd_cluster(args) -> None:
-    from infra import cluster
+    from reflow.infra import ray_head as cluster
 
     if args.cluster_command == "up":
         try:

@@ -11,36 +11,14 @@ Results go under evals/ so they never overwrite the in-training records under it
 """
 from __future__ import annotations
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 
-from infra import checkpoint as ckpt
-from infra.config import FlowConfig, RunConfig, resolve_config
-from infra.runtime import get_eval_runtime, shutdown_eval_runtime
-from tasks.checkpoint import experiment_store
-from tasks.evaluate import launch_checkpoint_eval, record_eval
-
-
-@task(name="resolve-checkpoint", cache_policy=NO_CACHE)
-def resolve_checkpoint(config: RunConfig, checkpoint: str) -> dict[str, object]:
-    """{url, step, model}: the newest valid committed checkpoint (`latest`) or the one at a URL."""
-    store = experiment_store(config)
-    if checkpoint == "latest":
-        found = ckpt.valid_candidates(store)
-        if not found:
-            raise ckpt.CheckpointInvalid(f"no valid committed checkpoint under {store.url(ckpt.ROOT)}; "
-                                         f"train first, or pass checkpoint=<URL of …/checkpoints/iter_NNNNNN>")
-        ck = found[0][0]
-    else:
-        ck = ckpt.from_url(checkpoint, store)
-        ckpt.check(ck)  # committed, and every file the manifest lists is there with its size
-    return {"url": ck.url, "step": ck.step, "model": ck.store.url(ck.rel("model"))}
-
-
-@task(name="start-eval-engines", cache_policy=NO_CACHE)
-def start_engines(config: RunConfig) -> dict[str, object]:
-    rt = get_eval_runtime(config)
-    return {"engines": rt.engine_urls, "namespace": rt.namespace, "startup_s": rt.timings["startup"]}
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.config import FlowConfig, resolve_config
+from reflow.infra.runtime import shutdown_eval_runtime
+from reflow.tasks.checkpoint import experiment_store, resolve_checkpoint
+from reflow.tasks.cluster import start_eval_engines
+from reflow.tasks.evaluate import launch_checkpoint_eval, record_eval
 
 
 @flow(name="evaluate", flow_run_name="{config.experiment}-eval", log_prints=True)
@@ -51,7 +29,7 @@ def evaluate(config: FlowConfig, checkpoint: str = "latest", release_cluster: bo
     ck = resolve_checkpoint(config, checkpoint)
     cfg = config.model_copy(update={"model": config.model.model_copy(update={"path": ck["model"]})})
     try:
-        log.info("checkpoint %s (policy version %d): %s", ck["url"], ck["step"], start_engines(cfg))
+        log.info("checkpoint %s (policy version %d): %s", ck["url"], ck["step"], start_eval_engines(cfg))
         results = record_eval(cfg, launch_checkpoint_eval(cfg, ck["step"]), f" (checkpoint {ck['url']})")
     finally:
         if release_cluster:

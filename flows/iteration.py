@@ -11,11 +11,11 @@ from contextlib import contextmanager
 
 from prefect import flow
 
-from infra.config import RunConfig
-from tasks.colocate import to_engines, to_trainer
-from tasks.report import report
-from tasks.rollout import advantages, generate, reward
-from tasks.train import actor_updates, critic_values, push_weights, train, train_critic
+from reflow.infra.config import RunConfig
+from reflow.tasks.colocate import to_engines, to_trainer
+from reflow.tasks.report import report
+from reflow.tasks.rollout import advantages, generate, reward
+from reflow.tasks.train import actor_updates, critic_values, push_weights, train, train_critic
 
 
 class StageTimer:

@@ -18,17 +18,17 @@ from __future__ import annotations
 import time
 import uuid
 
-from prefect import flow, get_run_logger, runtime, task
+from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
-from prefect.cache_policies import NO_CACHE
 from pydantic import Field
 
-from flows.train import train
-from infra import checkpoint as ckpt
-from infra import promotion as pm
-from infra.config import FlowConfig, RunConfig, resolve_config
-from tasks.checkpoint import experiment_store
-from tasks.report import artifact_key
+from reflow.flows.train import train
+from reflow.infra import checkpoint as ckpt
+from reflow.infra import promotion as pm
+from reflow.infra.config import FlowConfig, RunConfig, resolve_config
+from reflow.tasks.checkpoint import experiment_store
+from reflow.tasks.report import artifact_key
+from reflow.tasks.retrain import take_new_data
 
 
 def _run_name() -> str:
@@ -38,21 +38,6 @@ def _run_name() -> str:
     name = runtime.flow_run.get_name() or "local"
     run_id = str(runtime.flow_run.get_id() or uuid.uuid4())
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{run_id[:8]}"
-
-
-@task(name="take-new-data", cache_policy=NO_CACHE)
-def take_new_data(cfg: RunConfig, location: str, run: str) -> tuple[RunConfig | None, list[dict]]:
-    """(config training on the new rows, the new files), or (None, []) when nothing is new."""
-    if not cfg.data.eval_path and any(s.source == "heldout" for s in cfg.eval.sets):
-        raise ValueError("retrain with new_data needs a fixed eval set to compare against the champion: set "
-                         "data.eval_path, or give every eval set in eval.sets its own `source`")
-    store = experiment_store(cfg)
-    files = pm.new_files(store, pm.list_data_files(location, cfg.storage.endpoint_url))
-    if not files:
-        return None, []
-    url = store.write_bytes(f"retrain/runs/{run}/prompts.jsonl", pm.merge_rows(files, cfg.storage.endpoint_url))
-    data = cfg.data.model_copy(update={"task": "file", "path": url})
-    return cfg.model_copy(update={"data": data}), files
 
 
 def _report(cfg: RunConfig, run: str, d: pm.Decision | None, lines: list[str]) -> None:

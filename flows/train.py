@@ -13,24 +13,17 @@ from __future__ import annotations
 
 import time
 
-from prefect import flow, get_run_logger, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger
 
-from flows.iteration import iteration
-from infra import checkpoint as ckpt
-from infra.config import FlowConfig, RunConfig, resolve_config
-from infra.runtime import get_runtime, shutdown_runtime
-from tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
-from tasks.report import plot_curves, start_progress, update_progress
-from tasks.evaluate import collect, launch_eval
-from tasks.train import initial_push
-
-
-@task(name="start-cluster", cache_policy=NO_CACHE)
-def start_cluster(config: RunConfig) -> dict[str, object]:
-    rt = get_runtime(config)
-    return {"engines": rt.engine_urls, "trainer_ranks": config.trainer.num_ranks,
-            "namespace": rt.namespace, "storage": rt.store.url(), "startup_s": rt.timings["startup"]}
+from reflow.flows.iteration import iteration
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.config import FlowConfig, RunConfig, resolve_config
+from reflow.infra.runtime import shutdown_runtime
+from reflow.tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
+from reflow.tasks.cluster import start_cluster
+from reflow.tasks.evaluate import collect, launch_eval
+from reflow.tasks.report import plot_curves, start_progress, update_progress
+from reflow.tasks.train import initial_push
 
 
 def _eval_due(config: RunConfig, done: int, last: int) -> bool:

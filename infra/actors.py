@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from infra.config import RunConfig
+from reflow.infra.config import RunConfig
 
 log = logging.getLogger("reflow.actors")
 RECORD = "runtime-record"

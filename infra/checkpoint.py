@@ -1,8 +1,8 @@
 """Atomic checkpoints in object storage: layout, commit, validation, retention, resume candidates.
 
     <experiment>/checkpoints/iter_000042/    42 = iterations completed (= the policy version it holds)
-        model/  optim/  rng/                 uploaded by the trainer ranks (engines/trainer_ckpt.py)
-        critic/{model,optim,rng}/            PPO only: the same from the critic ranks (engines/critic.py)
+        model/  optim/  rng/                 uploaded by the trainer ranks (engines/train/checkpoint.py)
+        critic/{model,optim,rng}/            PPO only: the same from the critic ranks (engines/train/critic.py)
         state.json                           step, data cursor, ranks, time
         config.yaml                          the resolved run config (no credentials: none are in it)
         MANIFEST.json                        {relative path: {sha256, bytes}} of every file above
@@ -19,14 +19,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 
 import fsspec
 
-from infra.storage import ExperimentStore
+from reflow.infra.storage import ExperimentStore
 
 log = logging.getLogger("reflow.checkpoint")
 ROOT = "checkpoints"
@@ -75,13 +73,6 @@ def from_url(url: str, like: ExperimentStore) -> Checkpoint:
         raise CheckpointInvalid(f"resume={url!r} is not a checkpoint URL (expected …/checkpoints/iter_NNNNNN)")
     store = ExperimentStore.open(parent, name, like.endpoint_url, like.retries, like.backoff_s)
     return Checkpoint(store, "", step)
-
-
-def fault_point(kind: str, step: int) -> None:
-    """Fault injection for tests: REFLOW_FAULT_<kind>=<step> SIGKILLs this process here."""
-    if os.environ.get(f"REFLOW_FAULT_{kind}") == str(step):
-        log.warning("fault injection: REFLOW_FAULT_%s=%d, killing pid %d", kind, step, os.getpid())
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ---------------------------------------------------------------- writing
@@ -209,7 +200,7 @@ def remove_sentinel(path: str) -> None:
 
 def state_for(step: int, prompts_per_iteration: int, data_seed: int, num_ranks: int) -> dict:
     """state.json: the data cursor is (seed, next iteration) because each iteration's prompts are a
-    pure function of them (tasks.rollout.prompts_for_iteration)."""
+    pure function of them (reflow.tasks.rollout.prompts_for_iteration)."""
     return {"step": step, "next_iteration": step, "policy_version": step, "num_trainer_ranks": num_ranks,
             "data_cursor": {"seed": data_seed, "next_iteration": step,
                             "prompts_consumed": step * prompts_per_iteration,

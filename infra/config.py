@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
@@ -30,7 +30,7 @@ class DataConfig(_Strict):
     eval_path: str | None = Field(None, description="task=file: jsonl/parquet of held-out prompts (the `heldout` eval set); default: the last num_eval rows of `path`.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding the ground truth passed to the reward function.")
-    reward_fn: str = Field("rl.demo_task:reward", description="`module:function` computing a reward from (response_text, label).")
+    reward_fn: str = Field("reflow.rl.demo_task:reward", description="`module:function` computing a reward from (response_text, label).")
     seed: int = Field(0, ge=0, description="Seed of the synthetic task and of the prompt shuffle.")
     num_train: int = Field(5000, ge=1, description="Synthetic task: number of training prompts.")
     num_eval: int = Field(200, ge=1, description="Synthetic task: number of held-out prompts.")
@@ -81,7 +81,7 @@ class AlgorithmConfig(_Strict):
     value_clip: float | None = Field(0.2, gt=0.0, description="PPO: clip the critic's new value to old +- this in the value loss (PPO2-style); null disables.")
 
     @model_validator(mode="after")
-    def _check_type(self) -> "AlgorithmConfig":
+    def _check_type(self) -> AlgorithmConfig:
         if self.kl_in_reward > 0 and self.type not in ("reinforce_pp", "reinforce_pp_baseline"):
             raise ValueError(f"kl_in_reward is implemented for type=reinforce_pp / reinforce_pp_baseline "
                              f"only (got type={self.type}); use kl_coef for a KL term in the loss")
@@ -185,7 +185,7 @@ class EvalConfig(_Strict):
     blocking: bool = Field(True, description="false: an eval's generation overlaps the next iteration (the next weight push waits for it) and its scoring and records finish in the background; the run waits for every eval before it ends.")
 
     @model_validator(mode="after")
-    def _unique_names(self) -> "EvalConfig":
+    def _unique_names(self) -> EvalConfig:
         names = [s.name for s in self.sets]
         if len(set(names)) != len(names):
             raise ValueError(f"eval set names must be unique, got {names}")
@@ -228,7 +228,7 @@ class RunConfig(_Strict):
         return data
 
     @model_validator(mode="after")
-    def _check_eval_k(self) -> "RunConfig":
+    def _check_eval_k(self) -> RunConfig:
         for i, s in enumerate(self.eval.sets):
             n = s.sampling(self.rollout)["n"]
             if max(s.k) > n:
@@ -237,7 +237,7 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_batch(self) -> "RunConfig":
+    def _check_batch(self) -> RunConfig:
         samples = self.rollout.prompts_per_iteration * self.rollout.n_samples_per_prompt
         per = self.trainer.num_ranks * self.trainer.minibatches_per_iteration
         if samples % per:
@@ -321,7 +321,7 @@ class ExperimentFile(_Strict):
     overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides, e.g. [\"num_iterations=40\", \"trainer.lr=1e-5\"].")
 
     @model_validator(mode="after")
-    def _valid(self) -> "ExperimentFile":
+    def _valid(self) -> ExperimentFile:
         self.resolve()  # a ConfigError (a ValueError) becomes the parameter's validation error
         return self
 
@@ -341,9 +341,9 @@ def _config_kind(v: Any) -> str:
 
 # A flow's `config` parameter: the full RunConfig (the UI renders every field) or {file, overrides}.
 # The discriminator picks one by its keys, so a bad value gets one error list, not one per variant.
-FlowConfig = Annotated[Union[Annotated[RunConfig, Tag("full")], Annotated[ExperimentFile, Tag("file")]],
+FlowConfig = Annotated[Annotated[RunConfig, Tag("full")] | Annotated[ExperimentFile, Tag("file")],
                        Discriminator(_config_kind)]
 
 
-def resolve_config(config: "RunConfig | ExperimentFile") -> RunConfig:
+def resolve_config(config: RunConfig | ExperimentFile) -> RunConfig:
     return config.resolve() if isinstance(config, ExperimentFile) else config

@@ -8,10 +8,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
-from infra.config import EvalSetConfig, RunConfig
-from rl.data import read_rows, tokenize_prompts
-from rl.rewards import load_reward_fn
-from rl.types import Prompt
+from reflow.infra.config import EvalSetConfig, RunConfig
+from reflow.rl.data import read_rows, tokenize_prompts
+from reflow.rl.rewards import load_reward_fn
+from reflow.rl.types import Prompt
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 import fsspec
 import pandas as pd
 
-from infra.storage import ExperimentStore
+from reflow.infra.storage import ExperimentStore
 
 CHAMPION, LEDGER = "champion.json", "retrain/ledger.json"
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pandas as pd
 
-from infra import checkpoint as ckpt
-from infra.storage import ExperimentStore
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.storage import ExperimentStore
 
 # Shown by the readable table; --csv writes every metric.
 SUMMARY_COLUMNS = ["iteration", "reward_mean", "loss", "kl", "entropy", "grad_norm", "response_len_mean",

@@ -2,6 +2,8 @@
 
 Config stops here: engines and trainers receive explicit arguments. A runtime is kept per
 experiment in this process, so every task of every iteration flow run finds the same actors.
+Only the start steps build one (`start_runtime`, `start_eval_runtime`, called by the tasks in
+reflow.tasks.cluster); every other caller uses `get_runtime`, which fails when none was started.
 """
 from __future__ import annotations
 
@@ -13,20 +15,20 @@ from typing import Any
 
 import ray
 
-from engines.critic import CriticGroup
-from engines.embedded_engine import EmbeddedEngine
-from engines.hf_io import load_tokenizer, resolve_checkpoint
-from engines.router import Router, SGLangRouter, sglang_router_available
-from engines.sglang_engine import SGLangEngine
-from engines.trainer_group import TrainerGroup, TrainerInitError
-from infra.config import RunConfig, dump_config
-from infra.eval_sets import EvalSet, load_eval_sets
-from infra import actors, placement
-from infra.ray_cluster import attached_to_running_cluster, connect, namespace_for
-from infra.storage import ExperimentStore
-from rl.data import load_prompt_rows, tokenize_prompts
-from rl.rewards import load_reward_fn
-from rl.types import Prompt
+from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
+from reflow.engines.sglang.launcher import SGLangEngine
+from reflow.engines.sglang.router import Router, SGLangRouter, sglang_router_available
+from reflow.engines.train.critic import CriticGroup
+from reflow.engines.train.group import TrainerGroup, TrainerInitError
+from reflow.infra import actors, placement
+from reflow.infra.config import RunConfig, dump_config
+from reflow.infra.eval_sets import EvalSet, load_eval_sets
+from reflow.infra.ray_connect import attached_to_running_cluster, connect, namespace_for
+from reflow.infra.storage import ExperimentStore
+from reflow.rl.data import load_prompt_rows, tokenize_prompts
+from reflow.rl.rewards import load_reward_fn
+from reflow.rl.types import Prompt
 
 log = logging.getLogger("reflow.runtime")
 
@@ -39,7 +41,7 @@ class Runtime:
     eos_id: int
     train_prompts: list[Prompt]
     eval_prompts: list[Prompt]
-    trainers: TrainerGroup | None  # None in an eval-only runtime (`get_eval_runtime`)
+    trainers: TrainerGroup | None  # None in an eval-only runtime (`start_eval_runtime`)
     engines: list[Any]  # Ray actor handles
     engine_urls: list[str]
     store: ExperimentStore
@@ -55,7 +57,7 @@ class Runtime:
     actor_ids: dict[str, str] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)
     placement: Any = None  # colocated mode's placement group (infra/placement.py)
-    critic: Any = None  # engines.critic.CriticGroup when algorithm.type == ppo
+    critic: Any = None  # reflow.engines.train.critic.CriticGroup when algorithm.type == ppo
 
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -277,10 +279,31 @@ def recreate_trainers(cfg: RunConfig) -> TrainerGroup:
     return rt.trainers
 
 
-def get_runtime(cfg: RunConfig) -> Runtime:
+class RuntimeNotStarted(RuntimeError):
+    """A task asked for the experiment's runtime in a process where no start step built it."""
+
+
+def _not_started(experiment: str, starter: str) -> RuntimeNotStarted:
+    return RuntimeNotStarted(
+        f"no runtime for experiment {experiment!r} in this process: the actors are started by the flow's "
+        f"{starter!r} task (reflow.tasks.cluster), which must run first and in the same process as the "
+        f"tasks that use them (run the flow, not one of its tasks on its own)")
+
+
+def start_runtime(cfg: RunConfig) -> Runtime:
+    """This process's runtime of `cfg.experiment`, built (actors attached, reused or created) on first call."""
     rt = _RUNTIMES.get(cfg.experiment)
     if rt is None:
         rt = _RUNTIMES[cfg.experiment] = build_runtime(cfg)
+    return rt
+
+
+def get_runtime(cfg: RunConfig) -> Runtime:
+    """The runtime `start_runtime` built for `cfg.experiment`; never builds one (a task run elsewhere
+    would otherwise silently start a second cluster)."""
+    rt = _RUNTIMES.get(cfg.experiment)
+    if rt is None:
+        raise _not_started(cfg.experiment, "start-cluster")
     return rt
 
 
@@ -348,7 +371,7 @@ def build_eval_runtime(cfg: RunConfig) -> Runtime:
     return rt
 
 
-def get_eval_runtime(cfg: RunConfig) -> Runtime:
+def start_eval_runtime(cfg: RunConfig) -> Runtime:
     """This process's eval-only runtime of the experiment, rebuilt when the checkpoint it serves changes."""
     key = f"{cfg.experiment}/eval-only"
     rt = _RUNTIMES.get(key)
@@ -357,6 +380,14 @@ def get_eval_runtime(cfg: RunConfig) -> Runtime:
         rt = None
     if rt is None:
         rt = _RUNTIMES[key] = build_eval_runtime(cfg)
+    return rt
+
+
+def get_eval_runtime(cfg: RunConfig) -> Runtime:
+    """The eval-only runtime `start_eval_runtime` built for `cfg` (serving `cfg.model.path`)."""
+    rt = _RUNTIMES.get(f"{cfg.experiment}/eval-only")
+    if rt is None or rt.cfg.model.path != cfg.model.path:
+        raise _not_started(cfg.experiment, "start-eval-engines")
     return rt
 
 

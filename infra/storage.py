@@ -24,9 +24,10 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import fsspec
 
@@ -106,12 +107,12 @@ class ExperimentStore:
 
     @classmethod
     def open(cls, root: str, experiment: str, endpoint_url: str | None = None, retries: int = 6,
-             backoff_s: float = 0.5) -> "ExperimentStore":
+             backoff_s: float = 0.5) -> ExperimentStore:
         return cls(normalize_root(root), experiment, endpoint_url, retries, backoff_s)
 
     @classmethod
-    def from_config(cls, storage_cfg, experiment: str) -> "ExperimentStore":
-        """`storage_cfg`: infra.config.StorageConfig."""
+    def from_config(cls, storage_cfg, experiment: str) -> ExperimentStore:
+        """`storage_cfg`: reflow.infra.config.StorageConfig."""
         s = storage_cfg
         return cls.open(s.root, experiment, s.endpoint_url, s.retries, s.retry_backoff_s)
 

@@ -3,7 +3,7 @@
 Rows handed between these functions are dicts `{"prompt": str, "label": Any}` (label optional).
 
 Sources (`load_prompt_rows`):
-  * task "addition": the synthetic task of `rl.demo_task` (seed, num_train, num_eval, digits).
+  * task "addition": the synthetic task of `reflow.rl.demo_task` (seed, num_train, num_eval, digits).
   * task "file": a jsonl (`.jsonl`/`.json`, one object per line) or parquet (`.parquet`/`.pq`)
     file at a local path or any fsspec URL (s3://, file://, ...), read with pandas; columns
     `prompt_key` and `label_key` become "prompt" and "label". The held-out split is `eval_path`
@@ -13,9 +13,10 @@ Sources (`load_prompt_rows`):
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
-from rl.types import Prompt
+from reflow.rl.types import Prompt
 
 _MAX_LISTED = 5  # bad rows quoted in an error message; the rest are counted
 
@@ -79,7 +80,7 @@ def load_prompt_rows(task: str, path: str | None, prompt_key: str, label_key: st
                      eval_path: str | None = None) -> tuple[list[dict], list[dict]]:
     """(train_rows, eval_rows) for `task` ("addition" or "file"; see the module docstring)."""
     if task == "addition":
-        from rl.demo_task import make_problems
+        from reflow.rl.demo_task import make_problems
         return make_problems(seed, num_train, num_eval, digits)
     if task != "file":
         raise ValueError(f"data.task={task!r}: expected 'addition' or 'file'")
@@ -161,7 +162,7 @@ class PromptSampler:
     def next_batch(self, k: int) -> list[Prompt]:
         if k < 1:
             raise ValueError(f"next_batch needs k >= 1, got {k}")
-        out = []
+        out: list[Prompt] = []
         while len(out) < k:
             if self.cursor == len(self._order):
                 self.epoch, self.cursor = self.epoch + 1, 0

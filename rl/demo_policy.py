@@ -17,7 +17,7 @@ CHARS = list("0123456789+-*=() ")
 
 def build_tokenizer():
     """Character-level `PreTrainedTokenizerFast` (each character is one token)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
@@ -58,7 +58,7 @@ def save_policy(model, tokenizer, out_dir: str | Path) -> Path:
 
 def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Right-padded "prompt + answer + eos" with labels only on answer + eos (-100 elsewhere)."""
-    from rl.data import encode_prompt
+    from reflow.rl.data import encode_prompt
 
     prompts = encode_prompt(tokenizer, [r["prompt"] for r in rows])
     answers = tokenizer([str(r["label"]) for r in rows], add_special_tokens=False)["input_ids"]
@@ -97,6 +97,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     "seconds"}.
     """
     import time
+
     from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(seed)
@@ -150,7 +151,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
     Plain batched decoding for the bootstrap report only (the rollout engine is separate).
     Rows are grouped by prompt length so no padding is needed.
     """
-    from rl.data import encode_prompt
+    from reflow.rl.data import encode_prompt
 
     if not rows:
         return 0.0
@@ -179,13 +180,13 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
     `target_accuracy` (at most `steps` steps; None = exactly `steps`). The default 0.4 leaves a
     partially competent policy (held-out ~0.3-0.5) so that GRPO groups have mixed rewards.
 
-    The problems are `rl.demo_task.make_problems(seed, num_train, num_eval, digits)`: an RL run
+    The problems are `reflow.rl.demo_task.make_problems(seed, num_train, num_eval, digits)`: an RL run
     keeps its held-out split unseen only if it uses the same data.seed / num_eval / digits.
     """
     import json
     import time
 
-    from rl.demo_task import make_problems
+    from reflow.rl.demo_task import make_problems
 
     t0 = time.perf_counter()
     train, held_out = make_problems(seed, num_train, num_eval, digits)

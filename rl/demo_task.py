@@ -7,7 +7,7 @@ Reward contract (every reward function, built-in or user-supplied via `data.rewa
 `prompt` is the prompt text, `response` the generated text after the prompt with special tokens
 already stripped (whether generation ended with eos or hit the length limit is reported separately
 as `finish_reason`), `label` the row's ground truth as loaded. Return a finite float; raising or
-returning a non-number is an error that stops the run (see `rl.rewards.compute_rewards`).
+returning a non-number is an error that stops the run (see `reflow.rl.rewards.compute_rewards`).
 """
 from __future__ import annotations
 

@@ -6,15 +6,15 @@ padding; every reduction here ignores masked positions, even when they hold inf 
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
-from rl.algorithms.gspo import gspo_log_ratio
+from reflow.rl.algorithms.gspo import gspo_log_ratio
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-AGG_MODES: tuple[str, ...] = AggMode.__args__
+AGG_MODES: tuple[str, ...] = get_args(AggMode)
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 RatioLevel = Literal["token", "sequence"]
 

@@ -1,6 +1,6 @@
 """Loading and calling reward functions (the `data.reward_fn` extension point).
 
-Contract (see `rl.demo_task`): `fn(prompt: str, response: str, label) -> float`, sync or
+Contract (see `reflow.rl.demo_task`): `fn(prompt: str, response: str, label) -> float`, sync or
 `async def`. Async functions of one batch run concurrently (asyncio.gather), so a verifier that
 calls out to a sandbox or a judge does not serialise the batch. Any failure — the function
 raising, returning a non-number, a bool, NaN or inf — raises `RewardError` naming the function,
@@ -13,7 +13,8 @@ import importlib
 import inspect
 import math
 import numbers
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 RewardFn = Callable[[str, str, Any], float]
 
@@ -32,7 +33,7 @@ def _fn_name(fn: Callable) -> str:
 
 
 def load_reward_fn(spec: str) -> RewardFn:
-    """Import `module:function` (e.g. "rl.demo_task:reward"); errors name `data.reward_fn`."""
+    """Import `module:function` (e.g. "reflow.rl.demo_task:reward"); errors name `data.reward_fn`."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"data.reward_fn must look like 'package.module:function', got {spec!r}")
     mod_name, attr = spec.split(":")
@@ -90,7 +91,7 @@ def _run_coroutine(coro):
 
 
 def _is_async(fn: Callable) -> bool:
-    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None))  # noqa: B004 (an async __call__, not callability)
 
 
 def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],

@@ -7,9 +7,11 @@ tensors the trainer consumes.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -39,7 +41,7 @@ class RolloutBatch:
     advantages: list[float] | None = None  # one per sample (GRPO: sequence-level; PPO: first response token's)
     extra: dict[str, Any] = field(default_factory=dict)
     # Token-level (PPO), one float per response token: the critic's V(s_t) before its update,
-    # GAE advantages and returns (value targets). See engines/critic.py for the alignment.
+    # GAE advantages and returns (value targets). See engines/train/critic.py for the alignment.
     values: list[list[float]] | None = None
     token_advantages: list[list[float]] | None = None
     returns: list[list[float]] | None = None
@@ -51,12 +53,14 @@ class RolloutBatch:
     def n_groups(self) -> int:
         return (max(self.group_index) + 1) if self.group_index else 0
 
-    def with_(self, **kw) -> "RolloutBatch":
+    def with_(self, **kw) -> RolloutBatch:
         return replace(self, **kw)
 
-    def select(self, idx: list[int]) -> "RolloutBatch":
+    def select(self, idx: list[int]) -> RolloutBatch:
         """Sub-batch of the given sample positions (used to shard over data-parallel ranks)."""
-        pick = lambda xs: None if xs is None else [xs[i] for i in idx]  # noqa: E731
+        def pick(xs: list[T] | None) -> list[T]:  # only the optional fields may be None
+            return None if xs is None else [xs[i] for i in idx]  # type: ignore[return-value]
+
         return RolloutBatch(
             group_index=pick(self.group_index), prompt_text=pick(self.prompt_text),
             prompt_ids=pick(self.prompt_ids), response_text=pick(self.response_text),

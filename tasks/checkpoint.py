@@ -1,6 +1,6 @@
 """Prefect tasks around checkpoints: storage preflight, choosing a resume point, save, restore.
 
-The trainer ranks upload and download their own files (engines/trainer_ckpt.py); the driver only
+The trainer ranks upload and download their own files (engines/train/checkpoint.py); the driver only
 merges their manifests, commits, and decides which checkpoint to load (infra/checkpoint.py). With
 PPO the critic ranks do the same under `critic/` of the same checkpoint, inside the same manifest.
 """
@@ -10,11 +10,11 @@ import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from infra import checkpoint as ckpt
-from infra.config import RunConfig, dump_config
-from infra.runtime import get_runtime, recreate_trainers
-from infra.storage import ExperimentStore
-
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.config import RunConfig, dump_config
+from reflow.infra.runtime import get_runtime, recreate_trainers
+from reflow.infra.storage import ExperimentStore
+from reflow.tasks.faults import fault_point
 
 CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a checkpoint
 
@@ -148,9 +148,9 @@ def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: 
         files.update(rank_files)
     for rank_files in ray.get(critic_refs):
         files.update({CRITIC + rel: meta for rel, meta in rank_files.items()})
-    ckpt.fault_point("KILL_DURING_SAVE", step)
+    fault_point("KILL_DURING_SAVE", step)
     url = ckpt.commit(ck, files, state, config_yaml)
-    ckpt.fault_point("KILL_AFTER_COMMIT", step)
+    fault_point("KILL_AFTER_COMMIT", step)
     ckpt.apply_retention(store, keep_last)
     return url
 
@@ -161,3 +161,19 @@ def save_checkpoint(cfg: RunConfig, step: int) -> str:
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
     state["weights_sha256"] = ray.get(rt.trainers.weights_checksum())[0]  # lets a reused trainer skip a reload
     return save(rt.trainers, rt.store, step, state, dump_config(cfg), cfg.checkpoint.keep_last, critic=rt.critic)
+
+
+@task(name="resolve-checkpoint", cache_policy=NO_CACHE)
+def resolve_checkpoint(config: RunConfig, checkpoint: str) -> dict[str, object]:
+    """{url, step, model}: the newest valid committed checkpoint (`latest`) or the one at a URL."""
+    store = experiment_store(config)
+    if checkpoint == "latest":
+        found = ckpt.valid_candidates(store)
+        if not found:
+            raise ckpt.CheckpointInvalid(f"no valid committed checkpoint under {store.url(ckpt.ROOT)}; "
+                                         f"train first, or pass checkpoint=<URL of …/checkpoints/iter_NNNNNN>")
+        ck = found[0][0]
+    else:
+        ck = ckpt.from_url(checkpoint, store)
+        ckpt.check(ck)  # committed, and every file the manifest lists is there with its size
+    return {"url": ck.url, "step": ck.step, "model": ck.store.url(ck.rel("model"))}

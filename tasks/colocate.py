@@ -20,10 +20,10 @@ import ray
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from engines.rollout_client import EngineClient
-from infra.config import RunConfig
-from infra.runtime import get_runtime
-from tasks.evaluate import wait_for_eval_generation
+from reflow.engines.rollout_client import EngineClient
+from reflow.infra.config import RunConfig
+from reflow.infra.runtime import get_runtime
+from reflow.tasks.evaluate import wait_for_eval_generation
 
 
 def _each_engine(urls: list[str], call) -> None:

@@ -28,15 +28,15 @@ from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from engines import rollout as ro
-from infra import checkpoint as ckpt
-from infra.config import RunConfig
-from infra.eval_sets import EvalSet
-from infra.runtime import Runtime, get_eval_runtime, get_runtime
-from infra.storage import ExperimentStore
-from rl.metrics import eval_summary
-from rl.types import RolloutBatch
-from tasks.report import artifact_key
+from reflow.engines import rollout_stages as ro
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.config import RunConfig
+from reflow.infra.eval_sets import EvalSet
+from reflow.infra.runtime import Runtime, get_eval_runtime, get_runtime
+from reflow.infra.storage import ExperimentStore
+from reflow.rl.metrics import eval_summary
+from reflow.rl.types import RolloutBatch
+from reflow.tasks.report import artifact_key
 
 _generate = ray.remote(num_cpus=0)(ro.generate)
 _GENERATING: dict[str, list[ray.ObjectRef]] = {}  # runtime namespace -> eval generations its engines still serve

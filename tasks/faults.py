@@ -1,15 +1,22 @@
-"""Which task failures are worth a retry: transient faults only (engine health, storage I/O).
+"""Faults: which task failures are worth a retry (transient ones only: engine health, storage I/O),
+and the fault-injection points the crash tests use.
 
 A bad request, a reward function that raises, NaN loss or a corrupt checkpoint fail the same way
 on every attempt; retrying them would only hide the error behind minutes of repeats.
 """
 from __future__ import annotations
 
+import logging
+import os
+import signal
+
 import httpx
 import ray
 
-from engines.rollout_client import EngineError
-from infra.storage import is_transient
+from reflow.engines.rollout_client import EngineError
+from reflow.infra.storage import is_transient
+
+log = logging.getLogger("reflow.faults")
 
 
 def _root(e: BaseException) -> BaseException:
@@ -35,3 +42,10 @@ def transient_fault(task, task_run, state) -> bool:
     except Exception as e:  # deliberate: the state's own exception is what we classify
         return is_transient_fault(e)
     return False
+
+
+def fault_point(kind: str, step: int) -> None:
+    """Fault injection for tests: REFLOW_FAULT_<kind>=<step> SIGKILLs this process here."""
+    if os.environ.get(f"REFLOW_FAULT_{kind}") == str(step):
+        log.warning("fault injection: REFLOW_FAULT_%s=%d, killing pid %d", kind, step, os.getpid())
+        os.kill(os.getpid(), signal.SIGKILL)

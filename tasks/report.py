@@ -8,12 +8,12 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
-from infra.config import RunConfig
-from infra.plots import curves_png
-from infra.records import eval_points, iteration_table
-from infra.runtime import get_runtime
-from rl.types import RolloutBatch
-from tasks.rollout import BatchRef, write_table
+from reflow.infra.config import RunConfig
+from reflow.infra.plots import curves_png
+from reflow.infra.records import eval_points, iteration_table
+from reflow.infra.runtime import get_runtime
+from reflow.rl.types import RolloutBatch
+from reflow.tasks.rollout import BatchRef, write_table
 
 
 def artifact_key(experiment: str, what: str) -> str:

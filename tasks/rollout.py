@@ -12,15 +12,15 @@ import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines import rollout as ro
-from engines.critic import gae_batch
-from infra.config import RunConfig
-from infra.runtime import Runtime, get_runtime
-from infra.storage import ExperimentStore
-from rl.data import PromptSampler
-from rl.types import Prompt, RolloutBatch
-from tasks import stage_cache
-from tasks.faults import transient_fault
+from reflow.engines import rollout_stages as ro
+from reflow.engines.train.critic import gae_batch
+from reflow.infra.config import RunConfig
+from reflow.infra.runtime import Runtime, get_runtime
+from reflow.infra.storage import ExperimentStore
+from reflow.rl.data import PromptSampler
+from reflow.rl.types import Prompt, RolloutBatch
+from reflow.tasks import stage_cache
+from reflow.tasks.faults import transient_fault
 
 _generate = ray.remote(num_cpus=0)(ro.generate)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
@@ -101,7 +101,7 @@ def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -
 @task(name="reward", cache_policy=NO_CACHE)
 def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
     """Score the batch (reward fn + overlong penalty); with dynamic sampling, top it up to
-    `prompts_per_iteration` groups with reward spread (engines/rollout.py `dynamic_fill`)."""
+    `prompts_per_iteration` groups with reward spread (engines/rollout_stages.py `dynamic_fill`)."""
     a = cfg.algorithm
     if batch.iteration is not None and (cached := _cached(get_runtime(cfg), batch.iteration, "scored")) is not None:
         return cached
@@ -127,7 +127,7 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
 @task(name="advantages", cache_policy=NO_CACHE)
 def advantages(cfg: RunConfig, batch: BatchRef) -> BatchRef:
     a = cfg.algorithm
-    if a.type == "ppo":  # token-level GAE over the critic's values (tasks.train.critic_values ran first)
+    if a.type == "ppo":  # token-level GAE over the critic's values (reflow.tasks.train.critic_values ran first)
         ref, stats = _gae.remote(batch.ref, a.gamma, a.lam)
     else:
         ref, stats = _advantages.remote(batch.ref, a.normalize_std, a.type, a.kl_in_reward > 0)

@@ -17,9 +17,9 @@ import pickle
 
 import ray
 
-from infra.config import RunConfig
-from infra.storage import ExperimentStore
-from rl.types import RolloutBatch
+from reflow.infra.config import RunConfig
+from reflow.infra.storage import ExperimentStore
+from reflow.rl.types import RolloutBatch
 
 STAGES = ("generated", "scored")
 

@@ -8,12 +8,12 @@ import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from engines.critic import attach_values
-from infra.checkpoint import fault_point
-from infra.config import RunConfig
-from infra.runtime import ensure_engines, get_runtime
-from tasks.evaluate import wait_for_eval_generation
-from tasks.rollout import BatchRef
+from reflow.engines.train.critic import attach_values
+from reflow.infra.config import RunConfig
+from reflow.infra.runtime import ensure_engines, get_runtime
+from reflow.tasks.evaluate import wait_for_eval_generation
+from reflow.tasks.faults import fault_point
+from reflow.tasks.rollout import BatchRef
 
 _attach_values = ray.remote(num_cpus=0)(attach_values)
 
@@ -79,7 +79,7 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
 
 def engines_hold(rt, version: int) -> bool:
     """Whether every engine was reused from an earlier flow run and serves policy `version`."""
-    from engines.rollout_client import EngineClient
+    from reflow.engines.rollout_client import EngineClient
 
     names = [f"engine-{i}" for i in range(len(rt.engine_urls))]
     if not all(n in rt.reused for n in names):

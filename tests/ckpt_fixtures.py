@@ -37,7 +37,7 @@ class LoopbackS3:
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = None
 
-    def start(self) -> "LoopbackS3":
+    def start(self) -> LoopbackS3:
         from moto.server import ThreadedMotoServer
 
         self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)

@@ -75,7 +75,7 @@ def _fast_tier_guard(request):
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory) -> Path:
     """A ~20k-parameter random Llama with the demo's char tokenizer, saved as an HF folder."""
-    from rl.demo_policy import build_model, build_tokenizer, save_policy
+    from reflow.rl.demo_policy import build_model, build_tokenizer, save_policy
 
     tok = build_tokenizer()
     model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=0)

@@ -11,17 +11,16 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from infra.config import ConfigError, load_config
-from rl.algorithms import sequence_advantages
-from rl.algorithms.grpo import grpo_advantages
-from rl.algorithms.rloo import rloo_advantages
-from rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
-from rl.algorithms.gae import gae_advantages, value_loss_tokens
-from rl.algorithms.gspo import gspo_log_ratio
-from rl.algorithms.reinforce_pp import (kl_shaped_returns, moments, reinforce_pp_advantages,
-                                        whiten_from_moments)
-from rl.losses import aggregate, policy_loss, policy_loss_tokens, tis_weights
-from rl.types import RolloutBatch
+from reflow.infra.config import ConfigError, load_config
+from reflow.rl.algorithms import sequence_advantages
+from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
+from reflow.rl.algorithms.gae import gae_advantages, value_loss_tokens
+from reflow.rl.algorithms.grpo import grpo_advantages
+from reflow.rl.algorithms.gspo import gspo_log_ratio
+from reflow.rl.algorithms.reinforce_pp import kl_shaped_returns, moments, reinforce_pp_advantages, whiten_from_moments
+from reflow.rl.algorithms.rloo import rloo_advantages
+from reflow.rl.losses import aggregate, policy_loss, policy_loss_tokens, tis_weights
+from reflow.rl.types import RolloutBatch
 
 T = torch.tensor
 SQ3 = math.sqrt(3.0)

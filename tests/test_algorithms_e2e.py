@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from infra.config import load_config
+from reflow.infra.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def _config(policy, tmp_path, name, extra):
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_estimator_three_iterations(ray_cluster, prefect_server, tiny_policy, tmp_path, name):
-    from flows.train import train
+    from reflow.flows.train import train
 
     summary = train(_config(tiny_policy, tmp_path, name, CASES[name]))
     assert summary["iterations"] == 3

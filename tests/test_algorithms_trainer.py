@@ -12,10 +12,10 @@ import pytest
 import ray
 import torch
 
-from engines.hf_io import load_causal_lm, load_tokenizer
-from rl.algorithms.reinforce_pp import kl_shaped_returns, moments, whiten_from_moments
-from rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, tis_weights, token_logprobs
-from rl.types import to_train_tensors
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.rl.algorithms.reinforce_pp import kl_shaped_returns, moments, whiten_from_moments
+from reflow.rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, tis_weights, token_logprobs
+from reflow.rl.types import to_train_tensors
 from tests.test_trainer import TEMPERATURE, _batch, _create, _train_kw
 
 pytestmark = pytest.mark.slow

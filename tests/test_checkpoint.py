@@ -10,8 +10,8 @@ import pytest
 import ray
 import torch
 
-from infra import checkpoint as ckpt
-from infra.storage import ChecksumError, ExperimentStore, StorageError, with_retries
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.storage import ChecksumError, ExperimentStore, StorageError, with_retries
 
 
 @contextmanager
@@ -132,8 +132,8 @@ def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp
     original group's bit for bit (optimizer state and LR schedule restored, not just the weights)."""
     from transformers import AutoModelForCausalLM
 
-    from engines.trainer_group import TrainerGroup
-    from tasks.checkpoint import load_first_valid, save
+    from reflow.engines.train.group import TrainerGroup
+    from reflow.tasks.checkpoint import load_first_valid, save
     from tests.test_trainer import RANK_KW, _batch, _train_kw
 
     store = _store(tmp_path)
@@ -175,9 +175,9 @@ def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp
 
 
 def test_resume_modes_and_sentinel(tmp_path):
-    from flows.train import _save_due
-    from infra.config import load_config
-    from tasks.checkpoint import ResumeError, find_checkpoints
+    from reflow.flows.train import _save_due
+    from reflow.infra.config import load_config
+    from reflow.tasks.checkpoint import ResumeError, find_checkpoints
 
     store = _store(tmp_path)
     _fake_checkpoint(store, 2, tmp_path)

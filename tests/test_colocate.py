@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from engines.rollout_client import EngineClient
-from infra.runtime import get_runtime, shutdown_runtime
+from reflow.engines.rollout_client import EngineClient
+from reflow.infra.runtime import shutdown_runtime, start_runtime
 from tests.test_e2e import e2e_config
 
 pytestmark = pytest.mark.slow
@@ -29,11 +29,11 @@ def _assert_placed_together(rt) -> None:
 
 
 def _run(cfg):
-    from flows.train import train
+    from reflow.flows.train import train
 
     try:
         summary = train(cfg, release_cluster=False)
-        rt = get_runtime(cfg)
+        rt = start_runtime(cfg)
         infos = [EngineClient(u).server_info() for u in rt.engine_urls]
         _assert_placed_together(rt)
         return summary, infos
@@ -71,7 +71,7 @@ def test_disk_push_with_partial_release_tags(ray_cluster, prefect_server, tiny_p
 
 
 def test_colocation_bundles():
-    from infra.placement import bundles
+    from reflow.infra.placement import bundles
 
     # 2 ranks + PPO critic, 1 engine, GPUs: engine 0 shares bundle 0 with rank 0 and critic rank 0
     assert bundles(2, 1, gpu=True, critic=True) == [{"CPU": 3.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]

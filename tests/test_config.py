@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from infra.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config
+from reflow.infra.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -77,7 +77,7 @@ def test_malformed_files_and_overrides(tmp_path):
 
 
 def test_cli_reports_config_errors(capsys):
-    from flows.cli import main
+    from reflow.flows.cli import main
 
     with pytest.raises(SystemExit) as e:
         main(["config", "trainer.lr=abc"])

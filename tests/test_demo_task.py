@@ -7,10 +7,10 @@ import json
 import pandas as pd
 import pytest
 
-from rl.data import PromptSampler, load_prompt_rows, tokenize_prompts
-from rl.demo_policy import bootstrap, build_tokenizer
-from rl.demo_task import make_problems, reward
-from rl.rewards import RewardError, compute_rewards, load_reward_fn
+from reflow.rl.data import PromptSampler, load_prompt_rows, tokenize_prompts
+from reflow.rl.demo_policy import bootstrap, build_tokenizer
+from reflow.rl.demo_task import make_problems, reward
+from reflow.rl.rewards import RewardError, compute_rewards, load_reward_fn
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +44,15 @@ def test_reward_exact_match_only():
 
 # ---------------------------------------------------------------- reward functions
 def test_load_reward_fn_errors_name_the_field():
-    assert load_reward_fn("rl.demo_task:reward") is reward
+    assert load_reward_fn("reflow.rl.demo_task:reward") is reward
     with pytest.raises(ValueError, match=r"data\.reward_fn.*module 'no_such_mod' not found"):
         load_reward_fn("no_such_mod:f")
     with pytest.raises(ValueError, match=r"data\.reward_fn.*no attribute 'nope'"):
-        load_reward_fn("rl.demo_task:nope")
+        load_reward_fn("reflow.rl.demo_task:nope")
     with pytest.raises(ValueError, match=r"data\.reward_fn.*not a function"):
-        load_reward_fn("rl.data:_MAX_LISTED")
+        load_reward_fn("reflow.rl.data:_MAX_LISTED")
     with pytest.raises(ValueError, match=r"data\.reward_fn must look like"):
-        load_reward_fn("rl.demo_task.reward")
+        load_reward_fn("reflow.rl.demo_task.reward")
 
 
 def test_compute_rewards_sync():

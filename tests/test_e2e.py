@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from infra.config import load_config
+from reflow.infra.config import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -35,7 +35,7 @@ async def _flow_runs():
 
 
 def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    from flows.train import train
+    from reflow.flows.train import train
 
     cfg = e2e_config(tiny_policy, tmp_path)
     summary = train(cfg)
@@ -71,8 +71,8 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
 
 
 def test_missing_checkpoint_is_named(prefect_server, tmp_path):
-    from engines.hf_io import CheckpointError
-    from flows.train import train
+    from reflow.engines.hf_io import CheckpointError
+    from reflow.flows.train import train
 
     cfg = e2e_config(tmp_path / "no-such-policy", tmp_path, "experiment=e2e-missing")
     with pytest.raises(CheckpointError, match="no-such-policy.*does not exist"):
@@ -80,7 +80,7 @@ def test_missing_checkpoint_is_named(prefect_server, tmp_path):
 
 
 def test_raising_reward_function_is_named(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    from flows.train import train
+    from reflow.flows.train import train
 
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-badreward", "trainer.num_ranks=1",
                      "eval.before_train=false", "data.reward_fn=tests.reward_fixtures:raising_reward")
@@ -91,7 +91,7 @@ def test_raising_reward_function_is_named(ray_cluster, prefect_server, tiny_poli
 
 
 def test_debug_exit_after_stops_early(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    from flows.train import train
+    from reflow.flows.train import train
 
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-debug", "trainer.num_ranks=1",
                      "rollout.num_engines=1", "debug_exit_after=1", "eval.before_train=false")

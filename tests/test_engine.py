@@ -12,15 +12,14 @@ import httpx
 import pytest
 import torch
 
+from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.embedded.generator import Generator
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
+from reflow.engines.weights.buckets import BucketError, flatten, load_payload, serialize_bucket, unflatten
+from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
+from reflow.rl.demo_policy import build_model
 from tests.reference import greedy_reference
-
-from engines.embedded_engine import EmbeddedEngine
-from engines.generator import Generator
-from engines.hf_io import load_causal_lm, load_tokenizer
-from engines.rollout_client import EngineClient, EngineError, generate_batch
-from engines.tensor_bucket import BucketError, flatten, load_payload, serialize_bucket, unflatten
-from engines.weight_push import WeightSyncError, push_weights, verify_weights
-from rl.demo_policy import build_model
 
 PROMPTS = ["12+34=", "5+6=", "(3+4)*5=", "7*8=", "99-1=", "1+1=", "2*(3+4)=", "10+20+30="]
 
@@ -203,7 +202,7 @@ def test_malformed_generate_is_400_with_message(engine, body, message):
     ({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
 ])
 def test_own_checks_when_sglang_is_absent(engine, monkeypatch, body, message):
-    from engines import sglang_contract
+    from reflow.engines.sglang import contract as sglang_contract
 
     monkeypatch.setattr(sglang_contract, "load", lambda: None)  # as on a machine without the wheel
     r = httpx.post(engine.url() + "/generate", json=body)
@@ -296,7 +295,7 @@ def test_bucket_roundtrip_and_unsafe_pickle_refused():
         assert n == n2 and torch.equal(t, t2)
     for fmt, payload in (("flattened_bucket", serialize_bucket(named)), ("direct", None)):
         if payload is None:
-            from engines.tensor_bucket import serialize_named_tensors
+            from reflow.engines.weights.buckets import serialize_named_tensors
             payload = serialize_named_tensors(named)
         assert all(torch.equal(t, t2) for (_, t), (_, t2) in zip(named, load_payload(payload, fmt)))
     import base64
@@ -313,9 +312,9 @@ def test_bucket_sent_to_two_receivers_then_next_bucket(tmp_path):
     import subprocess
     import sys
 
-    from engines.tensor_bucket import release
+    from reflow.engines.weights.buckets import release
 
-    code = ("import sys; from engines.tensor_bucket import load_payload; "
+    code = ("import sys; from reflow.engines.weights.buckets import load_payload; "
             "print(float(load_payload(open(sys.argv[1]).read(), 'flattened_bucket')[0][1].sum()))")
     for k in range(3):
         payload = serialize_bucket([("a", torch.full((4096,), float(k + 1)))])
@@ -345,7 +344,7 @@ def test_payload_globals_are_on_sglangs_allow_list():
     import base64
     import io
 
-    from engines.tensor_bucket import _SafeUnpickler, serialize_named_tensors
+    from reflow.engines.weights.buckets import _SafeUnpickler, serialize_named_tensors
 
     seen = set()
 
@@ -385,7 +384,7 @@ def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
 
 
 def test_update_weights_from_disk_and_get_weights_by_name(fresh_engine, tok, tmp_path):
-    from rl.demo_policy import save_policy
+    from reflow.rl.demo_policy import save_policy
 
     c = EngineClient(fresh_engine.url())
     new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=5)
@@ -408,8 +407,8 @@ def test_push_between_two_ray_actors(ray_cluster, tiny_policy, tok):
 
     class Pusher:  # defined here so Ray ships it by value
         def push(self, url, named, version):
-            from engines.rollout_client import EngineClient as Client
-            from engines.weight_push import push_weights as push
+            from reflow.engines.rollout_client import EngineClient as Client
+            from reflow.engines.weights.push import push_weights as push
 
             return push([Client(url)], named, version, bucket_bytes=32 << 10, verify="full")
 

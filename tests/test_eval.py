@@ -10,9 +10,9 @@ import math
 import pandas as pd
 import pytest
 
-from infra.config import dump_config, load_config
-from rl.data import tokenize_prompts
-from rl.metrics import eval_summary, mean_pass_at_k, pass_at_k
+from reflow.infra.config import dump_config, load_config
+from reflow.rl.data import tokenize_prompts
+from reflow.rl.metrics import eval_summary, mean_pass_at_k, pass_at_k
 
 # ---------------------------------------------------------------- pass@k, by hand
 
@@ -72,8 +72,8 @@ def _sets_config(policy, *sets_and_overrides):
 
 
 def test_eval_sets_load_from_jsonl_and_parquet(tiny_policy, tmp_path):
-    from engines.hf_io import load_tokenizer
-    from infra.eval_sets import load_eval_sets
+    from reflow.engines.hf_io import load_tokenizer
+    from reflow.infra.eval_sets import load_eval_sets
 
     rows = [{"question": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 16)]
     _write_jsonl(tmp_path / "q.jsonl", rows)
@@ -90,7 +90,7 @@ def test_eval_sets_load_from_jsonl_and_parquet(tiny_policy, tmp_path):
     assert [p.text for p in hj.prompts] == [r["question"] for r in rows[:4]]
     assert [p.label for p in pq.prompts] == [r["answer"] for r in rows]
     assert pq.prompts[2].input_ids == tok("12+12=", add_special_tokens=True)["input_ids"]
-    assert (hj.n, hj.temperature, hj.top_k, hj.max_new_tokens, hj.reward_fn) == (1, 0.0, -1, 5, "rl.demo_task:reward")
+    assert (hj.n, hj.temperature, hj.top_k, hj.max_new_tokens, hj.reward_fn) == (1, 0.0, -1, 5, "reflow.rl.demo_task:reward")
     assert (pq.n, pq.temperature, pq.ks, pq.reward_fn) == (3, 1.0, [1, 3], "tests.ckpt_fixtures:digit_reward")
     assert len(held.prompts) == 2 and held.n == cfg.rollout.n_samples_per_prompt
     assert len({hj.seed, pq.seed, held.seed}) == 3  # each set samples from a stream of its own
@@ -104,8 +104,8 @@ def test_eval_sets_load_from_jsonl_and_parquet(tiny_policy, tmp_path):
     ([{"text": "1+1="}], r"no column 'prompt' \(eval\.sets\.0\.prompt_key\)"),
 ])
 def test_malformed_eval_rows_are_named(tiny_policy, tmp_path, lines, match):
-    from engines.hf_io import load_tokenizer
-    from infra.eval_sets import load_eval_sets
+    from reflow.engines.hf_io import load_tokenizer
+    from reflow.infra.eval_sets import load_eval_sets
 
     path = _write_jsonl(tmp_path / "bad.jsonl", lines)
     cfg = _sets_config(tiny_policy, "eval.sets=[{name: bad, source: " + str(path) + "}]")
@@ -114,8 +114,8 @@ def test_malformed_eval_rows_are_named(tiny_policy, tmp_path, lines, match):
 
 
 def test_bad_eval_reward_fn_is_named(tiny_policy):
-    from engines.hf_io import load_tokenizer
-    from infra.eval_sets import load_eval_sets
+    from reflow.engines.hf_io import load_tokenizer
+    from reflow.infra.eval_sets import load_eval_sets
 
     cfg = _sets_config(tiny_policy, "eval.sets=[{name: h, reward_fn: 'no_such_module:fn'}]")
     with pytest.raises(ValueError, match=r"eval\.sets\.0\.reward_fn \(h\).*no_such_module"):
@@ -133,7 +133,7 @@ SETS = ("eval.sets=[{name: heldout, temperature: 0},"
 @pytest.fixture(scope="module")
 def nonblocking_run(ray_cluster, prefect_server, tiny_policy, tmp_path_factory):
     """3 iterations with eval.blocking=false, an eval after every iteration, a checkpoint after each."""
-    from flows.train import train
+    from reflow.flows.train import train
 
     tmp = tmp_path_factory.mktemp("evalrun")
     _write_jsonl(tmp / "sampled.jsonl", [{"prompt": f"{a}+{b}=", "label": str(a + b)} for a, b in
@@ -202,9 +202,9 @@ def _assert_same_eval(base, in_training: str, eval_only: str, summary_in: dict, 
 
 @pytest.mark.slow
 def test_eval_only_reproduces_in_training_eval(nonblocking_run, tmp_path, capsys):
-    from flows.cli import main
-    from flows.evaluate import evaluate
-    from infra import checkpoint as ckpt
+    from reflow.flows.cli import main
+    from reflow.flows.evaluate import evaluate
+    from reflow.infra import checkpoint as ckpt
 
     cfg, summary, base, overrides = nonblocking_run
     before = (base / "iterations" / "000002" / "eval" / "heldout" / "summary.json").read_text()
@@ -226,8 +226,8 @@ def test_eval_only_reproduces_in_training_eval(nonblocking_run, tmp_path, capsys
 
 @pytest.mark.slow
 def test_eval_only_without_checkpoint_is_refused(prefect_server, tiny_policy, tmp_path):
-    from flows.evaluate import evaluate
-    from infra.checkpoint import CheckpointInvalid
+    from reflow.flows.evaluate import evaluate
+    from reflow.infra.checkpoint import CheckpointInvalid
 
     cfg = load_config(None, ["experiment=eval-none", f"model.path={tiny_policy}", f"storage.root=file://{tmp_path}"])
     with pytest.raises(CheckpointInvalid, match="no valid committed checkpoint"):
@@ -240,14 +240,14 @@ def test_weight_push_waits_for_eval_generation(ray_cluster, prefect_server, tiny
     generates with the weights it was launched on (the push waits for its generation)."""
     import ray
 
-    from infra.runtime import get_runtime, shutdown_runtime
-    from tasks.evaluate import launch
-    from tasks.train import push_weights
+    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.tasks.evaluate import launch
+    from reflow.tasks.train import push_weights
 
     cfg = load_config(None, ["experiment=eval-gate", f"model.path={tiny_policy}", "data.num_eval=64",
                              "rollout.max_new_tokens=16", "eval.sets=[{name: heldout, temperature: 0}]",
                              "trainer.num_ranks=1", f"storage.root=file://{tmp_path}"])
-    rt = get_runtime(cfg)
+    rt = start_runtime(cfg)
     try:
         def run(version, out):
             if out == "raced":

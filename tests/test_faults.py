@@ -4,9 +4,9 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from engines.rollout_client import EngineError
-from infra.storage import StorageError
-from tasks.faults import is_transient_fault
+from reflow.engines.rollout_client import EngineError
+from reflow.infra.storage import StorageError
+from reflow.tasks.faults import is_transient_fault
 
 
 @pytest.mark.parametrize("exc,transient", [

@@ -6,7 +6,7 @@ import socket
 import pytest
 import torch
 
-from engines.hf_io import CheckpointError, load_causal_lm, load_tokenizer, resolve_checkpoint
+from reflow.engines.hf_io import CheckpointError, load_causal_lm, load_tokenizer, resolve_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def test_load_from_s3_url_matches_local(tiny_policy, s3_endpoint, tmp_path, monk
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     monkeypatch.setenv("REFLOW_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr("engines.hf_io.CACHE_DIR", tmp_path / "cache")
+    monkeypatch.setattr("reflow.engines.hf_io.CACHE_DIR", tmp_path / "cache")
     fs = s3fs.S3FileSystem()
     fs.mkdir("ckpts")
     fs.put(str(tiny_policy) + "/", "ckpts/policy/", recursive=True)

@@ -1,4 +1,6 @@
-"""Layering: pure math stays pure, and imports point down only (flows > tasks > infra > engines > rl)."""
+"""Layering: pure math stays pure, and imports point down only (flows > tasks > infra > engines > rl),
+across every module of every layer, subpackages included."""
+
 import ast
 from pathlib import Path
 
@@ -10,24 +12,52 @@ HEAVY = {"ray", "prefect", "deepspeed"}
 
 
 def _imports(path: Path) -> set[str]:
+    """Top-level names imported by `path`; `reflow.<layer>...` counts as `<layer>`."""
     mods = set()
     for node in ast.walk(ast.parse(path.read_text())):
+        names = []
         if isinstance(node, ast.Import):
-            mods |= {a.name.split(".")[0] for a in node.names}
+            names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            mods.add(node.module.split(".")[0])
+            names = [node.module]
+        for name in names:
+            parts = name.split(".")
+            mods.add(parts[1] if parts[0] == "reflow" and len(parts) > 1 else parts[0])
     return mods
+
+
+def _modules(layer: str) -> list[Path]:
+    files = sorted((ROOT / layer).rglob("*.py"))
+    assert files, f"no modules under {layer}/"
+    return files
 
 
 @pytest.mark.parametrize("layer", ORDER)
 def test_imports_point_down(layer):
     above = set(ORDER[: ORDER.index(layer)])
-    for f in (ROOT / layer).glob("*.py"):
+    for f in _modules(layer):
         bad = _imports(f) & above
         assert not bad, f"{f.relative_to(ROOT)} imports from a higher layer: {sorted(bad)}"
 
 
 def test_rl_imports_no_ray_prefect_deepspeed():
-    for f in (ROOT / "rl").glob("*.py"):
+    for f in _modules("rl"):
         bad = _imports(f) & HEAVY
         assert not bad, f"{f.relative_to(ROOT)} imports {sorted(bad)}: rl/ must stay pure"
+
+
+def test_imports_use_the_reflow_namespace():
+    """Installed, the layers exist only as reflow.<layer>: a bare `import engines...` works from a
+    checkout and breaks in a wheel."""
+    files = [f for layer in ORDER for f in _modules(layer)]
+    for f in [*files, *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "bench").glob("*.py"))]:
+        for node in ast.walk(ast.parse(f.read_text())):
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+                else []
+            )
+            bare = [n for n in names if n.split(".")[0] in ORDER]
+            assert not bare, f"{f.relative_to(ROOT)} imports {bare}: use reflow.{bare[0]}"

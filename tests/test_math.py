@@ -9,10 +9,17 @@ import math
 import torch
 from torch.testing import assert_close
 
-from rl.algorithms.grpo import grpo_advantages
-from rl.losses import (aggregate, entropy_from_logits, kl_estimate, masked_mean, policy_loss,
-                       policy_loss_tokens, token_logprobs)
-from rl.types import RolloutBatch, to_train_tensors
+from reflow.rl.algorithms.grpo import grpo_advantages
+from reflow.rl.losses import (
+    aggregate,
+    entropy_from_logits,
+    kl_estimate,
+    masked_mean,
+    policy_loss,
+    policy_loss_tokens,
+    token_logprobs,
+)
+from reflow.rl.types import RolloutBatch, to_train_tensors
 
 T = torch.tensor
 

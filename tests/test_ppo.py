@@ -1,4 +1,4 @@
-"""PPO's critic (engines/critic.py) on a real local Ray cluster with real DeepSpeed ranks (CPU, gloo).
+"""PPO's critic (engines/train/critic.py) on a real local Ray cluster with real DeepSpeed ranks (CPU, gloo).
 
 Numbers are checked against a plain single-process forward of the same value model with the
 critic's own weights: values per response token (alignment), the clipped value loss and its
@@ -15,9 +15,9 @@ import pytest
 import ray
 import torch
 
-from engines.critic import CriticGroup, attach_values, gae_batch, load_value_model
-from engines.hf_io import load_tokenizer
-from rl.types import to_train_tensors
+from reflow.engines.hf_io import load_tokenizer
+from reflow.engines.train.critic import CriticGroup, attach_values, gae_batch, load_value_model
+from reflow.rl.types import to_train_tensors
 from tests.test_trainer import RANK_KW, _batch
 
 pytestmark = pytest.mark.slow
@@ -168,12 +168,12 @@ def test_clipped_value_loss_and_grad_norm_match_hand_values(critic, tiny_policy,
 
 
 def test_checkpoint_restores_the_critic_bit_for_bit(ray_cluster, critic, tiny_policy, pad, tmp_path):
-    """Policy + critic saved by tasks.checkpoint.save into one manifest; fresh groups load it: the
+    """Policy + critic saved by reflow.tasks.checkpoint.save into one manifest; fresh groups load it: the
     critic's weights are identical, and so is its next update (Adam moments restored too)."""
-    from engines.trainer_group import TrainerGroup
-    from infra import checkpoint as ckpt
-    from infra.storage import ExperimentStore
-    from tasks.checkpoint import load_first_valid, save
+    from reflow.engines.train.group import TrainerGroup
+    from reflow.infra import checkpoint as ckpt
+    from reflow.infra.storage import ExperimentStore
+    from reflow.tasks.checkpoint import load_first_valid, save
 
     store = ExperimentStore.open(f"file://{tmp_path}/runs", "ppo")
     policy_kw = RANK_KW | dict(model_path=str(tiny_policy), zero_stage=0)
@@ -211,7 +211,7 @@ def test_checkpoint_restores_the_critic_bit_for_bit(ray_cluster, critic, tiny_po
 def test_resumed_ppo_run_equals_the_uninterrupted_one(ray_cluster, prefect_server, tiny_policy, tmp_path):
     """2 iterations, then a resume to 3, gives the critic (and policy) of a straight 3-iteration run
     bit for bit: the train flow saves the critic with the policy and restores it exactly."""
-    from flows.train import train
+    from reflow.flows.train import train
     from tests.test_algorithms_e2e import CASES, _config
 
     def run(name, n):  # experiment algo-<name>
@@ -230,8 +230,8 @@ def test_resumed_ppo_run_equals_the_uninterrupted_one(ray_cluster, prefect_serve
 def test_colocated_ppo_hands_the_critic_over_too(ray_cluster, prefect_server, tiny_policy, tmp_path):
     """cluster.colocate: the critic offloads with the policy before rollout and reloads before its
     values pass, every iteration (state-checked no-ops on CPU, so a missed or doubled move raises)."""
-    from flows.train import train
-    from infra.runtime import get_runtime, shutdown_runtime
+    from reflow.flows.train import train
+    from reflow.infra.runtime import get_runtime, shutdown_runtime
     from tests.test_algorithms_e2e import CASES, _config
 
     cfg = _config(tiny_policy, tmp_path, "ppo-colocate", CASES["ppo"] + ["num_iterations=2", "cluster.colocate=true"])

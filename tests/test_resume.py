@@ -14,10 +14,17 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from infra import checkpoint as ckpt
-from infra.storage import ExperimentStore
-from tests.ckpt_fixtures import (LoopbackS3, assert_bit_identical, final_weights, iteration_rewards, reap, run_train,
-                                 write_config)
+from reflow.infra import checkpoint as ckpt
+from reflow.infra.storage import ExperimentStore
+from tests.ckpt_fixtures import (
+    LoopbackS3,
+    assert_bit_identical,
+    final_weights,
+    iteration_rewards,
+    reap,
+    run_train,
+    write_config,
+)
 
 pytestmark = pytest.mark.slow
 N = 6

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from infra.config import load_config
-from infra.promotion import decide
+from reflow.infra.config import load_config
+from reflow.infra.promotion import decide
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,7 @@ def _canary(path, score: float):
 
 
 def test_retrain_gate_and_ledger(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    from flows.retrain import retrain
+    from reflow.flows.retrain import retrain
 
     data, canary, heldout = tmp_path / "incoming", tmp_path / "canary.jsonl", tmp_path / "heldout.jsonl"
     data.mkdir()

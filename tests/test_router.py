@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from engines.embedded_engine import EmbeddedEngine
-from engines.rollout_client import EngineClient, EngineError, generate_batch
-from engines.router import Router
+from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
+from reflow.engines.sglang.router import Router
 
 
 @pytest.fixture()
@@ -97,16 +97,16 @@ def test_iteration_completes_when_an_engine_dies_mid_rollout(ray_cluster, prefec
     and the push that follows recreates the lost engine and gives it the new weights."""
     import ray
 
-    from flows.iteration import iteration
-    from infra.config import load_config
-    from infra.runtime import get_runtime, shutdown_runtime
+    from reflow.flows.iteration import iteration
+    from reflow.infra.config import load_config
+    from reflow.infra.runtime import shutdown_runtime, start_runtime
 
     cfg = load_config(None, [
         "experiment=router-kill", f"model.path={tiny_policy}", "num_iterations=1", "data.num_train=64",
         "data.num_eval=4", "rollout.num_engines=2", "rollout.router=true", "rollout.prompts_per_iteration=32",
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=48", "trainer.micro_batch_size=32",
         "weight_sync.verify=full", f"storage.root=file://{tmp_path}/runs"])
-    rt = get_runtime(cfg)
+    rt = start_runtime(cfg)
     try:
         victim, victim_url = rt.engines[0], rt.engine_urls[0]
         killed = threading.Event()

@@ -11,10 +11,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from engines import sglang_contract
-from engines.embedded_engine import EmbeddedEngine
-from engines.generate_contract import NO_INPUT
-from engines.rollout_client import EngineClient
+from reflow.engines.embedded.contract import NO_INPUT
+from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.rollout_client import EngineClient
+from reflow.engines.sglang import contract as sglang_contract
 
 CONTRACT = sglang_contract.load()
 pytestmark = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not installed (make setup installs it)")
@@ -57,7 +57,7 @@ def test_schema_violations_get_sglangs_gate_text(engine, body):
 @pytest.mark.parametrize("sp", [{"top_p": 0.0}, {"top_p": 1.5}, {"temperature": -1.0}, {"min_p": 2.0},
                                 {"top_k": 0}, {"min_new_tokens": 9, "max_new_tokens": 4}])
 def test_range_violations_get_sglangs_verify_text(engine, tiny_policy, sp):
-    from engines.hf_io import load_tokenizer
+    from reflow.engines.hf_io import load_tokenizer
 
     with pytest.raises(ValueError) as e:  # what SGLang's tokenizer manager would raise
         CONTRACT.sampling_params(sp, load_tokenizer(str(tiny_policy)), 10_000)
@@ -87,7 +87,7 @@ def test_every_response_validates_against_sglangs_response_type(engine, body):
 
 
 def test_a_response_breaking_the_schema_is_a_500(engine, monkeypatch):
-    import engines.engine_server as server
+    import reflow.engines.embedded.server as server
 
     real = server.make_response
     monkeypatch.setattr(server, "make_response", lambda *a: {**real(*a), "output_ids": ["x"]})
@@ -96,7 +96,7 @@ def test_a_response_breaking_the_schema_is_a_500(engine, monkeypatch):
 
 
 def test_client_sees_sglangs_message(engine):
-    from engines.rollout_client import EngineError
+    from reflow.engines.rollout_client import EngineError
 
     with pytest.raises(EngineError, match="unknown field `foo`"):
         EngineClient(engine.url()).generate(input_ids=[5], sampling_params={"foo": 1})

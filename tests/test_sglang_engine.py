@@ -18,9 +18,18 @@ from pathlib import Path
 
 import pytest
 
-from engines import sglang_contract
-from engines.sglang_engine import (INSTALL_HINT, SERVER_ARG_TYPES, EngineStartError, SGLangEngine, SGLangUnavailable,
-                                   allocate_ports, command_line, require_sglang, server_args)
+from reflow.engines.sglang import contract as sglang_contract
+from reflow.engines.sglang.launcher import (
+    INSTALL_HINT,
+    SERVER_ARG_TYPES,
+    EngineStartError,
+    SGLangEngine,
+    SGLangUnavailable,
+    allocate_ports,
+    command_line,
+    require_sglang,
+    server_args,
+)
 
 CONTRACT = sglang_contract.load()
 needs_wheel = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not installed")
@@ -58,7 +67,6 @@ def test_field_table_matches_the_wheel():
 def _sglang_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     """SGLang's own CLI builder over every field group that imports on this machine."""
     import msgspec
-
     from sglang.srt.arg_groups.arg_utils import add_cli_args_from_dataclass
 
     parser, covered = argparse.ArgumentParser(exit_on_error=False), set()

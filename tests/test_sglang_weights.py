@@ -8,15 +8,14 @@ from __future__ import annotations
 import pytest
 import torch
 
+from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.sglang import contract as sglang_contract
+from reflow.engines.weights.buckets import serialize_bucket
+from reflow.engines.weights.group import bucket_order, pack
+from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
+from reflow.rl.demo_policy import build_model, save_policy
 from tests.reference import greedy_reference
-
-from engines import sglang_contract
-from engines.embedded_engine import EmbeddedEngine
-from engines.rollout_client import EngineClient, EngineError
-from engines.tensor_bucket import serialize_bucket
-from engines.weight_group import bucket_order, pack
-from engines.weight_push import WeightSyncError, push_weights, verify_weights
-from rl.demo_policy import build_model, save_policy
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +43,7 @@ def _new_named(tok, seed):
 
 @pytest.fixture(scope="module")
 def tok(tiny_policy):
-    from engines.hf_io import load_tokenizer
+    from reflow.engines.hf_io import load_tokenizer
 
     return load_tokenizer(str(tiny_policy))
 
@@ -136,7 +135,7 @@ def test_verify_atol_for_quantised_engines(clients, tok):
 
 
 def test_trainer_group_meets_sglangs_own_group_construction():
-    """Rank 0 built by engines.weight_group joins a group built the way SGLang's
+    """Rank 0 built by reflow.engines.weights.group joins a group built the way SGLang's
     init_custom_process_group builds it (torch's tcp rendezvous + PrefixStore(group_name) + the
     process-group helper); that function itself needs triton to import, so its steps run here."""
     import datetime
@@ -146,7 +145,7 @@ def test_trainer_group_meets_sglangs_own_group_construction():
 
     from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world, rendezvous
 
-    from engines.weight_group import broadcast, open_group
+    from reflow.engines.weights.group import broadcast, open_group
 
     root = sglang_contract.installed_root()
     if root is None:
@@ -183,7 +182,7 @@ def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    from engines.weight_push import publish_folder
+    from reflow.engines.weights.push import publish_folder
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -194,7 +193,7 @@ def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
         for k, v in {"AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "test",
                      "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
             monkeypatch.setenv(k, v)
-        monkeypatch.setattr("engines.hf_io.CACHE_DIR", tmp_path / "cache")
+        monkeypatch.setattr("reflow.engines.hf_io.CACHE_DIR", tmp_path / "cache")
         s3fs.S3FileSystem.clear_instance_cache()  # an earlier test's cached client may name another endpoint
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pushes")
         model, named = _new_named(tok, 14)

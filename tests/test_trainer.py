@@ -13,11 +13,11 @@ import pytest
 import ray
 import torch
 
-from engines.hf_io import load_causal_lm, load_tokenizer
-from engines.trainer import ds_config, lr_multiplier
-from engines.trainer_group import TrainerGroup
-from rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, token_logprobs
-from rl.types import RolloutBatch, to_train_tensors
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.train.group import TrainerGroup
+from reflow.engines.train.trainer import ds_config, lr_multiplier
+from reflow.rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, token_logprobs
+from reflow.rl.types import RolloutBatch, to_train_tensors
 
 pytestmark = pytest.mark.slow
 
@@ -156,8 +156,8 @@ def test_save_hf_loads_with_transformers(zero3, tiny_policy, tmp_path):
 
 def test_fill_weights_then_push_to_an_engine(zero3, tiny_policy):
     """ZeRO-3 gathered weights reach an embedded engine; a known constant proves they are the trainer's."""
-    from engines.embedded_engine import EmbeddedEngine
-    from engines.rollout_client import EngineClient
+    from reflow.engines.embedded.engine import EmbeddedEngine
+    from reflow.engines.rollout_client import EngineClient
 
     engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "trainer-test-engine")
     try:

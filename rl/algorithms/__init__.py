@@ -4,22 +4,22 @@
 that works from sequence rewards returns one value per sample [N]. Token-level estimators run
 where their inputs live: REINFORCE++ with KL in the reward needs reference logprobs, so the
 trainer finishes it (`reinforce_pp.kl_shaped_returns`); GAE (`gae.py`, algorithm.type=ppo) needs the
-critic's values, so `engines.critic.gae_batch` runs it after the critic's pass.
+critic's values, so `reflow.engines.train.critic.gae_batch` runs it after the critic's pass.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from torch import Tensor
 
-from rl.algorithms.grpo import grpo_advantages
-from rl.algorithms.reinforce_pp import reinforce_pp_advantages, reinforce_pp_scores
-from rl.algorithms.rloo import rloo_advantages
+from reflow.rl.algorithms.grpo import grpo_advantages
+from reflow.rl.algorithms.reinforce_pp import reinforce_pp_advantages, reinforce_pp_scores
+from reflow.rl.algorithms.rloo import rloo_advantages
 
 AlgorithmType = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"]
 KL_IN_REWARD_TYPES = ("reinforce_pp", "reinforce_pp_baseline")
 PPO_IS_TOKEN_LEVEL = ("algorithm.type=ppo is token-level: GAE over the critic's values "
-                      "(engines.critic.gae_batch after the critic's pass), not a sequence-level estimator")
+                      "(reflow.engines.train.critic.gae_batch after the critic's pass), not a sequence-level estimator")
 
 
 def sequence_advantages(kind: str, rewards: Tensor, group_index: Tensor, lengths: Tensor, *,
@@ -40,4 +40,4 @@ def sequence_advantages(kind: str, rewards: Tensor, group_index: Tensor, lengths
         return reinforce_pp_advantages(rewards, group_index, lengths, baseline)
     if kind == "ppo":
         raise ValueError(PPO_IS_TOKEN_LEVEL)
-    raise ValueError(f"unknown algorithm.type {kind!r}; expected one of {AlgorithmType.__args__}")
+    raise ValueError(f"unknown algorithm.type {kind!r}; expected one of {get_args(AlgorithmType)}")

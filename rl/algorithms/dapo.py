@@ -11,7 +11,7 @@ stays fixed; their advantages are 0, so they only dilute a token-mean normaliser
 """
 from __future__ import annotations
 
-from rl.types import RolloutBatch
+from reflow.rl.types import RolloutBatch
 
 
 def overlong_penalty(length: int, max_len: int, buffer: int, factor: float) -> float:

@@ -9,7 +9,7 @@ Masks: positions where mask == 0 (prompt, padding, or holes) are skipped — the
 from one response token to the next response token — and get advantage and return 0. verl's loop
 instead runs over every position of the right-padded response; the two agree when the response
 tokens are contiguous and followed only by padding. Pure torch; the critic that produces `values`
-and trains on `value_loss_tokens` is engines/critic.py (see docs/ALGORITHMS.md).
+and trains on `value_loss_tokens` is engines/train/critic.py (see docs/ALGORITHMS.md).
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rl.algorithms.grpo import group_stats, out_dtype
+from reflow.rl.algorithms.grpo import group_stats, out_dtype
 
 WHITEN_EPS = 1e-8
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rl.algorithms.grpo import group_stats, out_dtype
+from reflow.rl.algorithms.grpo import group_stats, out_dtype
 
 
 def rloo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:

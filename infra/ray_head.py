@@ -3,7 +3,7 @@
 `up` starts `ray start --head --block` in its own process session (loopback, no dashboard, no usage
 stats, its own temp dir) and records where it is in a state file; flows attach through
 `RAY_ADDRESS`. Ray 2.60 enables token auth, so clients also need `RAY_AUTH_MODE=token` (the token
-sits in ~/.ray/auth_token); `infra.ray_cluster.connect` sets it when it attaches by address.
+sits in ~/.ray/auth_token); `reflow.infra.ray_connect.connect` sets it when it attaches by address.
 `down` releases reflow's actors and ends *that* head by PID: `ray stop` would kill every Ray
 process on the machine, including other people's clusters.
 """
@@ -152,7 +152,7 @@ def experiment_actors(prefix: str = "reflow-") -> dict[str, list[str]]:
 def _describe(namespace: str, name: str) -> dict[str, object]:
     import ray
 
-    from infra.actors import actor_id
+    from reflow.infra.actors import actor_id
 
     h = ray.get_actor(name, namespace=namespace)
     row: dict[str, object] = {"namespace": namespace, "actor": name, "id": actor_id(h)}
@@ -180,7 +180,7 @@ def status(path: str | Path | None = None) -> dict[str, object]:
 def release_experiments(path: str | Path | None = None, experiment: str | None = None,
                         prefix: str = "reflow") -> list[str]:
     """Kill the actors of one experiment (or of all) on the recorded head; returns what was killed."""
-    from infra.actors import release
+    from reflow.infra.actors import release
 
     info = read_head(path)
     if info is None:

@@ -26,7 +26,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from engines.http_serve import ThreadedServer, advertised_url
+from reflow.engines.http_serve import ThreadedServer, advertised_url
 
 
 class NoWorkerError(RuntimeError):

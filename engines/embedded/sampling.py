@@ -1,7 +1,7 @@
 """Sampling parameters and the pure sampling math of the embedded engine (SGLang 0.5.23 semantics).
 
 logprob of a token = log_softmax(logits / temperature) taken BEFORE top-p/top-k/min-p filtering;
-greedy (temperature < 1e-6) reports plain log_softmax(logits). See engines.generator.
+greedy (temperature < 1e-6) reports plain log_softmax(logits). See reflow.engines.embedded.generator.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ class SamplingConfig:
     sampling_seed: int | None = None
 
     @classmethod
-    def from_dict(cls, d: dict | None) -> "SamplingConfig":
+    def from_dict(cls, d: dict | None) -> SamplingConfig:
         """Build from an SGLang sampling_params dict (`n` and None values are skipped)."""
         kw = {k: v for k, v in (d or {}).items() if v is not None and k != "n"}
         if isinstance(kw.get("stop"), str):

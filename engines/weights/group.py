@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engines import sglang_contract
+from reflow.engines.sglang import contract as sglang_contract
 
 GROUP_TIMEOUT_S = 300.0
 

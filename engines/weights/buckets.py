@@ -102,7 +102,7 @@ def _shared_uint8(nbytes: int) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,))
 
 
-def release(payload: "Payload") -> None:
+def release(payload: Payload) -> None:
     """Every call that carried `payload` has returned: drop its shared buffers now."""
     payload.buffers = []
 
@@ -192,7 +192,7 @@ def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> Pa
 
 def _sglang_meta_class():
     """SGLang's own metadata class when sglang is installed (so its bucket code reads it), else ours."""
-    from engines import sglang_contract
+    from reflow.engines.sglang import contract as sglang_contract
 
     contract = sglang_contract.load()
     return contract.FlattenedTensorMetadata if contract is not None else FlattenedTensorMetadata
@@ -201,7 +201,7 @@ def _sglang_meta_class():
 def rebuild_bucket(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
     """Named tensors of a flattened bucket, rebuilt by SGLang's own FlattenedTensorBucket when
     installed (bounds are checked here first: SGLang trusts its sender), else by `unflatten`."""
-    from engines import sglang_contract
+    from reflow.engines.sglang import contract as sglang_contract
 
     views = unflatten(flat, metadata)  # validates dtype, layout and bounds
     contract = sglang_contract.load()
@@ -243,7 +243,7 @@ def _allowed_globals() -> dict[tuple[str, str], object]:
 _HINTS = {
     "rebuild_storage_fd": "the sender shared memory by file descriptor, which only works between a parent "
                           "and its children: call torch.multiprocessing.set_sharing_strategy('file_system') "
-                          "before sharing (engines.tensor_bucket.serialize_bucket does)",
+                          "before sharing (reflow.engines.weights.buckets.serialize_bucket does)",
     "rebuild_cuda_tensor": "the payload holds CUDA IPC handles but this engine runs on CPU",
 }
 

@@ -3,8 +3,8 @@
 Each rank loads the HF policy, joins a torch.distributed group (gloo on CPU, nccl on GPU) and wraps
 the model in a DeepSpeed engine with a client torch AdamW (no cpu_adam JIT build) and a LambdaLR
 warm-up/decay schedule that this class steps itself, only after an *applied* update. That plumbing
-(process group, engine, step veto, weights, offload, checkpoints) is `engines.ds_rank.DeepSpeedRank`,
-shared with the PPO critic (`engines.critic`).
+(process group, engine, step veto, weights, offload, checkpoints) is `reflow.engines.train.ds_rank.DeepSpeedRank`,
+shared with the PPO critic (`reflow.engines.train.critic`).
 
 Sharding: the global batch is cut into `minibatches` contiguous slices (one optimizer step each);
 rank r keeps samples r, r+W, r+2W, ... (strided), so mini-batch k of every rank's shard together is
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from engines.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
-from engines.hf_io import load_causal_lm, load_tokenizer
-from rl.algorithms.reinforce_pp import kl_shaped_returns, moments, whiten_from_moments
-from rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, tis_weights, token_logprobs
-from rl.types import RolloutBatch, to_train_tensors
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
+from reflow.rl.algorithms.reinforce_pp import kl_shaped_returns, moments, whiten_from_moments
+from reflow.rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, tis_weights, token_logprobs
+from reflow.rl.types import RolloutBatch, to_train_tensors
 
 # Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
 _SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tokens",
@@ -61,7 +61,7 @@ def _units(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
 
 class TrainerRank(DeepSpeedRank):
     """One policy rank (PPO-clip updates, weight pushes). Collective methods must be called on every
-    rank together; the DeepSpeed plumbing shared with the critic is in `engines.ds_rank`."""
+    rank together; the DeepSpeed plumbing shared with the critic is in `reflow.engines.train.ds_rank`."""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
                  zero_stage: int, precision: str, lr: float, lr_schedule: str, warmup_steps: int,
@@ -92,7 +92,7 @@ class TrainerRank(DeepSpeedRank):
                         loss_norm_len: int | None = None, kl_in_reward: float = 0.0) -> dict[str, float]:
         """Recompute old (and ref) logprobs, then one optimizer step per mini-batch. Collective.
 
-        Loss options are those of `rl.losses.policy_loss`; `kl_in_reward` > 0 turns the batch's
+        Loss options are those of `reflow.rl.losses.policy_loss`; `kl_in_reward` > 0 turns the batch's
         per-sequence scores into token-level REINFORCE++ advantages first (`_kl_reward_advantages`).
         """
         t0 = time.perf_counter()
@@ -239,15 +239,15 @@ class TrainerRank(DeepSpeedRank):
     def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str, verify_sample: int,
                      mode: str = "tensor", verify_atol: float = 0.0, disk_dir: str | None = None,
                      backend: str = "gloo", verify_rows: int | None = None) -> dict:
-        """Every rank gathers; rank 0 pushes to the engines at `urls` (engines.weight_push, `mode`
+        """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, `mode`
         tensor|distributed|disk) and returns the report. Collective."""
         named = self._gathered(keep=self.rank == 0)
         if self.rank != 0:
             return {}
         import ray
 
-        from engines.rollout_client import EngineClient
-        from engines.weight_push import publish_folder, push_weights
+        from reflow.engines.rollout_client import EngineClient
+        from reflow.engines.weights.push import publish_folder, push_weights
 
         path = None
         if mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved

@@ -11,7 +11,7 @@ checks every file against the manifest's sha256 (not collective, may fail per ra
 calls `engine.load_checkpoint` (collective) on every rank.
 
 `store` is duck-typed (`put_file(local, rel) -> {"sha256", "bytes"}`, `get_file(rel, local,
-sha256)`): infra.storage.ExperimentStore, passed in by the caller so engines/ imports no infra/.
+sha256)`): reflow.infra.storage.ExperimentStore, passed in by the caller so engines/ imports no infra/.
 Every rank downloads all of `optim/`: DeepSpeed's ZeRO-1/2 load reads every rank's partition file.
 """
 from __future__ import annotations

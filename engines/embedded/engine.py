@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from engines.engine_server import build_app
-from engines.generator import Generator
-from engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
-from engines.http_serve import ThreadedServer
-from engines.rollout_client import poll_health
+from reflow.engines.embedded.generator import Generator
+from reflow.engines.embedded.server import build_app
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
+from reflow.engines.http_serve import ThreadedServer
+from reflow.engines.rollout_client import poll_health
 
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this engine serves
 

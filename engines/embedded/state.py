@@ -16,7 +16,7 @@ from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from engines.generator import Generator, SamplingConfig
+from reflow.engines.embedded.generator import Generator, SamplingConfig
 
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
@@ -47,7 +47,7 @@ class EngineState:
         self.paused_mode: str | None = None  # None = not paused
         self.aborted: dict[str, str] = {}  # rid -> abort message, for running jobs
         self.session_open = False
-        self.groups: dict = {}  # group_name -> weight-update process group (engines.weight_group)
+        self.groups: dict = {}  # group_name -> weight-update process group (reflow.engines.weights.group)
         self.writers = 0  # weight writes in progress
         self.released: set[str] = set()
         self.memory_events: list[tuple[str, list[str]]] = []

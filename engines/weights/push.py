@@ -26,16 +26,16 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from engines import weight_group
-from engines.rollout_client import EngineClient, EngineError
-from engines.tensor_bucket import release, serialize_bucket
+from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.weights import group as weight_group
+from reflow.engines.weights.buckets import release, serialize_bucket
 
 log = logging.getLogger(__name__)
 _FLUSH_RETRIES = 20
@@ -183,7 +183,7 @@ def _send_disk(clients: list[EngineClient], model_path: str, version: str) -> in
 def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str) -> str:
     """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/v<version>`; returns what
     engines load. A storage URL (s3://...) gets the folder uploaded; a fresh name per version also
-    keeps URL-keyed engine caches (engines.hf_io) from serving stale weights. Earlier local versions
+    keeps URL-keyed engine caches (reflow.engines.hf_io) from serving stale weights. Earlier local versions
     are removed, so one folder's worth of disk is used."""
     root = disk_dir or str(Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}")
     name = f"v{version}"

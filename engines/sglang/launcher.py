@@ -24,8 +24,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from engines.http_serve import advertised_url, node_ip
-from engines.rollout_client import poll_health
+from reflow.engines.http_serve import advertised_url, node_ip
+from reflow.engines.rollout_client import poll_health
 
 INSTALL_HINT = ("rollout.backend=sglang needs SGLang on the engine nodes: pip install 'reflow[sglang]' "
                 "(sglang==0.5.23 with its CUDA dependencies; see https://docs.sglang.ai/get_started/install.html)")

@@ -5,21 +5,21 @@ default the policy's own checkpoint) plus a scalar head `nn.Linear(hidden, 1)` o
 state, giving one value per position. The LM head is left out on purpose: it would be a parameter
 without gradient inside the ZeRO-partitioned optimizer.
 
-Alignment. Train tensors are shifted (`rl.types.to_train_tensors`): position t of a [B, T-1]
+Alignment. Train tensors are shifted (`reflow.rl.types.to_train_tensors`): position t of a [B, T-1]
 tensor scores token t+1 of `input_ids`. The critic's value at position t is head(h_t), h_t the last
 hidden state after reading tokens 0..t: V(s_t) of the state in which response token t+1 is sampled,
 the state that token's PPO advantage is measured against. So response token j (input position
 p+j, p = prompt length) gets the value read at position p+j-1 (the first response token: the last
 prompt token), and `loss_mask` selects exactly these positions. The state after the last response
-token is terminal: its value is 0 and is never computed (`rl.algorithms.gae`). OpenRLHF and verl
+token is terminal: its value is 0 and is never computed (`reflow.rl.algorithms.gae`). OpenRLHF and verl
 slice values[:, :-1] the same way.
 
 Per iteration (collective, every rank together, strided shards as the policy trainer):
 `compute_values` (no grad) -> `attach_values` + `gae_batch` (outside the actors, on the whole
-batch) -> `train_iteration`: the clipped value loss `rl.algorithms.gae.value_loss_tokens` against
+batch) -> `train_iteration`: the clipped value loss `reflow.rl.algorithms.gae.value_loss_tokens` against
 the GAE returns, one optimizer step per mini-batch, token-mean over the *global* mini-batch (each
-micro-batch back-propagates sum(loss)/tokens(global mini-batch) * world_size, as engines/trainer.py).
-Process group, step veto, weights, offload and checkpoints come from `engines.ds_rank`.
+micro-batch back-propagates sum(loss)/tokens(global mini-batch) * world_size, as engines/train/trainer.py).
+Process group, step veto, weights, offload and checkpoints come from `reflow.engines.train.ds_rank`.
 """
 from __future__ import annotations
 
@@ -31,12 +31,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engines.ds_rank import DeepSpeedRank, _rows, ds_config
-from engines.hf_io import load_tokenizer, resolve_checkpoint, torch_dtype
-from engines.trainer_group import TrainerGroup
-from rl.algorithms.gae import gae_advantages, value_loss_tokens
-from rl.algorithms.reinforce_pp import moments, whiten_from_moments
-from rl.types import RolloutBatch, to_train_tensors
+from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint, torch_dtype
+from reflow.engines.train.ds_rank import DeepSpeedRank, _rows, ds_config
+from reflow.engines.train.group import TrainerGroup
+from reflow.rl.algorithms.gae import gae_advantages, value_loss_tokens
+from reflow.rl.algorithms.reinforce_pp import moments, whiten_from_moments
+from reflow.rl.types import RolloutBatch, to_train_tensors
 
 VALUE_HEAD_FILE = "value_head.safetensors"  # next to the backbone's HF files in a saved critic
 

@@ -28,13 +28,20 @@ from __future__ import annotations
 import inspect
 import threading
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
-from engines.kv_cache import _new_cache, _PreallocLayer
-from engines.sampling import SAMPLING_EPS, TOP_K_ALL, SamplingConfig, _seeded_noise, filter_probs, sample_tokens
+from reflow.engines.embedded.kv_cache import _new_cache, _PreallocLayer
+from reflow.engines.embedded.sampling import (
+    SAMPLING_EPS,
+    TOP_K_ALL,
+    SamplingConfig,
+    _seeded_noise,
+    filter_probs,
+    sample_tokens,
+)
 
 __all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
 
@@ -78,7 +85,7 @@ class Generator:
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
         self.context_len = int(getattr(cfg, "max_position_embeddings", 0) or 1 << 30)
-        self.pad_id = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None))
+        self.pad_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
         self.eos_ids = self._eos_ids()
         self._params = dict(model.state_dict(keep_vars=True))  # name -> Parameter/buffer (tied aliases too)
         # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns)

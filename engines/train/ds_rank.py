@@ -1,5 +1,5 @@
 """What every DeepSpeed data-parallel rank does, whatever it trains: the policy
-(`engines.trainer.TrainerRank`) and the PPO critic (`engines.critic.CriticRank`).
+(`reflow.engines.train.trainer.TrainerRank`) and the PPO critic (`reflow.engines.train.critic.CriticRank`).
 
 `DeepSpeedRank` joins the torch.distributed group (gloo on CPU, nccl on GPU), wraps a model in a
 DeepSpeed engine with a client torch AdamW (no cpu_adam JIT build) and a LambdaLR schedule that it
@@ -7,7 +7,7 @@ steps itself only after an *applied* update, accumulates micro-batch gradients b
 (`set_gradient_accumulation_boundary`, DeepSpeed's gradient_accumulation_steps=1) and vetoes the
 update on every rank when any rank saw a non-finite loss. It also gathers full weights (ZeRO-3
 included), offloads/reloads states for colocated mode and delegates checkpoints to
-`engines/trainer_ckpt.py`. Subclasses set `model_path`, `micro_batch_size`, `precision`,
+`engines/train/checkpoint.py`. Subclasses set `model_path`, `micro_batch_size`, `precision`,
 `zero_stage` and call `_start` then `_build_engine`; they write their HF folder in `_write_hf`.
 """
 from __future__ import annotations
@@ -261,28 +261,28 @@ class DeepSpeedRank:
             shape = (p.ds_numel,) if hasattr(p, "ds_numel") else p.shape
             safe_set_full_fp32_param(p, torch.full(shape, value, dtype=torch.float32, device=p.device))
 
-    # ---------------------------------------------------------------- checkpoints (engines/trainer_ckpt.py)
+    # ---------------------------------------------------------------- checkpoints (engines/train/checkpoint.py)
 
     def save_checkpoint(self, store, prefix: str) -> dict[str, dict]:
         """Upload this rank's part of a checkpoint under `prefix`; {relative path: sha256/bytes}. Collective."""
-        from engines import trainer_ckpt
+        from reflow.engines.train import checkpoint as trainer_ckpt
 
         return trainer_ckpt.save(self, store, prefix)
 
     def fetch_checkpoint(self, store, prefix: str, manifest: dict[str, dict]) -> str:
         """Download + sha256-check what this rank needs (not collective); ChecksumError on a mismatch."""
-        from engines import trainer_ckpt
+        from reflow.engines.train import checkpoint as trainer_ckpt
 
         return trainer_ckpt.fetch(self, store, prefix, manifest)
 
     def load_checkpoint(self) -> dict:
         """Load the fetched checkpoint: weights, optimizer, ZeRO partitions, LR schedule, RNG. Collective."""
-        from engines import trainer_ckpt
+        from reflow.engines.train import checkpoint as trainer_ckpt
 
         return trainer_ckpt.load(self)
 
     def drop_fetched_checkpoint(self) -> None:
-        from engines import trainer_ckpt
+        from reflow.engines.train import checkpoint as trainer_ckpt
 
         trainer_ckpt.drop_fetched(self)
 

@@ -2,8 +2,8 @@
 
 Request and response shapes, status codes and error texts follow /work/shared/SGLANG_API.md, so
 `EngineClient` drives this server and a real SGLang server the same way. Request validation lives
-in engines.generate_contract (SGLang's own code when installed), scheduling state in
-engines.engine_state, the distributed weight-update group in engines.weight_group.
+in reflow.engines.embedded.contract (SGLang's own code when installed), scheduling state in
+reflow.engines.embedded.state, the distributed weight-update group in reflow.engines.weights.group.
 Departure: flush_cache has no prefix cache to drop.
 """
 from __future__ import annotations
@@ -17,13 +17,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from engines import weight_group
-from engines.engine_state import EngineState, EngineStateError, _Job
-from engines.generate_contract import (ContractError, ResponseContractError, _unexpected, check_responses,
-                                       make_response, parse_generate)
-from engines.generator import Generator, SamplingConfig
-from engines.hf_io import load_causal_lm
-from engines.tensor_bucket import BucketError, load_payload
+from reflow.engines.embedded.contract import (
+    ContractError,
+    ResponseContractError,
+    _unexpected,
+    check_responses,
+    make_response,
+    parse_generate,
+)
+from reflow.engines.embedded.generator import Generator, SamplingConfig
+from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
+from reflow.engines.hf_io import load_causal_lm
+from reflow.engines.weights import group as weight_group
+from reflow.engines.weights.buckets import BucketError, load_payload
 
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 HEALTH_TIMEOUT_S = 20.0
@@ -106,7 +112,7 @@ def _data_plane(app: FastAPI, state: EngineState) -> None:
                    rids=[f"HEALTH_CHECK_{uuid.uuid4().hex}"])
         try:
             await asyncio.wait_for(asyncio.wrap_future(state.submit(job, count=False)), HEALTH_TIMEOUT_S)
-        except (asyncio.TimeoutError, EngineStateError, ValueError) as e:
+        except (TimeoutError, EngineStateError, ValueError) as e:
             return Response(f"health generate failed: {e!r}", status_code=503)
         return Response(status_code=200)
 

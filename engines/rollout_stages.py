@@ -13,11 +13,11 @@ from typing import Any
 import pandas as pd
 import torch
 
-from engines.rollout_client import EngineClient, generate_batch
-from rl.algorithms import sequence_advantages
-from rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
-from rl.rewards import compute_rewards, load_reward_fn
-from rl.types import Prompt, RolloutBatch
+from reflow.engines.rollout_client import EngineClient, generate_batch
+from reflow.rl.algorithms import sequence_advantages
+from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
+from reflow.rl.rewards import compute_rewards, load_reward_fn
+from reflow.rl.types import Prompt, RolloutBatch
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, max_new_tokens: int,
@@ -87,7 +87,7 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
                  target_groups: int, seed: int | None = None) -> tuple[RolloutBatch, dict[str, float]]:
     """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
     scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
-    the rounds run out), then keep exactly `target_groups` groups (`rl.algorithms.dapo.fill_groups`).
+    the rounds run out), then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`).
     With `seed`, round r samples with seed + 7919 * r, so a resumed run redraws the same rounds."""
     rounds = [first]
     informative = len(groups_with_spread(first)[0])
@@ -105,7 +105,7 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
 
 def advantages(batch: RolloutBatch, normalize_std: bool = True, kind: str = "grpo",
                kl_in_reward: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
-    """Sequence-level advantages of `kind` (rl.algorithms); with `kl_in_reward` the batch carries
+    """Sequence-level advantages of `kind` (reflow.rl.algorithms); with `kl_in_reward` the batch carries
     per-sequence scores that the trainer turns into token-level advantages (flagged in `extra`)."""
     r = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
     g = torch.tensor(batch.group_index, dtype=torch.long)  # [N]

@@ -1,6 +1,6 @@
 """The /generate request contract of the embedded engine, and its response shape.
 
-Validation runs SGLang's own code when sglang is installed (engines.sglang_contract): the schema
+Validation runs SGLang's own code when sglang is installed (reflow.engines.sglang.contract): the schema
 gate of its HTTP server (unknown keys, wrong types: serde's texts), then its SamplingParams
 normalize() + verify() (range checks: SGLang's messages). Without sglang, a local table of the
 same schema gives the same texts for the common cases. Keys SGLang accepts but this engine does
@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import uuid
 
-from engines import sglang_contract
-from engines.engine_state import _Job
-from engines.generator import Generator, SamplingConfig
+from reflow.engines.embedded.generator import Generator, SamplingConfig
+from reflow.engines.embedded.state import _Job
+from reflow.engines.sglang import contract as sglang_contract
 
 
 class ContractError(ValueError):

@@ -12,7 +12,7 @@ import time
 
 import ray
 
-from engines.trainer import TrainerRank
+from reflow.engines.train.trainer import TrainerRank
 
 
 class TrainerInitError(RuntimeError):
@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 class TrainerGroup:
-    rank_cls = TrainerRank  # the class each actor hosts (engines.critic.CriticGroup: CriticRank)
+    rank_cls = TrainerRank  # the class each actor hosts (reflow.engines.train.critic.CriticGroup: CriticRank)
 
     def __init__(self, actors: list, namespace: str, name_prefix: str):
         self.actors, self.namespace, self.name_prefix = actors, namespace, name_prefix
@@ -45,7 +45,7 @@ class TrainerGroup:
                num_gpus_per_rank: float = 0, detached: bool = False, init_timeout_s: float = 600.0,
                master_addr: str | None = None, master_port: int | None = None,
                runtime_env: dict | None = None, options_per_rank: list[dict] | None = None,
-               wait: bool = True, **rank_kwargs) -> "TrainerGroup":
+               wait: bool = True, **rank_kwargs) -> TrainerGroup:
         """Start `num_ranks` TrainerRank actors and wait until all have joined the process group
         (`wait=False`: return at once; the caller starts other actors meanwhile, then `wait_ready()`).
 
@@ -73,7 +73,7 @@ class TrainerGroup:
         return group
 
     @classmethod
-    def attach(cls, num_ranks: int, namespace: str, name_prefix: str) -> "TrainerGroup":
+    def attach(cls, num_ranks: int, namespace: str, name_prefix: str) -> TrainerGroup:
         """Handles on ranks created earlier (e.g. detached, by a previous flow run)."""
         actors = []
         for r in range(num_ranks):
