@@ -48,14 +48,14 @@ def _trainers(policy: Path, ranks: int, zero: int):
 
     from reflow.engines.hf_io import load_tokenizer
     from reflow.engines.train.group import TrainerGroup
+    from reflow.engines.train.settings import RankSettings
+    from reflow.rl.losses import LossSettings
 
-    group = TrainerGroup.create(ranks, "bench-ckpt", "bench", model_path=str(policy), zero_stage=zero,
-                                precision="fp32", lr=1e-4, lr_schedule="constant", warmup_steps=0, total_steps=10,
-                                weight_decay=0.0, grad_clip=1.0, micro_batch_size=4, threads=1, seed=0)
+    group = TrainerGroup.create(ranks, "bench-ckpt", "bench", model_path=str(policy),
+                                settings=RankSettings(zero_stage=zero, lr=1e-4, total_steps=10, micro_batch_size=4))
     tok = load_tokenizer(str(policy))
-    ray.get(group.train_iteration(_batch(tok), minibatches=1, temperature=1.0, clip_eps_low=0.2,
-                                  clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k1", entropy_coef=0.0,
-                                  loss_agg="token-mean", pad_id=tok.pad_token_id))  # optimizer state exists now
+    ray.get(group.train_iteration(_batch(tok), minibatches=1, pad_id=tok.pad_token_id,
+                                  loss=LossSettings(kl_estimator="k1")))  # optimizer state exists now
     return group
 
 

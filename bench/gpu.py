@@ -88,14 +88,15 @@ def make_trainer(folder: Path, args):
     try:
         import deepspeed  # noqa: F401
 
+        from reflow.engines.train.settings import RankSettings
         from reflow.engines.train.trainer import TrainerRank
     except ImportError as e:
         print(f"# DeepSpeed unavailable ({e}); the trainer row is the plain loop with the RL loss")
         return None
     cuda = args.device == "cuda"  # backend nccl: the trainer builds a cpu:gloo,cuda:nccl group itself
-    return TrainerRank(0, 1, "127.0.0.1", _free_port(), str(folder), zero_stage=1, precision="bf16", lr=1e-6,
-                       lr_schedule="constant", warmup_steps=0, total_steps=1000, weight_decay=0.0, grad_clip=1.0,
-                       micro_batch_size=args.micro, threads=4, seed=0, backend="nccl" if cuda else "gloo")
+    settings = RankSettings(zero_stage=1, precision="bf16", lr=1e-6, total_steps=1000, micro_batch_size=args.micro,
+                            threads=4, backend="nccl" if cuda else "gloo")
+    return TrainerRank(0, 1, "127.0.0.1", _free_port(), str(folder), settings)
 
 
 def bench_trainer(trainer, cfg, args) -> dict:
@@ -194,6 +195,7 @@ def bench_engine(gen, client, args) -> list[dict]:
 def bench_push(trainer, plain_named, gen, client, args) -> dict:
     """Gather + push (verify off) against a device-to-device copy and a device->host->device copy."""
     from reflow.engines.weights.push import push_weights
+    from reflow.engines.weights.settings import PushSettings
 
     def gathered():
         if trainer is not None:
@@ -210,7 +212,7 @@ def bench_push(trainer, plain_named, gen, client, args) -> dict:
         t0 = time.perf_counter()
         named = gathered()
         t1 = time.perf_counter()
-        push_weights([client], named, str(next(version)), 512 << 20, "off")
+        push_weights([client], named, str(next(version)), PushSettings(verify="off"))
         sync()
         t2 = time.perf_counter()
         with torch.no_grad():
@@ -226,7 +228,7 @@ def bench_push(trainer, plain_named, gen, client, args) -> dict:
             for k, v in (("push", t2 - t0), ("gather", t1 - t0), ("d2d", t3 - t2), ("staged", t4 - t3)):
                 best[k] = min(best[k], v)
     t0 = time.perf_counter()
-    push_weights([client], gathered(), str(next(version)), 512 << 20, "sample")  # proves the weights landed
+    push_weights([client], gathered(), str(next(version)), PushSettings(verify="sample"))  # proves the weights landed
     verified = time.perf_counter() - t0
     gb = nbytes / 1e9
     return {"gb": gb, **{f"{k}_s": v for k, v in best.items()}, **{f"{k}_gbs": gb / v for k, v in best.items()},

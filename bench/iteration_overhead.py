@@ -206,7 +206,6 @@ def run_bare(args) -> dict:
     import torch
 
     from reflow.engines.rollout_stages import rollout_table
-    from reflow.rl.algorithms import sequence_advantages
     from reflow.rl.rewards import compute_rewards
 
     cfg, tok, policy, gen, opt, reward_fn, prompts, eval_prompts = _bare_setup(args)
@@ -225,10 +224,7 @@ def run_bare(args) -> dict:
         t0 = mark("generate", t0)
         batch = batch.with_(rewards=compute_rewards(reward_fn, batch.prompt_text, batch.response_text, batch.label))
         t0 = mark("reward", t0)
-        adv = sequence_advantages(cfg.algorithm.type, torch.tensor(batch.rewards), torch.tensor(batch.group_index),
-                                  torch.tensor([float(len(r)) for r in batch.response_ids]),
-                                  normalize_std=cfg.algorithm.normalize_std)
-        batch = batch.with_(advantages=adv.tolist())
+        batch, _ = cfg.algorithm.spec.advantages(batch, cfg.algorithm)
         t0 = mark("advantages", t0)
         loss = _bare_train(cfg, policy, opt, batch, tok.pad_token_id)
         t0 = mark("train", t0)

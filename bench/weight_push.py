@@ -73,11 +73,12 @@ def push(policy: Path, args, size: str) -> dict:
 
     from reflow.engines.embedded.engine import EmbeddedEngine
     from reflow.engines.train.group import TrainerGroup
+    from reflow.engines.train.settings import RankSettings
+    from reflow.engines.weights.settings import PushSettings
 
     ns = f"bench-push-{size}"
-    group = TrainerGroup.create(1, ns, "bench", model_path=str(policy), zero_stage=0, precision="fp32", lr=1e-4,
-                                lr_schedule="constant", warmup_steps=0, total_steps=10, weight_decay=0.0,
-                                grad_clip=1.0, micro_batch_size=4, threads=args.threads, seed=0)
+    group = TrainerGroup.create(1, ns, "bench", model_path=str(policy),
+                                settings=RankSettings(lr=1e-4, total_steps=10, micro_batch_size=4, threads=args.threads))
     engine = ray.remote(EmbeddedEngine).options(namespace=ns, num_cpus=1).remote(
         model_path=str(policy), engine_id=f"engine-{size}", threads=args.threads)
     url = ray.get(engine.url.remote())
@@ -85,7 +86,8 @@ def push(policy: Path, args, size: str) -> dict:
     version = iter(range(1, 10**6))
 
     def one(verify: str) -> dict:
-        return ray.get(group.push_weights([url], str(next(version)), args.bucket_mb << 20, verify))[0]
+        return ray.get(group.push_weights([url], str(next(version)), PushSettings(bucket_bytes=args.bucket_mb << 20,
+                                                                                  verify=verify)))[0]
 
     one("off")  # warm-up: first HTTP connections, first shared-memory segment
     best, stats = _best_push(lambda: one("off"), args.repeat)

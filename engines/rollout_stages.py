@@ -7,14 +7,12 @@ HTTP API, so the same code drives the embedded engine and a real SGLang server.
 from __future__ import annotations
 
 import hashlib
-import math
 from typing import Any
 
 import pandas as pd
-import torch
 
 from reflow.engines.rollout_client import EngineClient, generate_batch
-from reflow.rl.algorithms import sequence_advantages
+from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.rewards import compute_rewards, load_reward_fn
 from reflow.rl.types import Prompt, RolloutBatch
@@ -103,22 +101,9 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
                    "first_round_signal_frac": len(groups_with_spread(first)[0]) / max(first.n_groups, 1)}
 
 
-def advantages(batch: RolloutBatch, normalize_std: bool = True, kind: str = "grpo",
-               kl_in_reward: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
-    """Sequence-level advantages of `kind` (reflow.rl.algorithms); with `kl_in_reward` the batch carries
-    per-sequence scores that the trainer turns into token-level advantages (flagged in `extra`)."""
-    r = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
-    g = torch.tensor(batch.group_index, dtype=torch.long)  # [N]
-    lengths = torch.tensor([len(x) for x in batch.response_ids], dtype=torch.float32)  # [N]
-    adv = sequence_advantages(kind, r, g, lengths, normalize_std=normalize_std, kl_in_reward=kl_in_reward)  # [N]
-    n_groups = batch.n_groups
-    spread = sum(1 for k in range(n_groups) if r[g == k].unique().numel() > 1)
-    stats = {"adv_abs_mean": adv.abs().mean().item() if len(adv) else 0.0,
-             "groups_with_signal_frac": spread / max(n_groups, 1)}
-    if not all(math.isfinite(a) for a in adv.tolist()):
-        raise FloatingPointError("advantages contain NaN/inf; rewards were " + repr(batch.rewards[:16]))
-    extra = {**batch.extra, "advantages_are_scores": bool(kl_in_reward)}
-    return batch.with_(advantages=adv.tolist(), extra=extra), stats
+def advantages(batch: RolloutBatch, algorithm: AlgorithmBase) -> tuple[RolloutBatch, dict[str, float]]:
+    """The advantages of `algorithm` (its spec's function, reflow.rl.algorithms) on the whole batch."""
+    return algorithm.spec.advantages(batch, algorithm)
 
 
 def rollout_table(batch: RolloutBatch) -> pd.DataFrame:

@@ -44,14 +44,14 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
         batch = reward(config, batch)
     colocate = config.cluster.colocate  # engines and trainers share GPUs: they take turns (tasks/colocate.py)
     swap = to_trainer(config) if colocate else {}
-    ppo = config.algorithm.type == "ppo"
-    if ppo:
+    critic = config.algorithm.spec.needs_critic  # PPO: a value model trained alongside the policy
+    if critic:
         with timer("values"):
             batch = critic_values(config, batch)
     with timer("advantages"):
         batch = advantages(config, batch)
     with timer("train"):
-        train_metrics = train_critic(config, batch) if ppo else {}
+        train_metrics = train_critic(config, batch) if critic else {}
         if actor_updates(config, iteration):
             train_metrics |= train(config, batch)
     if colocate:

@@ -18,6 +18,7 @@ from typing import Any
 import ray
 
 from reflow.infra.config import RunConfig
+from reflow.infra.settings import total_steps
 
 log = logging.getLogger("reflow.actors")
 RECORD = "runtime-record"
@@ -39,7 +40,7 @@ class RuntimeRecord:
 def actor_spec(cfg: RunConfig) -> dict[str, Any]:
     """The config fields that shape the actors themselves (not per-call arguments)."""
     r, t = cfg.rollout, cfg.trainer
-    total = t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
+    total = total_steps(cfg)
     spec = {
         "seed": cfg.seed, "model": cfg.model.model_dump(), "colocate": cfg.cluster.colocate,
         "engines": {k: getattr(r, k) for k in ("backend", "num_engines", "engine_threads", "max_batch_size",
@@ -49,7 +50,7 @@ def actor_spec(cfg: RunConfig) -> dict[str, Any]:
         "schedule_steps": None if t.lr_schedule == "constant" else total,
     }
     critic = getattr(cfg, "critic", None)
-    if critic is not None and cfg.algorithm.type == "ppo":
+    if critic is not None and cfg.algorithm.spec.needs_critic:
         spec["critic"] = critic.model_dump()
     return spec
 

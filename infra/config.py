@@ -12,11 +12,10 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
 
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+from reflow.rl.algorithms import SPECS, AlgorithmConfig, GRPOConfig
+from reflow.rl.algorithms.base import StrictModel as _Strict
 
 
 class ModelConfig(_Strict):
@@ -57,44 +56,8 @@ class RolloutConfig(_Strict):
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
 
 
-class AlgorithmConfig(_Strict):
-    """Advantage estimator and policy-loss options; docs/ALGORITHMS.md maps each to its paper."""
-
-    type: Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"] = Field("grpo", description="Advantage estimator (rl/algorithms/); gspo = GRPO advantages with a sequence-level ratio; ppo = token-level GAE over a learned critic (see `critic:`).")
-    normalize_std: bool = Field(True, description="GRPO/GSPO: divide by the group's reward std (False = Dr.GRPO).")
-    clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip: lower ratio bound is 1 - clip_eps_low.")
-    clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip: upper ratio bound is 1 + clip_eps_high (DAPO clip-higher when > clip_eps_low).")
-    dual_clip_c: float | None = Field(None, gt=1.0, description="Dual-clip PPO: cap the loss of negative-advantage tokens at -c*A (Ye et al. 2020); null disables.")
-    kl_coef: float = Field(0.0, ge=0.0, description="Weight of the KL(policy || reference) term in the loss; 0 disables it.")
-    kl_in_reward: float = Field(0.0, ge=0.0, description="REINFORCE++ only: weight beta of the per-token KL penalty folded into the reward; 0 disables it.")
-    kl_estimator: Literal["k1", "k2", "k3", "low_var_kl"] = Field("low_var_kl", description="KL estimator (Schulman's k1/k2/k3; low_var_kl = k3 clamped to [-10, 10]), for the loss term and the reward penalty.")
-    entropy_coef: float = Field(0.0, ge=0.0, description="Entropy bonus weight.")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = Field("token-mean", description="How per-token losses are reduced (seq-mean-token-sum-norm = Dr.GRPO).")
-    loss_norm_len: int | None = Field(None, ge=1, description="Constant length of seq-mean-token-sum-norm; default rollout.max_new_tokens.")
-    tis_cap: float | None = Field(None, gt=0.0, description="Truncated importance sampling: weight tokens by min(exp(old - rollout logprob), tis_cap); null disables.")
-    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all equal and generate more to keep the batch size.")
-    max_sampling_rounds: int = Field(3, ge=1, description="Dynamic sampling: most generation rounds per iteration (the first included).")
-    overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: penalise responses longer than max_new_tokens - this; 0 disables.")
-    overlong_penalty: float = Field(1.0, ge=0.0, description="Overlong punishment at max_new_tokens (the penalty ramps linearly from 0 to -this over the buffer).")
-    gamma: float = Field(1.0, ge=0.0, le=1.0, description="PPO: GAE discount per response token.")
-    lam: float = Field(0.95, ge=0.0, le=1.0, description="PPO: GAE lambda (bias/variance trade-off of the advantage).")
-    value_clip: float | None = Field(0.2, gt=0.0, description="PPO: clip the critic's new value to old +- this in the value loss (PPO2-style); null disables.")
-
-    @model_validator(mode="after")
-    def _check_type(self) -> AlgorithmConfig:
-        if self.kl_in_reward > 0 and self.type not in ("reinforce_pp", "reinforce_pp_baseline"):
-            raise ValueError(f"kl_in_reward is implemented for type=reinforce_pp / reinforce_pp_baseline "
-                             f"only (got type={self.type}); use kl_coef for a KL term in the loss")
-        return self
-
-    @property
-    def needs_ref(self) -> bool:
-        """Whether the trainer needs a frozen reference model (a KL term in the loss or the reward)."""
-        return self.kl_coef > 0 or self.kl_in_reward > 0
-
-
 class CriticConfig(_Strict):
-    """PPO's value model (algorithm.type=ppo only): the policy's backbone plus a scalar head, trained by
+    """PPO's value model (algorithms whose spec needs a critic: algorithm.type=ppo): the policy's backbone plus a scalar head, trained by
     its own DeepSpeed ranks (trainer.num_ranks of them, with trainer's zero_stage, precision, grad_clip)."""
 
     path: str | None = Field(None, description="HF checkpoint folder or URL the critic's backbone starts from; default model.path.")
@@ -203,7 +166,7 @@ class RunConfig(_Strict):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
-    algorithm: AlgorithmConfig = AlgorithmConfig()
+    algorithm: AlgorithmConfig = Field(default_factory=GRPOConfig, description="Advantage estimator and policy-loss options, by `type` (grpo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, ppo); each type has its own options (rl/algorithms/), docs/ALGORITHMS.md maps each to its paper.")
     critic: CriticConfig = CriticConfig()
     trainer: TrainerConfig = TrainerConfig()
     weight_sync: WeightSyncConfig = WeightSyncConfig()
@@ -259,7 +222,7 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
-def apply_overrides(data: dict, overrides: list[str]) -> dict:
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     data = json.loads(json.dumps(data))  # deep copy
     for item in overrides:
         if "=" not in item:
@@ -278,7 +241,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def _format_errors(err: ValidationError, source: str) -> str:
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        loc = ".".join(str(x) for x in e["loc"]) or "<root>"
+        parts = [str(x) for x in e["loc"]]
+        if parts[:1] == ["algorithm"] and len(parts) > 1 and parts[1] in SPECS:
+            del parts[1]  # the union's tag: `algorithm.lam`, not `algorithm.ppo.lam`
+        loc = ".".join(parts) or "<root>"
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
         lines.append(f"  {loc}: {e['msg']}{got}")
     return "\n".join(lines)
@@ -286,7 +252,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML experiment file (or the defaults), apply overrides, validate."""
-    data: dict = {}
+    data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
         p = Path(path)
@@ -309,7 +275,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def dump_config(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    return str(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
 
 
 class ExperimentFile(_Strict):

@@ -25,6 +25,7 @@ from reflow.infra import actors, placement
 from reflow.infra.config import RunConfig, dump_config
 from reflow.infra.eval_sets import EvalSet, load_eval_sets
 from reflow.infra.ray_connect import attached_to_running_cluster, connect, namespace_for
+from reflow.infra.settings import critic_rank_settings, policy_rank_settings
 from reflow.infra.storage import ExperimentStore
 from reflow.rl.data import load_prompt_rows, tokenize_prompts
 from reflow.rl.rewards import load_reward_fn
@@ -57,7 +58,7 @@ class Runtime:
     actor_ids: dict[str, str] = field(default_factory=dict)
     reused: list[str] = field(default_factory=list)
     placement: Any = None  # colocated mode's placement group (infra/placement.py)
-    critic: Any = None  # reflow.engines.train.critic.CriticGroup when algorithm.type == ppo
+    critic: Any = None  # reflow.engines.train.critic.CriticGroup when the algorithm needs a critic
 
 
 _RUNTIMES: dict[str, Runtime] = {}
@@ -149,7 +150,7 @@ def _colocation(cfg: RunConfig, namespace: str, detached: bool):
     if not cfg.cluster.colocate:
         return None
     spec = placement.bundles(cfg.trainer.num_ranks, cfg.rollout.num_engines, cfg.rollout.backend == "sglang",
-                             cfg.algorithm.type == "ppo")
+                             cfg.algorithm.spec.needs_critic)
     return placement.group(spec, namespace, detached)
 
 
@@ -161,29 +162,24 @@ def _rank_options(pg, num_ranks: int, gpu_share: float) -> dict:
 
 
 def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=None, wait: bool = True) -> TrainerGroup:
-    t, a = cfg.trainer, cfg.algorithm
-    total = t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
-    ref = (cfg.model.ref_path or cfg.model.path) if a.needs_ref else None
+    t = cfg.trainer
+    ref = (cfg.model.ref_path or cfg.model.path) if cfg.algorithm.needs_ref else None
     return TrainerGroup.create(
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="policy", num_cpus_per_rank=1,
-        model_path=cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=t.lr,
-        lr_schedule=t.lr_schedule, warmup_steps=t.warmup_steps, total_steps=total,
-        weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed, ref_model_path=ref, detached=detached, wait=wait,
-        **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU))
+        model_path=cfg.model.path, settings=policy_rank_settings(cfg), ref_model_path=ref, detached=detached,
+        wait=wait, **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU))
 
 
 def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) -> CriticGroup | None:
     """PPO's value model: its own DeepSpeed ranks (as many as the policy's, so the batch splits the
     same way), started fresh by every runtime and restored with the policy's checkpoint."""
-    if cfg.algorithm.type != "ppo":
+    if not cfg.algorithm.spec.needs_critic:
         return None
-    t, c = cfg.trainer, cfg.critic
+    n = cfg.trainer.num_ranks
     return CriticGroup.create(
-        num_ranks=t.num_ranks, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
-        model_path=c.path or cfg.model.path, zero_stage=t.zero_stage, precision=t.precision, lr=c.lr,
-        weight_decay=t.weight_decay, grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed, wait=wait, **_rank_options(pg, t.num_ranks, placement.CRITIC_GPU))
+        num_ranks=n, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
+        model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg), wait=wait,
+        **_rank_options(pg, n, placement.CRITIC_GPU))
 
 
 def build_runtime(cfg: RunConfig) -> Runtime:

@@ -6,6 +6,7 @@ padding; every reduction here ignores masked positions, even when they hold inf 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -17,6 +18,26 @@ AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 RatioLevel = Literal["token", "sequence"]
+
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """Everything the policy loss of one update needs besides the batch (built from the run config
+    by `reflow.infra.settings.loss_settings`; the defaults are plain PPO-clip)."""
+
+    temperature: float = 1.0  # the rollout's, so logprobs are those of the sampled distribution
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    kl_coef: float = 0.0
+    kl_estimator: KLKind = "low_var_kl"
+    entropy_coef: float = 0.0
+    loss_agg: AggMode = "token-mean"
+    loss_norm_len: int | None = None
+    dual_clip_c: float | None = None
+    tis_cap: float | None = None
+    ratio_level: RatioLevel = "token"
+
 
 # Log-ratios are clamped before exp() so one wild token cannot overflow to inf (verl does the same).
 _LOG_RATIO_CLAMP = 20.0
@@ -135,7 +156,8 @@ def tis_weights(old_logprobs: Tensor, rollout_logprobs: Tensor, mask: Tensor, ca
     return torch.where(mask != 0, w, torch.ones_like(w)).detach()
 
 
-def _ppo_terms(logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, ratio_level="token"):
+def _ppo_terms(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, clip_eps_low: float,
+               clip_eps_high: float, ratio_level: RatioLevel = "token") -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """advantages [B, T], ratio [B, T], unclipped and clipped per-token losses [B, T] (PPO eq. 7, negated)."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(-1).expand_as(logprobs)  # [B, T] broadcast over tokens

@@ -53,7 +53,7 @@ class RolloutBatch:
     def n_groups(self) -> int:
         return (max(self.group_index) + 1) if self.group_index else 0
 
-    def with_(self, **kw) -> RolloutBatch:
+    def with_(self, **kw: Any) -> RolloutBatch:
         return replace(self, **kw)
 
     def select(self, idx: list[int]) -> RolloutBatch:

@@ -13,7 +13,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.engines import rollout_stages as ro
-from reflow.engines.train.critic import gae_batch
 from reflow.infra.config import RunConfig
 from reflow.infra.runtime import Runtime, get_runtime
 from reflow.infra.storage import ExperimentStore
@@ -26,7 +25,6 @@ _generate = ray.remote(num_cpus=0)(ro.generate)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
 _advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
 _dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
-_gae = ray.remote(num_cpus=0, num_returns=2)(gae_batch)
 
 
 @ray.remote(num_cpus=0)
@@ -126,9 +124,7 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
 
 @task(name="advantages", cache_policy=NO_CACHE)
 def advantages(cfg: RunConfig, batch: BatchRef) -> BatchRef:
-    a = cfg.algorithm
-    if a.type == "ppo":  # token-level GAE over the critic's values (reflow.tasks.train.critic_values ran first)
-        ref, stats = _gae.remote(batch.ref, a.gamma, a.lam)
-    else:
-        ref, stats = _advantages.remote(batch.ref, a.normalize_std, a.type, a.kl_in_reward > 0)
+    """The algorithm's advantages (`cfg.algorithm.spec.advantages`) on the whole batch, inside Ray.
+    With a critic (PPO), reflow.tasks.train.critic_values has put its values in the batch first."""
+    ref, stats = _advantages.remote(batch.ref, cfg.algorithm)
     return BatchRef(ref, {**batch.stats, **ray.get(stats)}, batch.iteration)

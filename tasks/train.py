@@ -11,6 +11,7 @@ from prefect.cache_policies import NO_CACHE
 from reflow.engines.train.critic import attach_values
 from reflow.infra.config import RunConfig
 from reflow.infra.runtime import ensure_engines, get_runtime
+from reflow.infra.settings import loss_settings, push_settings
 from reflow.tasks.evaluate import wait_for_eval_generation
 from reflow.tasks.faults import fault_point
 from reflow.tasks.rollout import BatchRef
@@ -22,21 +23,16 @@ _attach_values = ray.remote(num_cpus=0)(attach_values)
 def train(cfg: RunConfig, batch: BatchRef) -> dict[str, float]:
     """PPO-clip update(s) on every trainer rank; every rank returns the same reduced metrics."""
     rt = get_runtime(cfg)
-    a = cfg.algorithm
-    refs = rt.trainers.train_iteration(
-        batch.ref, minibatches=cfg.trainer.minibatches_per_iteration, temperature=cfg.rollout.temperature,
-        clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high, kl_coef=a.kl_coef,
-        kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg, pad_id=rt.pad_id,
-        dual_clip_c=a.dual_clip_c, tis_cap=a.tis_cap, ratio_level="sequence" if a.type == "gspo" else "token",
-        loss_norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens, kl_in_reward=a.kl_in_reward)
+    refs = rt.trainers.train_iteration(batch.ref, minibatches=cfg.trainer.minibatches_per_iteration,
+                                       pad_id=rt.pad_id, loss=loss_settings(cfg), algorithm=cfg.algorithm)
     if batch.iteration is not None:  # tests: the driver dies while the ranks are mid-update
         fault_point("KILL_DURING_TRAIN", batch.iteration)
     return ray.get(refs)[0]
 
 
 def actor_updates(cfg: RunConfig, iteration: int) -> bool:
-    """False during PPO's critic warm-up: the first `critic.warmup_iterations` train the critic alone."""
-    return cfg.algorithm.type != "ppo" or iteration >= cfg.critic.warmup_iterations
+    """False during the critic's warm-up (PPO): the first `critic.warmup_iterations` train the critic alone."""
+    return not cfg.algorithm.spec.needs_critic or iteration >= cfg.critic.warmup_iterations
 
 
 @task(name="critic-values", cache_policy=NO_CACHE)
@@ -54,7 +50,7 @@ def train_critic(cfg: RunConfig, batch: BatchRef) -> dict[str, float]:
     """PPO: clipped value-loss step(s) on the critic ranks towards the batch's GAE returns."""
     rt = get_runtime(cfg)
     refs = rt.critic.train_iteration(batch.ref, minibatches=cfg.trainer.minibatches_per_iteration,
-                                     pad_id=rt.pad_id, clip_eps=cfg.algorithm.value_clip)
+                                     pad_id=rt.pad_id, clip_eps=cfg.algorithm.value_clip)  # a critic: PPO
     return ray.get(refs)[0]
 
 
@@ -63,14 +59,10 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
     """Trainer -> every engine, inside a weight session, then verified against the engines. First
     waits for evals still generating on the engines' current weights (tasks/evaluate.py)."""
     rt = get_runtime(cfg)
-    w = cfg.weight_sync
     eval_wait = wait_for_eval_generation(rt.namespace)
     recreated = ensure_engines(cfg)  # an engine lost mid-rollout (the router finished its work) comes back here
     t0 = time.perf_counter()
-    results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), w.bucket_mb << 20, w.verify,
-                                               w.verify_sample, mode=w.mode, verify_atol=w.verify_atol,
-                                               verify_rows=w.verify_rows,
-                                               disk_dir=w.disk_dir, backend=w.backend))
+    results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), push_settings(cfg)))
     stats = next((r for r in results if r), {})
     return {"push_seconds": time.perf_counter() - t0, "push_eval_wait_seconds": eval_wait,
             "engines_recreated": float(len(recreated)),

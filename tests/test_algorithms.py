@@ -9,15 +9,22 @@ import random
 
 import pytest
 import torch
+import yaml
 from torch.testing import assert_close
 
 from reflow.infra.config import ConfigError, load_config
-from reflow.rl.algorithms import sequence_advantages
+from reflow.rl.algorithms import SPECS, algorithm_config
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.algorithms.gae import gae_advantages, value_loss_tokens
 from reflow.rl.algorithms.grpo import grpo_advantages
 from reflow.rl.algorithms.gspo import gspo_log_ratio
-from reflow.rl.algorithms.reinforce_pp import kl_shaped_returns, moments, reinforce_pp_advantages, whiten_from_moments
+from reflow.rl.algorithms.reinforce_pp import (
+    kl_shaped_returns,
+    moments,
+    reinforce_pp_advantages,
+    reinforce_pp_scores,
+    whiten_from_moments,
+)
 from reflow.rl.algorithms.rloo import rloo_advantages
 from reflow.rl.losses import aggregate, policy_loss, policy_loss_tokens, tis_weights
 from reflow.rl.types import RolloutBatch
@@ -188,20 +195,57 @@ def test_gspo_sequence_ratio_value_and_gradient():
 KINDS = ["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"]
 
 
+def _scored(rewards: list[float], groups: list[int], lengths: list[int]) -> RolloutBatch:
+    n = len(rewards)
+    return RolloutBatch(group_index=groups, prompt_text=["p"] * n, prompt_ids=[[1]] * n, response_text=["r"] * n,
+                        response_ids=[[2] * k for k in lengths], rollout_logprobs=[[0.0] * k for k in lengths],
+                        finish_reason=["stop"] * n, label=[None] * n, rewards=rewards)
+
+
+def _spec_advantages(kind: str, batch: RolloutBatch, **fields) -> list[float]:
+    """Advantages the way the rollout stage computes them: through the type's spec."""
+    cfg = algorithm_config(type=kind, **fields)
+    out, stats = cfg.spec.advantages(batch, cfg)
+    assert set(stats) == {"adv_abs_mean", "groups_with_signal_frac"}
+    assert out.extra["advantages_are_scores"] == (cfg.kl_reward_coef > 0)
+    return out.advantages
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_estimator_is_finite_on_degenerate_batches(kind):
-    rewards = T([1.0, 1.0, 0.0, 2.0, 0.5])  # all-equal group, single-sample groups
-    groups = T([0, 0, 1, 2, 3])
-    lengths = T([0.0, 3.0, 0.0, 1.0, 2.0])  # zero-length responses
-    for kl_in_reward in (False, True):
-        if kl_in_reward and kind not in ("reinforce_pp", "reinforce_pp_baseline"):
-            continue
-        adv = sequence_advantages(kind, rewards, groups, lengths, kl_in_reward=kl_in_reward)
-        assert adv.shape == (5,) and torch.isfinite(adv).all()
-    eq = sequence_advantages(kind, T([0.7] * 4), T([0, 0, 1, 1]), T([1.0, 2.0, 0.0, 3.0]))
-    assert_close(eq, torch.zeros(4), atol=1e-6, rtol=0)
-    empty = sequence_advantages(kind, T([]), T([], dtype=torch.long), T([]))
-    assert empty.numel() == 0
+    # an all-equal group, single-sample groups, zero-length responses
+    degenerate = _scored([1.0, 1.0, 0.0, 2.0, 0.5], [0, 0, 1, 2, 3], [0, 3, 0, 1, 2])
+    for kl in ((0.0, 0.1) if SPECS[kind].kl_in_reward else (None,)):
+        adv = _spec_advantages(kind, degenerate, **({} if kl is None else {"kl_in_reward": kl}))
+        assert len(adv) == 5 and all(math.isfinite(a) for a in adv)
+    eq = _spec_advantages(kind, _scored([0.7] * 4, [0, 0, 1, 1], [1, 2, 0, 3]))
+    assert_close(T(eq), torch.zeros(4), atol=1e-6, rtol=0)
+    assert _spec_advantages(kind, _scored([], [], [])) == []
+
+
+def test_specs_route_to_each_papers_estimator():
+    """What each spec computes equals the module's estimator called directly (the dispatch adds nothing)."""
+    rewards, groups, lengths = [1.0, 0.0, 0.5, 0.5, 1.0, 0.2], [0, 0, 1, 1, 2, 2], [3, 1, 2, 2, 4, 1]
+    batch = _scored(rewards, groups, lengths)
+    r, g, n = T(rewards), T(groups, dtype=torch.long), T([float(k) for k in lengths])
+    expect = {"grpo": grpo_advantages(r, g), "gspo": grpo_advantages(r, g), "rloo": rloo_advantages(r, g),
+              "reinforce_pp": reinforce_pp_advantages(r, g, n, False),
+              "reinforce_pp_baseline": reinforce_pp_advantages(r, g, n, True)}
+    for kind, want in expect.items():
+        assert_close(T(_spec_advantages(kind, batch)), want)
+    assert_close(T(_spec_advantages("grpo", batch, normalize_std=False)), grpo_advantages(r, g, normalize_std=False))
+    scores = _spec_advantages("reinforce_pp_baseline", batch, kl_in_reward=0.1)  # finished by the trainer
+    assert_close(T(scores), reinforce_pp_scores(r, g, True).float())
+
+
+def test_spec_table():
+    """Only PPO needs a critic, only GSPO has a sequence-level ratio, only REINFORCE++ folds KL into
+    the reward (and has a trainer-side finish for it)."""
+    assert {k for k, s in SPECS.items() if s.needs_critic} == {"ppo"}
+    assert {k for k, s in SPECS.items() if s.ratio_level == "sequence"} == {"gspo"}
+    assert {k for k, s in SPECS.items() if s.kl_in_reward} == {"reinforce_pp", "reinforce_pp_baseline"}
+    assert all((s.finish_advantages is not None) == s.kl_in_reward for s in SPECS.values())
+    assert all(s.config.model_fields["type"].default == k for k, s in SPECS.items())
 
 
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
@@ -218,10 +262,11 @@ def test_every_loss_option_is_finite_on_zero_length_responses(mode, ratio_level)
     assert torch.isfinite(logp.grad).all()
 
 
-def test_grpo_reexport_and_ppo_dispatch_error():
+def test_grpo_hand_values_and_ppo_needs_critic_values():
     assert_close(grpo_advantages(T([1.0, 0.0]), T([0, 0]), eps=0.0), T([1 / math.sqrt(2), -1 / math.sqrt(2)]))
-    with pytest.raises(ValueError, match="ppo is token-level"):
-        sequence_advantages("ppo", T([1.0]), T([0]), T([1.0]))
+    cfg = algorithm_config(type="ppo")
+    with pytest.raises(ValueError, match="critic values"):
+        cfg.spec.advantages(_scored([1.0], [0], [1]), cfg)
 
 
 # ---------------------------------------------------------------- DAPO
@@ -267,7 +312,34 @@ def test_algorithm_config_fields_and_checks():
                        ("critic.warmup_iterations=-1", "critic.warmup_iterations")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(None, ["algorithm.type=ppo", bad])
-    with pytest.raises(ConfigError, match="kl_in_reward is implemented for type=reinforce_pp"):
+    with pytest.raises(ConfigError, match="kl_in_reward is an option of algorithm.type=reinforce_pp/reinforce_pp_baseline, "
+                                          "not of type=grpo"):
         load_config(None, ["algorithm.type=grpo", "algorithm.kl_in_reward=0.1"])
+    with pytest.raises(ConfigError, match=r"algorithm: .*gamma is an option of algorithm.type=ppo, not of type=gspo"):
+        load_config(None, ["algorithm.type=gspo", "algorithm.gamma=0.9"])
+    with pytest.raises(ConfigError, match="normalize_std is an option of algorithm.type=grpo/gspo, not of type=ppo"):
+        load_config(None, ["algorithm.type=ppo", "algorithm.normalize_std=false"])
+    with pytest.raises(ConfigError, match="algorithm: Input tag 'ppo2'.*expected tags: 'grpo'"):
+        load_config(None, ["algorithm.type=ppo2"])
+    with pytest.raises(ConfigError, match=r"algorithm\.typo"):
+        load_config(None, ["algorithm.typo=1"])
+    assert type(load_config(None, []).algorithm).__name__ == "GRPOConfig"  # the default type
+
+
+def test_config_dumped_before_the_per_type_split_still_loads(tmp_path):
+    """Configs written by the single-class AlgorithmConfig carry every type's fields at their
+    defaults; they load, and a non-default field of another type is still refused."""
+    old = {"type": "grpo", "normalize_std": False, "clip_eps_low": 0.2, "kl_in_reward": 0.0, "gamma": 1.0,
+           "lam": 0.95, "value_clip": 0.2, "loss_agg": "token-mean"}
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": old}))
+    cfg = load_config(path)
+    assert cfg.algorithm.normalize_std is False and "gamma" not in cfg.algorithm.model_dump()
+    path.write_text(yaml.safe_dump({"algorithm": old | {"lam": 0.9}}))
+    with pytest.raises(ConfigError, match="lam is an option of algorithm.type=ppo"):
+        load_config(path)
+    ppo = {**old, "type": "ppo", "normalize_std": True}
+    path.write_text(yaml.safe_dump({"algorithm": ppo}))
+    assert load_config(path).algorithm.lam == 0.95
     with pytest.raises(ConfigError, match="dual_clip_c"):
         load_config(None, ["algorithm.dual_clip_c=0.5"])

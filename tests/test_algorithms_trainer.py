@@ -76,12 +76,12 @@ CASES = {
 def test_loss_option_matches_single_process_reference(group, tiny_policy, case):
     opt = CASES[case]
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
-    kw = _train_kw(pad, **{k: v for k, v in opt.items() if k != "kl_estimator"}, loss_norm_len=NORM_LEN)
-    kw["kl_estimator"] = opt.get("kl_estimator", "low_var_kl")
+    opt = {"kl_estimator": "low_var_kl"} | opt
+    kw = _train_kw(pad, **opt, loss_norm_len=NORM_LEN)
     if opt.get("kl_in_reward"):  # move the policy off the reference first, so the KL is not 0
         ray.get(group.train_iteration(_batch(tiny_policy), **_train_kw(pad)))
     named = ray.get(group.named_weights()[0])
-    batch, ref_loss, ref_norm = _reference(tiny_policy, named, _batch(tiny_policy), kw)
+    batch, ref_loss, ref_norm = _reference(tiny_policy, named, _batch(tiny_policy), opt)
     if opt.get("kl_in_reward"):
         batch = batch.with_(extra={"advantages_are_scores": True})
     m = ray.get(group.train_iteration(batch, **kw))[0]

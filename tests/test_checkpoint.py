@@ -133,11 +133,13 @@ def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp
     from transformers import AutoModelForCausalLM
 
     from reflow.engines.train.group import TrainerGroup
+    from reflow.engines.train.settings import RankSettings
     from reflow.tasks.checkpoint import load_first_valid, save
     from tests.test_trainer import RANK_KW, _batch, _train_kw
 
     store = _store(tmp_path)
-    kw = RANK_KW | dict(model_path=str(tiny_policy), zero_stage=2, lr=1e-2, lr_schedule="linear", total_steps=8)
+    settings = RankSettings(**(RANK_KW | dict(zero_stage=2, lr=1e-2, lr_schedule="linear", total_steps=8)))
+    kw = dict(model_path=str(tiny_policy), settings=settings)
     a = TrainerGroup.create(2, "test-ckpt", "a", init_timeout_s=300, **kw)
     batch = ray.put(_batch(tiny_policy))
     pad = 0

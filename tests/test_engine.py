@@ -18,6 +18,7 @@ from reflow.engines.hf_io import load_causal_lm, load_tokenizer
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.weights.buckets import BucketError, flatten, load_payload, serialize_bucket, unflatten
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
+from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model
 from tests.reference import greedy_reference
 
@@ -364,7 +365,7 @@ def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
     c = EngineClient(fresh_engine.url())
     new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=7)
     named = list(new.state_dict().items())
-    stats = push_weights([c], named, "v1", bucket_bytes=16 << 10, verify="full")
+    stats = push_weights([c], named, "v1", PushSettings(bucket_bytes=16 << 10, verify="full"))
     assert stats["buckets"] > 1 and stats["verified_tensors"] == len(named)
     assert c.model_info()["weight_version"] == "v1"
     p = tok.encode("(3+4)*5=")
@@ -377,7 +378,7 @@ def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
     with pytest.raises(WeightSyncError, match="weight_version 'v1', expected 'v2'"):
         verify_weights([c], named, "v2", "sample", 3)
     with pytest.raises(EngineError, match="shape mismatch for 'model.norm.weight'"):
-        push_weights([c], [("model.norm.weight", torch.ones(3))], "v3", 1 << 20, "off")
+        push_weights([c], [("model.norm.weight", torch.ones(3))], "v3", PushSettings(bucket_bytes=1 << 20, verify="off"))
     c.begin_weight_update()  # the failed push left no session open and generation running
     c.end_weight_update()
     assert c.generate(input_ids=p, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
@@ -409,8 +410,9 @@ def test_push_between_two_ray_actors(ray_cluster, tiny_policy, tok):
         def push(self, url, named, version):
             from reflow.engines.rollout_client import EngineClient as Client
             from reflow.engines.weights.push import push_weights as push
+            from reflow.engines.weights.settings import PushSettings as Settings
 
-            return push([Client(url)], named, version, bucket_bytes=32 << 10, verify="full")
+            return push([Client(url)], named, version, Settings(bucket_bytes=32 << 10, verify="full"))
 
     engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "ray-engine", threads=1)
     pusher = ray.remote(Pusher).options(num_cpus=1).remote()

@@ -61,3 +61,24 @@ def test_imports_use_the_reflow_namespace():
             )
             bare = [n for n in names if n.split(".")[0] in ORDER]
             assert not bare, f"{f.relative_to(ROOT)} imports {bare}: use reflow.{bare[0]}"
+
+
+def test_no_algorithm_name_checks_outside_rl_algorithms():
+    """Algorithm-specific behaviour is asked of the spec (`cfg.algorithm.spec`), never decided by
+    comparing `algorithm.type` (or any value) to an algorithm's name outside rl/algorithms/."""
+    import re
+
+    from reflow.rl.algorithms import SPECS
+
+    names = "|".join(SPECS)
+    patterns = [re.compile(r"algorithm\.type\s*(==|!=|in\b|not\s+in\b)"),
+                re.compile(rf"""(==|!=)\s*["']({names})["']"""),
+                re.compile(rf"""["']({names})["']\s*(==|!=)"""),
+                re.compile(rf"""\bin\s*[(\[{{]\s*["']({names})["']""")]
+    own = ROOT / "rl" / "algorithms"
+    hits = []
+    for f in [p for layer in ORDER for p in _modules(layer) if own not in p.parents]:
+        for n, line in enumerate(f.read_text().splitlines(), 1):
+            if any(p.search(line) for p in patterns):
+                hits.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
+    assert not hits, "algorithm name checks outside rl/algorithms/ (use the spec):\n" + "\n".join(hits)

@@ -16,7 +16,9 @@ import ray
 import torch
 
 from reflow.engines.hf_io import load_tokenizer
-from reflow.engines.train.critic import CriticGroup, attach_values, gae_batch, load_value_model
+from reflow.engines.train.critic import CriticGroup, attach_values, load_value_model
+from reflow.engines.train.settings import RankSettings
+from reflow.rl.algorithms.ppo import gae_batch
 from reflow.rl.types import to_train_tensors
 from tests.test_trainer import RANK_KW, _batch
 
@@ -32,7 +34,7 @@ CRITIC_KW = dict(precision="fp32", lr=1e-3, weight_decay=0.0, grad_clip=1.0, mic
 
 def _create(prefix: str, num_ranks: int, policy, **kw) -> CriticGroup:
     return CriticGroup.create(num_ranks, NAMESPACE, prefix, model_path=str(policy), init_timeout_s=300,
-                              **(CRITIC_KW | kw))
+                              settings=RankSettings(**(CRITIC_KW | kw)))
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +178,7 @@ def test_checkpoint_restores_the_critic_bit_for_bit(ray_cluster, critic, tiny_po
     from reflow.tasks.checkpoint import load_first_valid, save
 
     store = ExperimentStore.open(f"file://{tmp_path}/runs", "ppo")
-    policy_kw = RANK_KW | dict(model_path=str(tiny_policy), zero_stage=0)
+    policy_kw = dict(model_path=str(tiny_policy), settings=RankSettings(**(RANK_KW | dict(zero_stage=0))))
     policy = TrainerGroup.create(1, NAMESPACE, "policy-a", init_timeout_s=300, **policy_kw)
     batch, _ = gae_batch(_with_values(critic, _batch(tiny_policy).with_(rewards=REWARDS), pad), 1.0, LAM)
     ray.get(critic.train_iteration(batch, minibatches=1, pad_id=pad, clip_eps=0.2))  # Adam state is non-trivial

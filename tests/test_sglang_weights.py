@@ -14,6 +14,7 @@ from reflow.engines.sglang import contract as sglang_contract
 from reflow.engines.weights.buckets import serialize_bucket
 from reflow.engines.weights.group import bucket_order, pack
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
+from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model, save_policy
 from tests.reference import greedy_reference
 
@@ -66,7 +67,7 @@ def test_each_mode_round_trips_exactly(clients, tok, tmp_path, mode, rebuilt):
     seed = {"tensor": 11, "distributed": 12, "disk": 13}[mode]
     model, named = _new_named(tok, seed)
     path = str(save_policy(model, tok, tmp_path / "pushed")) if mode == "disk" else None
-    stats = push_weights(clients, named, f"{mode}-v1", bucket_bytes=16 << 10, verify="full", mode=mode,
+    stats = push_weights(clients, named, f"{mode}-v1", PushSettings(bucket_bytes=16 << 10, verify="full", mode=mode),
                          model_path=path)
     assert stats["verified_tensors"] == 2 * len(named)
     if mode != "disk":
@@ -120,14 +121,14 @@ def test_updates_outside_a_session_are_refused_as_sglang_refuses(clients):
 def test_refused_distributed_join_fails_fast_and_unwinds(clients, tok):
     _, named = _new_named(tok, 21)
     with pytest.raises(WeightSyncError, match="use backend 'gloo'"):
-        push_weights(clients[:1], named, "never", mode="distributed", backend="nccl", verify="off")
+        push_weights(clients[:1], named, "never", PushSettings(mode="distributed", backend="nccl", verify="off"))
     clients[0].begin_weight_update()  # session closed and generation resumed despite the failure
     clients[0].end_weight_update()
 
 
 def test_verify_atol_for_quantised_engines(clients, tok):
     _, named = _new_named(tok, 31)
-    push_weights(clients, named, "atol-v1", bucket_bytes=1 << 20, verify="off")
+    push_weights(clients, named, "atol-v1", PushSettings(bucket_bytes=1 << 20, verify="off"))
     off = [(n, t + 1e-3) for n, t in named]  # what a quantised engine's rounding looks like
     with pytest.raises(WeightSyncError, match=r"max abs diff 0\.001 \(tolerance 0\)"):
         verify_weights(clients, off, "atol-v1", "sample", 2)
@@ -199,7 +200,7 @@ def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
         model, named = _new_named(tok, 14)
         url = publish_folder(lambda out: save_policy(model, tok, out), "s3://pushes/run1", "7")
         assert url == "s3://pushes/run1/v7"
-        stats = push_weights(clients, named, "disk-s3-v7", bucket_bytes=16 << 10, verify="full", mode="disk",
+        stats = push_weights(clients, named, "disk-s3-v7", PushSettings(bucket_bytes=16 << 10, verify="full", mode="disk"),
                              model_path=url)
         assert stats["verified_tensors"] == 2 * len(named)
         p = tok.encode("(3+4)*5=")
@@ -214,7 +215,7 @@ def test_sampled_verify_compares_the_first_rows(clients, tok):
     """verify=sample with rows: the first `rows` rows of each sampled tensor, truncated by the engine
     as SGLang's get_weights_by_name does; a difference there is caught, one further down is not."""
     _, named = _new_named(tok, 15)
-    push_weights(clients, named, "rows-v1", bucket_bytes=16 << 10, verify="off")
+    push_weights(clients, named, "rows-v1", PushSettings(bucket_bytes=16 << 10, verify="off"))
     n = verify_weights(clients, named, "rows-v1", "sample", sample=len(named), rows=2)
     assert n == 2 * len(named)
     name, t = next((n, t) for n, t in named if t.dim() == 2 and t.shape[0] > 4)

@@ -15,8 +15,11 @@ import torch
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
 from reflow.engines.train.group import TrainerGroup
+from reflow.engines.train.settings import RankSettings
 from reflow.engines.train.trainer import ds_config, lr_multiplier
-from reflow.rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, token_logprobs
+from reflow.engines.weights.settings import PushSettings
+from reflow.rl.algorithms import ReinforcePPConfig
+from reflow.rl.losses import LossSettings, aggregate, entropy_from_logits, kl_estimate, policy_loss, token_logprobs
 from reflow.rl.types import RolloutBatch, to_train_tensors
 
 pytestmark = pytest.mark.slow
@@ -33,10 +36,13 @@ RANK_KW = dict(precision="fp32", lr=1e-3, lr_schedule="constant", warmup_steps=0
                zero3_param_persistence_threshold=0)  # partition even this tiny model's tensors
 
 
-def _train_kw(pad_id: int, **over) -> dict:
-    kw = dict(minibatches=1, temperature=TEMPERATURE, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0,
-              kl_estimator="low_var_kl", entropy_coef=0.0, loss_agg="token-mean", pad_id=pad_id)
-    return kw | over
+def _train_kw(pad_id: int, minibatches: int = 1, kl_in_reward: float = 0.0, **loss) -> dict:
+    """train_iteration's arguments: `loss` are LossSettings fields (temperature TEMPERATURE unless
+    given); kl_in_reward > 0 trains as REINFORCE++ with KL in the reward."""
+    loss = {"temperature": TEMPERATURE} | loss
+    algorithm = ReinforcePPConfig(kl_in_reward=kl_in_reward, kl_estimator=loss.get("kl_estimator", "low_var_kl")) \
+        if kl_in_reward else None
+    return dict(minibatches=minibatches, pad_id=pad_id, loss=LossSettings(**loss), algorithm=algorithm)
 
 
 def _batch(policy, advantages=ADVANTAGES) -> RolloutBatch:
@@ -70,9 +76,9 @@ def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-m
     return batch.with_(rollout_logprobs=rollout), float(loss.detach()), norm
 
 
-def _create(prefix, num_ranks, policy, **kw) -> TrainerGroup:
+def _create(prefix, num_ranks, policy, ref_model_path=None, **kw) -> TrainerGroup:
     return TrainerGroup.create(num_ranks, NAMESPACE, prefix, model_path=str(policy), init_timeout_s=300,
-                               **(RANK_KW | kw))
+                               settings=RankSettings(**(RANK_KW | kw)), ref_model_path=ref_model_path)
 
 
 def _one_iteration(group, policy, **train_over):
@@ -166,7 +172,7 @@ def test_fill_weights_then_push_to_an_engine(zero3, tiny_policy):
         ray.get(zero3.fill_weights(0.25))
         for named in ray.get(zero3.named_weights()):
             assert named and all(bool((t == 0.25).all()) for _, t in named)
-        reports = ray.get(zero3.push_weights([url], "filled", 32 << 10, "full"))
+        reports = ray.get(zero3.push_weights([url], "filled", PushSettings(bucket_bytes=32 << 10, verify="full")))
         assert reports[1] == {} and reports[0]["verified_tensors"] == len(named)
         assert EngineClient(url).get_weights_by_name("model.norm.weight") == pytest.approx([0.25] * 32)
     finally:

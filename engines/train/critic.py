@@ -15,15 +15,14 @@ token is terminal: its value is 0 and is never computed (`reflow.rl.algorithms.g
 slice values[:, :-1] the same way.
 
 Per iteration (collective, every rank together, strided shards as the policy trainer):
-`compute_values` (no grad) -> `attach_values` + `gae_batch` (outside the actors, on the whole
-batch) -> `train_iteration`: the clipped value loss `reflow.rl.algorithms.gae.value_loss_tokens` against
+`compute_values` (no grad) -> `attach_values` + `reflow.rl.algorithms.ppo.gae_batch` (outside the
+actors, on the whole batch) -> `train_iteration`: the clipped value loss `reflow.rl.algorithms.gae.value_loss_tokens` against
 the GAE returns, one optimizer step per mini-batch, token-mean over the *global* mini-batch (each
 micro-batch back-propagates sum(loss)/tokens(global mini-batch) * world_size, as engines/train/trainer.py).
 Process group, step veto, weights, offload and checkpoints come from `reflow.engines.train.ds_rank`.
 """
 from __future__ import annotations
 
-import math
 import time
 from pathlib import Path
 
@@ -34,8 +33,8 @@ from torch import nn
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint, torch_dtype
 from reflow.engines.train.ds_rank import DeepSpeedRank, _rows, ds_config
 from reflow.engines.train.group import TrainerGroup
-from reflow.rl.algorithms.gae import gae_advantages, value_loss_tokens
-from reflow.rl.algorithms.reinforce_pp import moments, whiten_from_moments
+from reflow.engines.train.settings import RankSettings
+from reflow.rl.algorithms.gae import value_loss_tokens
 from reflow.rl.types import RolloutBatch, to_train_tensors
 
 VALUE_HEAD_FILE = "value_head.safetensors"  # next to the backbone's HF files in a saved critic
@@ -77,17 +76,17 @@ def load_value_model(path: str, dtype: str = "fp32", seed: int = 0) -> ValueMode
 class CriticRank(DeepSpeedRank):
     """One data-parallel rank of the critic. Collective methods must be called on every rank together."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
-                 zero_stage: int, precision: str, lr: float, weight_decay: float, grad_clip: float,
-                 micro_batch_size: int, threads: int, seed: int, backend: str = "gloo",
-                 zero3_param_persistence_threshold: int = 100_000):
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+                 settings: RankSettings):
+        """`settings.lr_schedule` is not used: the critic's learning rate is constant."""
         t0 = time.perf_counter()
-        self.zero_stage, self.model_path = zero_stage, model_path
-        self.micro_batch_size, self.precision = micro_batch_size, precision
-        self._start(rank, world_size, master_addr, master_port, backend, threads, seed)
-        cfg = ds_config(zero_stage, precision, grad_clip, micro_batch_size, world_size,
-                        zero3_param_persistence_threshold)
-        self._build_engine(load_value_model(model_path, precision, seed), cfg, lr, weight_decay, lambda s: 1.0)
+        s = settings
+        self.zero_stage, self.model_path = s.zero_stage, model_path
+        self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
+        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
+        cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
+                        s.zero3_param_persistence_threshold)
+        self._build_engine(load_value_model(model_path, s.precision, s.seed), cfg, s.lr, s.weight_decay, lambda _: 1.0)
         self.init_time_s = time.perf_counter() - t0
 
     def _shard(self, batch: RolloutBatch, pad_id: int, minibatches: int = 1) -> dict[str, torch.Tensor]:
@@ -188,39 +187,3 @@ def attach_values(batch: RolloutBatch, *rank_values: list[list[float]]) -> Rollo
     if bad:
         raise ValueError(f"samples {bad[:5]}: the critic returned a value count different from the response length")
     return batch.with_(values=values)
-
-
-def gae_batch(batch: RolloutBatch, gamma: float, lam: float) -> tuple[RolloutBatch, dict[str, float]]:
-    """Token-level GAE: reward = the sequence reward on the last response token (0 elsewhere);
-    advantages [per token] whitened over all response tokens of the batch (as verl/OpenRLHF; not
-    in the GAE paper), returns = A + V before whitening (the critic's targets). `advantages` per
-    sample = its first response token's (whitened) advantage, for the rollout table."""
-    if batch.values is None or batch.rewards is None:
-        raise ValueError("gae_batch needs batch.rewards and batch.values (critic values) first")
-    lengths = [len(r) for r in batch.response_ids]
-    B, T = len(batch), max(lengths, default=0) or 1
-    rewards, values, mask = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T)  # [B, T] response tokens
-    for i, (n, v) in enumerate(zip(lengths, batch.values)):
-        if n:
-            values[i, :n], mask[i, :n] = torch.tensor(v, dtype=torch.float32), 1.0
-            rewards[i, n - 1] = batch.rewards[i]
-    adv, ret = gae_advantages(rewards, values, mask, gamma, lam)  # [B, T]
-    white = whiten_from_moments(adv, mask, moments(adv, mask))  # [B, T]
-    if not bool(torch.isfinite(white).all()):
-        raise FloatingPointError("GAE advantages contain NaN/inf; rewards were " + repr(batch.rewards[:16]))
-    rows = lambda x: [x[i, :n].tolist() for i, n in enumerate(lengths)]  # noqa: E731
-    out = batch.with_(token_advantages=rows(white), returns=rows(ret),
-                      advantages=[float(white[i, 0]) if n else 0.0 for i, n in enumerate(lengths)])
-    return out, gae_stats(values, ret, white, mask)
-
-
-def gae_stats(values: torch.Tensor, returns: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    """Token means, and explained variance 1 - Var(R - V) / Var(R) of the critic before its update."""
-    m = mask != 0
-    v, r = values[m].double(), returns[m].double()  # [N]
-    if v.numel() == 0:
-        return {"values_mean": 0.0, "returns_mean": 0.0, "explained_variance": 0.0, "adv_abs_mean": 0.0}
-    var_r = float(r.var(unbiased=False))
-    ev = 1.0 - float((r - v).var(unbiased=False)) / var_r if var_r > 0 else math.nan
-    return {"values_mean": float(v.mean()), "returns_mean": float(r.mean()), "explained_variance": ev,
-            "adv_abs_mean": float(adv[m].abs().mean())}

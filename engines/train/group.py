@@ -13,6 +13,7 @@ import time
 import ray
 
 from reflow.engines.train.trainer import TrainerRank
+from reflow.engines.weights.settings import PushSettings
 
 
 class TrainerInitError(RuntimeError):
@@ -49,7 +50,7 @@ class TrainerGroup:
         """Start `num_ranks` TrainerRank actors and wait until all have joined the process group
         (`wait=False`: return at once; the caller starts other actors meanwhile, then `wait_ready()`).
 
-        `rank_kwargs` go to `rank_cls.__init__` (model_path, zero_stage, lr, ...); `options_per_rank`
+        `rank_kwargs` go to `rank_cls.__init__` (model_path, settings: a RankSettings, ...); `options_per_rank`
         are extra Ray actor options of each rank (a placement-group bundle). The rendezvous
         address defaults to this node's IP and a free port here, which assumes rank 0 lands on the
         driver's node (true on one machine); on a multi-node cluster pass master_addr/master_port.
@@ -117,11 +118,9 @@ class TrainerGroup:
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         return [a.train_iteration.remote(ref, **kw) for a in self.actors]
 
-    def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str,
-                     verify_sample: int = 4, **mode_kw) -> list:
-        """Rank 0's result is the push report; the others return {}. mode_kw: see TrainerRank.push_weights."""
-        return [a.push_weights.remote(urls, version, bucket_bytes, verify, verify_sample, **mode_kw)
-                for a in self.actors]
+    def push_weights(self, urls: list[str], version: str, settings: PushSettings) -> list:
+        """Rank 0's result is the push report; the others return {}."""
+        return [a.push_weights.remote(urls, version, settings) for a in self.actors]
 
     def offload_states(self) -> list:
         return [a.offload_states.remote() for a in self.actors]

@@ -40,8 +40,18 @@ import torch.distributed as dist
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
-from reflow.rl.algorithms.reinforce_pp import kl_shaped_returns, moments, whiten_from_moments
-from reflow.rl.losses import aggregate, entropy_from_logits, kl_estimate, policy_loss, tis_weights, token_logprobs
+from reflow.engines.train.settings import RankSettings
+from reflow.engines.weights.settings import PushSettings
+from reflow.rl.algorithms.base import AlgorithmBase
+from reflow.rl.losses import (
+    LossSettings,
+    aggregate,
+    entropy_from_logits,
+    kl_estimate,
+    policy_loss,
+    tis_weights,
+    token_logprobs,
+)
 from reflow.rl.types import RolloutBatch, to_train_tensors
 
 # Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
@@ -63,79 +73,62 @@ class TrainerRank(DeepSpeedRank):
     """One policy rank (PPO-clip updates, weight pushes). Collective methods must be called on every
     rank together; the DeepSpeed plumbing shared with the critic is in `reflow.engines.train.ds_rank`."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str, *,
-                 zero_stage: int, precision: str, lr: float, lr_schedule: str, warmup_steps: int,
-                 total_steps: int, weight_decay: float, grad_clip: float, micro_batch_size: int, threads: int,
-                 seed: int, ref_model_path: str | None = None, backend: str = "gloo",
-                 zero3_param_persistence_threshold: int = 100_000):
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int, model_path: str,
+                 settings: RankSettings, ref_model_path: str | None = None):
         t0 = time.perf_counter()
-        lr_multiplier(0, lr_schedule, warmup_steps, total_steps)  # fail fast on a bad schedule name
-        self.zero_stage, self.model_path = zero_stage, model_path
-        self.micro_batch_size, self.precision = micro_batch_size, precision
-        self._start(rank, world_size, master_addr, master_port, backend, threads, seed)
-        cfg = ds_config(zero_stage, precision, grad_clip, micro_batch_size, world_size,
-                        zero3_param_persistence_threshold)
-        self._build_engine(load_causal_lm(model_path, dtype=precision), cfg, lr, weight_decay,
-                           lambda s: lr_multiplier(s, lr_schedule, warmup_steps, total_steps))
+        s = settings
+        lr_multiplier(0, s.lr_schedule, s.warmup_steps, s.total_steps)  # fail fast on a bad schedule name
+        self.zero_stage, self.model_path = s.zero_stage, model_path
+        self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
+        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
+        cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
+                        s.zero3_param_persistence_threshold)
+        self._build_engine(load_causal_lm(model_path, dtype=s.precision), cfg, s.lr, s.weight_decay,
+                           lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
         self.ref_model = None
         if ref_model_path is not None:
-            self.ref_model = load_causal_lm(ref_model_path, dtype=precision).to(self.engine.device)
+            self.ref_model = load_causal_lm(ref_model_path, dtype=s.precision).to(self.engine.device)
             self.ref_model.eval().requires_grad_(False)
         self.init_time_s = time.perf_counter() - t0
 
     # ---------------------------------------------------------------- training
 
-    def train_iteration(self, batch: RolloutBatch, *, minibatches: int, temperature: float, clip_eps_low: float,
-                        clip_eps_high: float, kl_coef: float, kl_estimator: str, entropy_coef: float,
-                        loss_agg: str, pad_id: int, dual_clip_c: float | None = None,
-                        tis_cap: float | None = None, ratio_level: str = "token",
-                        loss_norm_len: int | None = None, kl_in_reward: float = 0.0) -> dict[str, float]:
+    def train_iteration(self, batch: RolloutBatch, *, minibatches: int, pad_id: int, loss: LossSettings,
+                        algorithm: AlgorithmBase | None = None) -> dict[str, float]:
         """Recompute old (and ref) logprobs, then one optimizer step per mini-batch. Collective.
 
-        Loss options are those of `reflow.rl.losses.policy_loss`; `kl_in_reward` > 0 turns the batch's
-        per-sequence scores into token-level REINFORCE++ advantages first (`_kl_reward_advantages`).
+        `loss`: the options of `reflow.rl.losses.policy_loss` plus KL and entropy terms. `algorithm`
+        (default: none) finishes the batch's advantages here when its spec says so (REINFORCE++ with
+        KL in the reward: per-sequence scores -> token-level advantages after the reference pass).
         """
         t0 = time.perf_counter()
         self.iteration += 1
-        if (kl_coef > 0 or kl_in_reward > 0) and self.ref_model is None:
+        finish = algorithm.spec.finish_advantages if algorithm is not None and algorithm.kl_reward_coef > 0 else None
+        need_ref = loss.kl_coef > 0 or finish is not None
+        if need_ref and self.ref_model is None:
             raise ValueError("kl_coef > 0 or kl_in_reward > 0 needs a reference model: create the trainer "
                              "with ref_model_path")
-        if kl_in_reward > 0 and not batch.extra.get("advantages_are_scores"):
+        if finish is not None and not batch.extra.get("advantages_are_scores"):
             raise ValueError("kl_in_reward > 0 needs per-sequence scores from the rollout stage "
-                             "(advantages computed with kl_in_reward=True), not finished advantages")
+                             "(advantages computed with kl_in_reward > 0), not finished advantages")
         shard = self._shard(batch, minibatches, pad_id)
         acc = dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0)
         acc["neg_ratio_min"] = -math.inf
-        self._old_logprobs(shard, temperature, need_ref=kl_coef > 0 or kl_in_reward > 0, acc=acc)
-        kl_reward = self._kl_reward_advantages(shard, kl_in_reward, kl_estimator) if kl_in_reward > 0 else {}
+        self._old_logprobs(shard, loss.temperature, need_ref=need_ref, acc=acc)
+        finished = finish(shard, algorithm, dist.all_reduce) if finish is not None else {}
         acc["old_logprob_time_s"] = time.perf_counter() - t0
-        hp = dict(temperature=temperature, clip_eps_low=clip_eps_low, clip_eps_high=clip_eps_high,
-                  kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef, loss_agg=loss_agg,
-                  dual_clip_c=dual_clip_c, tis_cap=tis_cap, ratio_level=ratio_level, loss_norm_len=loss_norm_len)
         m = shard["input_ids"].shape[0] // minibatches
         minis = [{k: v[i * m:(i + 1) * m] for k, v in shard.items()} for i in range(minibatches)]
-        units = torch.stack([_units(mb["loss_mask"], loss_agg) for mb in minis]).double()  # [minibatches]
+        units = torch.stack([_units(mb["loss_mask"], loss.loss_agg) for mb in minis]).double()  # [minibatches]
         dist.all_reduce(units)
         grad_norms, lrs = [], []
         for k, mb in enumerate(minis):
             lrs.append(self.scheduler.get_last_lr()[0])
-            grad_norms.append(self._train_minibatch(mb, float(units[k]), k, minibatches, hp, acc))
+            grad_norms.append(self._train_minibatch(mb, float(units[k]), k, minibatches, loss, acc))
         acc["step_time_s"] = time.perf_counter() - t0
         out = self._reduce_metrics(acc, minibatches)
-        out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)), **kl_reward)
+        out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)), **finished)
         return out
-
-    def _kl_reward_advantages(self, shard: dict, coef: float, kl_estimator: str) -> dict[str, float]:
-        """Replace the per-sequence scores in `shard["advantages"]` [B] by REINFORCE++ token-level
-        advantages [B, T-1]: returns of score - coef * KL_t (KL of the old policy against the
-        reference), whitened over the response tokens of *all* ranks. Collective."""
-        mask = shard["loss_mask"]  # [B, T-1]
-        kl = kl_estimate(shard["old_logprobs"], shard["ref_logprobs"], kl_estimator)  # [B, T-1]
-        returns = kl_shaped_returns(shard["advantages"], kl, mask, coef)  # [B, T-1]
-        m = torch.cat([moments(returns, mask), moments(kl, mask)[1:2]])  # [4]: n, sum, sum sq, kl sum
-        dist.all_reduce(m)
-        shard["advantages"] = whiten_from_moments(returns, mask, m[:3])  # [B, T-1]
-        return {"kl_in_reward_mean": float(m[3] / m[0]) if m[0] > 0 else 0.0}
 
     def _shard(self, batch: RolloutBatch, minibatches: int, pad_id: int) -> dict[str, torch.Tensor]:
         n, W = len(batch), self.world_size
@@ -176,31 +169,31 @@ class TrainerRank(DeepSpeedRank):
         acc["mismatch_tokens"] += float(diff.numel())
         acc["logprob_mismatch_max"] = max(acc["logprob_mismatch_max"], float(diff.max()) if diff.numel() else 0.0)
 
-    def _train_minibatch(self, mb: dict, units_global: float, k: int, n_minis: int, hp: dict, acc: dict) -> float:
+    def _train_minibatch(self, mb: dict, units_global: float, k: int, n_minis: int, loss: LossSettings,
+                         acc: dict) -> float:
         """Accumulate gradients over the micro-batches of mini-batch k, then one step. Returns grad norm."""
         micros = [_rows(mb, s, e) for s, e in self._micro_slices(mb["input_ids"].shape[0])]
-        return self._accumulate_and_step(micros, lambda m: self._micro_loss(m, units_global, hp, acc), k, n_minis)
+        return self._accumulate_and_step(micros, lambda m: self._micro_loss(m, units_global, loss, acc), k, n_minis)
 
-    def _micro_loss(self, mb: dict, units_global: float, hp: dict, acc: dict) -> torch.Tensor:
+    def _micro_loss(self, mb: dict, units_global: float, hp: LossSettings, acc: dict) -> torch.Tensor:
         """pg + kl_coef * kl - entropy_coef * entropy of one micro-batch, scaled for the global mean."""
-        agg = hp["loss_agg"]
+        agg, norm_len = hp.loss_agg, hp.loss_norm_len
         logits = self._logits(self.engine, mb)  # [b, L-1, V]
         labels, mask = mb["input_ids"][:, 1:], mb["loss_mask"]  # [b, L-1]
-        logp = token_logprobs(logits, labels, hp["temperature"])  # [b, L-1]
-        norm_len = hp["loss_norm_len"]
-        isw = tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, hp["tis_cap"]) \
-            if hp["tis_cap"] is not None else None  # [b, L-1]
-        pg, pm = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp["clip_eps_low"],
-                             hp["clip_eps_high"], agg, norm_len=norm_len, dual_clip_c=hp["dual_clip_c"],
-                             is_weights=isw, ratio_level=hp["ratio_level"])
-        kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp["kl_estimator"]), mask, agg, norm_len) \
-            if hp["kl_coef"] > 0 else torch.zeros(())
+        logp = token_logprobs(logits, labels, hp.temperature)  # [b, L-1]
+        isw = tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, hp.tis_cap) \
+            if hp.tis_cap is not None else None  # [b, L-1]
+        pg, pm = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp.clip_eps_low,
+                             hp.clip_eps_high, agg, norm_len=norm_len, dual_clip_c=hp.dual_clip_c,
+                             is_weights=isw, ratio_level=hp.ratio_level)
+        kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp.kl_estimator), mask, agg, norm_len) \
+            if hp.kl_coef > 0 else torch.zeros(())
         # The entropy of the distribution actually trained on: logits / T (T ~ 0 means untempered,
         # as token_logprobs does). Without a bonus it is only a metric, so no graph is kept.
-        t = hp["temperature"] if hp["temperature"] > 1e-6 else 1.0
-        with torch.set_grad_enabled(hp["entropy_coef"] > 0):
+        t = hp.temperature if hp.temperature > 1e-6 else 1.0
+        with torch.set_grad_enabled(hp.entropy_coef > 0):
             ent = aggregate(entropy_from_logits(logits / t), mask, agg, norm_len)
-        total = pg + hp["kl_coef"] * kl - hp["entropy_coef"] * ent
+        total = pg + hp.kl_coef * kl - hp.entropy_coef * ent
         # This micro-batch's share of the global mini-batch aggregate (see the module docstring).
         share = float(_units(mask, agg)) / max(units_global, 1.0)
         for key, v in (("loss", total), ("pg_loss", pg), ("kl", kl), ("entropy", ent)):
@@ -236,10 +229,8 @@ class TrainerRank(DeepSpeedRank):
 
     # ---------------------------------------------------------------- weights
 
-    def push_weights(self, urls: list[str], version: str, bucket_bytes: int, verify: str, verify_sample: int,
-                     mode: str = "tensor", verify_atol: float = 0.0, disk_dir: str | None = None,
-                     backend: str = "gloo", verify_rows: int | None = None) -> dict:
-        """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, `mode`
+    def push_weights(self, urls: list[str], version: str, settings: PushSettings) -> dict:
+        """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, mode
         tensor|distributed|disk) and returns the report. Collective."""
         named = self._gathered(keep=self.rank == 0)
         if self.rank != 0:
@@ -250,11 +241,10 @@ class TrainerRank(DeepSpeedRank):
         from reflow.engines.weights.push import publish_folder, push_weights
 
         path = None
-        if mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
-            path = publish_folder(lambda out: self._write_hf(named, out), disk_dir, version)
-        return push_weights([EngineClient(u) for u in urls], named, version, bucket_bytes, verify, verify_sample,
-                            mode=mode, verify_atol=verify_atol, model_path=path,
-                            master_address=ray.util.get_node_ip_address(), backend=backend, verify_rows=verify_rows)
+        if settings.mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
+            path = publish_folder(lambda out: self._write_hf(named, out), settings.disk_dir, version)
+        return push_weights([EngineClient(u) for u in urls], named, version, settings, model_path=path,
+                            master_address=ray.util.get_node_ip_address())
 
     def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
         self.engine.module.save_pretrained(out, state_dict=dict(named))

@@ -36,6 +36,7 @@ import torch
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import release, serialize_bucket
+from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
 
 log = logging.getLogger(__name__)
 _FLUSH_RETRIES = 20
@@ -254,32 +255,33 @@ def update_window(clients: list[EngineClient], pause_mode: str = "abort", sessio
 MODES = ("tensor", "distributed", "disk")
 
 
-def push_weights(clients: list[EngineClient], named_tensors: Named, version: str, bucket_bytes: int = 512 << 20,
-                 verify: str = "full", verify_sample: int = 4, pause_mode: str = "abort", *, mode: str = "tensor",
-                 verify_atol: float = 0.0, model_path: str | None = None, master_address: str = "127.0.0.1",
-                 backend: str = "gloo", verify_rows: int | None = None) -> dict:
+def push_weights(clients: list[EngineClient], named_tensors: Named, version: str,
+                 settings: PushSettings = DEFAULT_PUSH, *, model_path: str | None = None,
+                 master_address: str = "127.0.0.1") -> dict:
     """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
 
-    mode: "tensor" (shared-memory / CUDA IPC buckets), "distributed" (a broadcast group with this
-    process as rank 0 at `master_address`, `backend` gloo|nccl) or "disk" (engines reload
+    settings.mode: "tensor" (shared-memory / CUDA IPC buckets), "distributed" (a broadcast group
+    with this process as rank 0 at `master_address`, backend gloo|nccl) or "disk" (engines reload
     `model_path`, which the caller has written; SGLang needs no session for it).
     """
-    if verify not in ("full", "sample", "off"):
-        raise ValueError(f"verify must be 'full', 'sample' or 'off', got {verify!r}")
-    if mode not in MODES:
-        raise ValueError(f"weight push mode must be one of {MODES}, got {mode!r}")
-    if mode == "disk" and not model_path:
+    s = settings
+    if s.verify not in ("full", "sample", "off"):
+        raise ValueError(f"verify must be 'full', 'sample' or 'off', got {s.verify!r}")
+    if s.mode not in MODES:
+        raise ValueError(f"weight push mode must be one of {MODES}, got {s.mode!r}")
+    if s.mode == "disk" and not model_path:
         raise ValueError("mode='disk' needs model_path: the HF folder (or URL) the trainer saved")
     t0 = time.perf_counter()
-    with update_window(clients, pause_mode, session=mode != "disk"):
-        if mode == "tensor":
-            buckets = _send_buckets(clients, named_tensors, bucket_bytes, version)
-        elif mode == "distributed":
-            buckets = _send_distributed(clients, named_tensors, bucket_bytes, version, master_address, backend)
+    with update_window(clients, s.pause_mode, session=s.mode != "disk"):
+        if s.mode == "tensor":
+            buckets = _send_buckets(clients, named_tensors, s.bucket_bytes, version)
+        elif s.mode == "distributed":
+            buckets = _send_distributed(clients, named_tensors, s.bucket_bytes, version, master_address, s.backend)
         else:
             buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
-    verified = verify_weights(clients, named_tensors, version, verify, verify_sample, verify_atol, verify_rows)
+    verified = verify_weights(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol,
+                              s.verify_rows)
     return {"bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
             "buckets": buckets, "engines": len(clients), "verified_tensors": verified,
             "verify_seconds": time.perf_counter() - t0 - seconds}

@@ -1,43 +1,56 @@
-"""Advantage estimators, one module each, chosen by `algorithm.type` (see docs/ALGORITHMS.md).
+"""Algorithms, one module each, chosen by `algorithm.type` (see docs/ALGORITHMS.md).
 
-`sequence_advantages` is the single dispatch point the rollout stage calls: every estimator here
-that works from sequence rewards returns one value per sample [N]. Token-level estimators run
-where their inputs live: REINFORCE++ with KL in the reward needs reference logprobs, so the
-trainer finishes it (`reinforce_pp.kl_shaped_returns`); GAE (`gae.py`, algorithm.type=ppo) needs the
-critic's values, so `reflow.engines.train.critic.gae_batch` runs it after the critic's pass.
+Each module exports a `SPEC` (`base.AlgorithmSpec`: its config class, its advantage function,
+whether it needs a critic, token or sequence ratio, whether KL can go into the reward) and its
+config class. `AlgorithmConfig` is the union of those configs, told apart by `type`, so an
+option of another algorithm is refused by validation. The rest of reflow reads
+`cfg.algorithm.spec`; nothing outside this package compares `algorithm.type` to a name.
+
+Where advantages are computed: every spec's `advantages(batch, cfg)` runs in the rollout stage on
+the whole batch (PPO's needs the critic's values, so it runs after the critic's pass); REINFORCE++
+with KL in the reward leaves per-sequence scores there, which the trainer finishes with the spec's
+`finish_advantages` after its reference pass.
 """
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Any
 
-from torch import Tensor
+from pydantic import Discriminator, Tag
 
-from reflow.rl.algorithms.grpo import grpo_advantages
-from reflow.rl.algorithms.reinforce_pp import reinforce_pp_advantages, reinforce_pp_scores
-from reflow.rl.algorithms.rloo import rloo_advantages
+from reflow.rl.algorithms import grpo, gspo, ppo, reinforce_pp, rloo
+from reflow.rl.algorithms.base import AlgorithmBase, AlgorithmSpec
+from reflow.rl.algorithms.grpo import GRPOConfig
+from reflow.rl.algorithms.gspo import GSPOConfig
+from reflow.rl.algorithms.ppo import PPOConfig
+from reflow.rl.algorithms.reinforce_pp import ReinforcePPBaselineConfig, ReinforcePPConfig
+from reflow.rl.algorithms.rloo import RLOOConfig
 
-AlgorithmType = Literal["grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo", "ppo"]
-KL_IN_REWARD_TYPES = ("reinforce_pp", "reinforce_pp_baseline")
-PPO_IS_TOKEN_LEVEL = ("algorithm.type=ppo is token-level: GAE over the critic's values "
-                      "(reflow.engines.train.critic.gae_batch after the critic's pass), not a sequence-level estimator")
+SPECS: dict[str, AlgorithmSpec] = {s.name: s for s in (grpo.SPEC, rloo.SPEC, reinforce_pp.SPEC,
+                                                       reinforce_pp.BASELINE_SPEC, gspo.SPEC, ppo.SPEC)}
+DEFAULT_TYPE = "grpo"
 
 
-def sequence_advantages(kind: str, rewards: Tensor, group_index: Tensor, lengths: Tensor, *,
-                        normalize_std: bool = True, kl_in_reward: bool = False) -> Tensor:
-    """rewards [N], group_index [N], lengths [N] (response tokens) -> [N].
+def _type_of(value: Any) -> str:
+    """The `type` of a config dict (default grpo) or model. An unknown one is returned as is, and
+    pydantic's error lists the known tags."""
+    return str(value.get("type", DEFAULT_TYPE) if isinstance(value, dict) else getattr(value, "type", ""))
 
-    With `kl_in_reward` (REINFORCE++ types only) the result is the per-sequence *score* that the
-    trainer turns into token-level advantages after its reference pass, not an advantage.
-    """
-    if kind in ("grpo", "gspo"):  # GSPO changes the ratio, not the advantage
-        return grpo_advantages(rewards, group_index, normalize_std=normalize_std)
-    if kind == "rloo":
-        return rloo_advantages(rewards, group_index)
-    if kind in KL_IN_REWARD_TYPES:
-        baseline = kind == "reinforce_pp_baseline"
-        if kl_in_reward:
-            return reinforce_pp_scores(rewards, group_index, baseline).float()
-        return reinforce_pp_advantages(rewards, group_index, lengths, baseline)
-    if kind == "ppo":
-        raise ValueError(PPO_IS_TOKEN_LEVEL)
-    raise ValueError(f"unknown algorithm.type {kind!r}; expected one of {get_args(AlgorithmType)}")
+
+AlgorithmConfig = Annotated[
+    Annotated[GRPOConfig, Tag("grpo")] | Annotated[RLOOConfig, Tag("rloo")]
+    | Annotated[ReinforcePPConfig, Tag("reinforce_pp")]
+    | Annotated[ReinforcePPBaselineConfig, Tag("reinforce_pp_baseline")]
+    | Annotated[GSPOConfig, Tag("gspo")] | Annotated[PPOConfig, Tag("ppo")],
+    Discriminator(_type_of),
+]
+
+__all__ = ["SPECS", "AlgorithmBase", "AlgorithmConfig", "AlgorithmSpec", "GRPOConfig", "GSPOConfig", "PPOConfig",
+           "RLOOConfig", "ReinforcePPBaselineConfig", "ReinforcePPConfig", "algorithm_config"]
+
+
+def algorithm_config(**fields: Any) -> AlgorithmBase:
+    """The config of `fields["type"]` (default grpo), validated: for code and tests that build one."""
+    kind = _type_of(fields)
+    if kind not in SPECS:
+        raise ValueError(f"unknown algorithm.type {kind!r}; expected one of {list(SPECS)}")
+    return SPECS[kind].config(**fields)

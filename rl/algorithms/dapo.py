@@ -11,6 +11,8 @@ stays fixed; their advantages are 0, so they only dilute a token-mean normaliser
 """
 from __future__ import annotations
 
+from typing import Any
+
 from reflow.rl.types import RolloutBatch
 
 
@@ -29,6 +31,8 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float) -> f
 
 def groups_with_spread(batch: RolloutBatch) -> tuple[list[int], list[int]]:
     """(group ids whose rewards are not all equal, group ids whose rewards are), in batch order."""
+    if batch.rewards is None:
+        raise ValueError("dynamic sampling needs batch.rewards: score the batch first")
     by_group: dict[int, list[float]] = {}
     for g, r in zip(batch.group_index, batch.rewards):
         by_group.setdefault(g, []).append(r)
@@ -51,7 +55,8 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
     for b in batches:
         gi += [g + offset for g in b.group_index]
         offset += b.n_groups
-    def cat(name):
+
+    def cat(name: str) -> list[Any] | None:
         return None if getattr(first, name) is None else [x for b in batches for x in getattr(b, name)]
 
     fields = ("prompt_text", "prompt_ids", "response_text", "response_ids", "rollout_logprobs",

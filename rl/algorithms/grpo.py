@@ -12,8 +12,13 @@ equal get advantage exactly 0 (no signal), never NaN and never eps-amplified rou
 """
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
+from pydantic import Field
 from torch import Tensor
+
+from reflow.rl.algorithms.base import AlgorithmBase, AlgorithmSpec, sequence_level
 
 
 def group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -48,3 +53,15 @@ def grpo_advantages(rewards: Tensor, group_index: Tensor, normalize_std: bool = 
     adv = centred / (std + eps) if normalize_std else centred  # [N]
     adv = torch.where(flat, torch.zeros_like(adv), adv)
     return adv.to(out_dtype(rewards))
+
+
+class GRPOConfig(AlgorithmBase):
+    type: Literal["grpo"] = "grpo"
+    normalize_std: bool = Field(True, description="Divide by the group's reward std (False = Dr.GRPO).")
+
+
+def _estimate(rewards: Tensor, group_index: Tensor, lengths: Tensor, cfg: Any) -> Tensor:
+    return grpo_advantages(rewards, group_index, normalize_std=cfg.normalize_std)
+
+
+SPEC = AlgorithmSpec(name="grpo", config=GRPOConfig, advantages=sequence_level(_estimate))

@@ -11,8 +11,14 @@ per-sequence terms differently (documented in docs/ALGORITHMS.md). Pure torch.
 """
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
+from pydantic import Field
 from torch import Tensor
+
+from reflow.rl.algorithms import grpo
+from reflow.rl.algorithms.base import AlgorithmBase, AlgorithmSpec
 
 
 def gspo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tensor:
@@ -26,3 +32,12 @@ def gspo_log_ratio(logprobs: Tensor, old_logprobs: Tensor, mask: Tensor) -> Tens
     n = m.sum(-1, keepdim=True).clamp_min(1).to(logprobs.dtype)  # [B, 1]
     seq = diff.sum(-1, keepdim=True) / n  # [B, 1] mean token log-ratio = log s_i
     return seq.detach() + logprobs - logprobs.detach()  # [B, T]
+
+
+class GSPOConfig(AlgorithmBase):
+    type: Literal["gspo"] = "gspo"
+    normalize_std: bool = Field(True, description="Divide by the group's reward std, as GRPO (False = Dr.GRPO's advantages).")
+
+
+# GSPO changes the ratio, not the advantage: GRPO's estimator, on GSPO's config (its normalize_std).
+SPEC = AlgorithmSpec(name="gspo", config=GSPOConfig, advantages=grpo.SPEC.advantages, ratio_level="sequence")

@@ -16,9 +16,14 @@ Departure: gamma is fixed at 1 (the paper's value); samples without tokens get a
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Literal
+
 import torch
+from pydantic import Field
 from torch import Tensor
 
+from reflow.rl.algorithms.base import AlgorithmBase, AlgorithmSpec, Stats, sequence_level
 from reflow.rl.algorithms.grpo import group_stats, out_dtype
 
 WHITEN_EPS = 1e-8
@@ -73,3 +78,49 @@ def kl_shaped_returns(scores: Tensor, kl: Tensor, mask: Tensor, kl_coef: float) 
     future_kl = pen.flip(-1).cumsum(-1).flip(-1)  # [B, T] sum_{s >= t} KL_s
     g = scores.double().unsqueeze(-1) - kl_coef * future_kl  # [B, T]
     return torch.where(m, g, torch.zeros_like(g))
+
+
+class ReinforcePPConfig(AlgorithmBase):
+    type: Literal["reinforce_pp"] = "reinforce_pp"
+    kl_in_reward: float = Field(0.0, ge=0.0, description="Weight beta of the per-token KL penalty folded into the reward (estimated with kl_estimator between the old policy and the reference); 0 disables it.")
+
+    @property
+    def kl_reward_coef(self) -> float:
+        return self.kl_in_reward
+
+
+class ReinforcePPBaselineConfig(ReinforcePPConfig):
+    type: Literal["reinforce_pp_baseline"] = "reinforce_pp_baseline"  # type: ignore[assignment]
+
+
+def _estimator(baseline: bool) -> Callable[[Tensor, Tensor, Tensor, Any], Tensor]:
+    def estimate(rewards: Tensor, group_index: Tensor, lengths: Tensor, cfg: Any) -> Tensor:
+        """Whitened advantages [N]; with KL in the reward, the scores `finish_in_trainer` finishes."""
+        if cfg.kl_reward_coef > 0:
+            return reinforce_pp_scores(rewards, group_index, baseline).float()
+        return reinforce_pp_advantages(rewards, group_index, lengths, baseline)
+
+    return estimate
+
+
+def finish_in_trainer(shard: dict[str, Tensor], cfg: Any, all_reduce: Callable[[Tensor], Any]) -> Stats:
+    """Replace the per-sequence scores in `shard["advantages"]` [B] by token-level advantages
+    [B, T-1]: returns of score - beta * KL_t (KL of the old policy against the reference, both in the
+    shard after the trainer's logprob pass), whitened over the response tokens of *all* ranks
+    (`all_reduce` sums the moments in place)."""
+    from reflow.rl.losses import kl_estimate  # rl.losses imports this package (GSPO's ratio)
+
+    mask = shard["loss_mask"]  # [B, T-1]
+    kl = kl_estimate(shard["old_logprobs"], shard["ref_logprobs"], cfg.kl_estimator)  # [B, T-1]
+    returns = kl_shaped_returns(shard["advantages"], kl, mask, cfg.kl_reward_coef)  # [B, T-1]
+    m = torch.cat([moments(returns, mask), moments(kl, mask)[1:2]])  # [4]: n, sum, sum sq, kl sum
+    all_reduce(m)
+    shard["advantages"] = whiten_from_moments(returns, mask, m[:3])  # [B, T-1]
+    return {"kl_in_reward_mean": float(m[3] / m[0]) if m[0] > 0 else 0.0}
+
+
+SPEC = AlgorithmSpec(name="reinforce_pp", config=ReinforcePPConfig, advantages=sequence_level(_estimator(False)),
+                     kl_in_reward=True, finish_advantages=finish_in_trainer)
+BASELINE_SPEC = AlgorithmSpec(name="reinforce_pp_baseline", config=ReinforcePPBaselineConfig,
+                              advantages=sequence_level(_estimator(True)), kl_in_reward=True,
+                              finish_advantages=finish_in_trainer)

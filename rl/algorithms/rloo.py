@@ -7,9 +7,12 @@ rather than undefined. All-equal groups give exactly 0 (the fp64 centring cancel
 """
 from __future__ import annotations
 
+from typing import Any, Literal
+
 import torch
 from torch import Tensor
 
+from reflow.rl.algorithms.base import AlgorithmBase, AlgorithmSpec, sequence_level
 from reflow.rl.algorithms.grpo import group_stats, out_dtype
 
 
@@ -21,3 +24,14 @@ def rloo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
     adv = centred * count / (count - 1).clamp_min(1.0)  # [N]
     adv = torch.where(flat | (count < 2), torch.zeros_like(adv), adv)
     return adv.to(out_dtype(rewards))
+
+
+class RLOOConfig(AlgorithmBase):
+    type: Literal["rloo"] = "rloo"
+
+
+def _estimate(rewards: Tensor, group_index: Tensor, lengths: Tensor, cfg: Any) -> Tensor:
+    return rloo_advantages(rewards, group_index)
+
+
+SPEC = AlgorithmSpec(name="rloo", config=RLOOConfig, advantages=sequence_level(_estimate))

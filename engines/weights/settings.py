@@ -1,0 +1,24 @@
+"""Parameter object of a weight push: built once from the run config (`reflow.infra.settings`)
+and passed down whole, from the push task through the trainer ranks to `push.push_weights`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass(frozen=True)
+class PushSettings:
+    """How weights travel to the engines and how the result is checked (`WeightSyncConfig`)."""
+
+    mode: Literal["tensor", "distributed", "disk"] = "tensor"
+    bucket_bytes: int = 512 << 20
+    verify: Literal["full", "sample", "off"] = "full"
+    verify_sample: int = 4  # tensors compared when verify=sample
+    verify_rows: int | None = None  # first rows of each sampled tensor; None = whole tensors
+    verify_atol: float = 0.0  # 0 = bit-exact
+    backend: Literal["gloo", "nccl"] = "gloo"  # mode=distributed: the broadcast group's backend
+    disk_dir: str | None = None  # mode=disk: where the versioned HF folders go (default: a local temp dir)
+    pause_mode: str = "abort"  # what engines do with in-flight requests during the update
+
+
+DEFAULT_PUSH = PushSettings()

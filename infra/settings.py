@@ -1,0 +1,47 @@
+"""The parameter objects of the engines and the loss, built once from a run config and passed down
+whole (the run config itself stays on the driver)."""
+from __future__ import annotations
+
+from reflow.engines.train.settings import RankSettings
+from reflow.engines.weights.settings import PushSettings
+from reflow.infra.config import RunConfig
+from reflow.rl.losses import LossSettings
+
+
+def loss_settings(cfg: RunConfig) -> LossSettings:
+    """The policy loss of `cfg.algorithm`, at the rollout's temperature."""
+    a = cfg.algorithm
+    return LossSettings(
+        temperature=cfg.rollout.temperature, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
+        kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
+        loss_norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens, dual_clip_c=a.dual_clip_c,
+        tis_cap=a.tis_cap, ratio_level=a.spec.ratio_level)
+
+
+def total_steps(cfg: RunConfig) -> int:
+    """Optimizer steps a decaying schedule spans: the hint, else the whole run's."""
+    t = cfg.trainer
+    return t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
+
+
+def policy_rank_settings(cfg: RunConfig) -> RankSettings:
+    t = cfg.trainer
+    return RankSettings(
+        zero_stage=t.zero_stage, precision=t.precision, lr=t.lr, lr_schedule=t.lr_schedule,
+        warmup_steps=t.warmup_steps, total_steps=total_steps(cfg), weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed)
+
+
+def critic_rank_settings(cfg: RunConfig) -> RankSettings:
+    """The trainer's ZeRO stage, precision, clip and threads; the critic's own constant lr and micro-batch."""
+    t, c = cfg.trainer, cfg.critic
+    return RankSettings(
+        zero_stage=t.zero_stage, precision=t.precision, lr=c.lr, weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
+        threads=t.threads_per_rank, seed=cfg.seed)
+
+
+def push_settings(cfg: RunConfig) -> PushSettings:
+    w = cfg.weight_sync
+    return PushSettings(mode=w.mode, bucket_bytes=w.bucket_mb << 20, verify=w.verify, verify_sample=w.verify_sample,
+                        verify_rows=w.verify_rows, verify_atol=w.verify_atol, backend=w.backend, disk_dir=w.disk_dir)
