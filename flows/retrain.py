@@ -25,7 +25,7 @@ from pydantic import Field
 from reflow.flows.train import train
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import promotion as pm
-from reflow.infra.config import FlowConfig, RunConfig, resolve_config
+from reflow.infra.config import FlowConfig, Location, RunConfig, resolve_config
 from reflow.tasks.checkpoint import experiment_store
 from reflow.tasks.report import artifact_key
 from reflow.tasks.retrain import take_new_data
@@ -48,7 +48,7 @@ def _report(cfg: RunConfig, run: str, d: pm.Decision | None, lines: list[str]) -
 
 
 @flow(name="retrain", flow_run_name="{config.experiment}-retrain", log_prints=True)
-def retrain(config: FlowConfig, iterations: int = Field(10, ge=1), new_data: str | None = None,
+def retrain(config: FlowConfig, iterations: int = Field(10, ge=1), new_data: Location | None = None,
             metric: str = "heldout/pass@1", tolerance: float = Field(0.0, ge=0.0),
             release_cluster: bool | None = None) -> dict[str, object]:
     """Train `iterations` more from the latest checkpoint (on new data when `new_data` names a folder
@@ -74,8 +74,7 @@ def retrain(config: FlowConfig, iterations: int = Field(10, ge=1), new_data: str
     summary = train(cfg, release_cluster=release_cluster)
     step = start + int(summary["iterations"])
     champion = pm.read_champion(store)
-    baseline = champion["value"] if champion and champion.get("metric") == metric else None
-    d = pm.decide(pm.metric_of(summary["evals"], step, metric), baseline, tolerance, metric)
+    d = pm.against_champion(pm.metric_of(summary["evals"], step, metric), champion, tolerance, metric)
     url = ckpt.at_step(store, step).url
     if d.promote:
         pm.write_champion(store, url, step, d, run)
@@ -83,7 +82,7 @@ def retrain(config: FlowConfig, iterations: int = Field(10, ge=1), new_data: str
         pm.append_ledger(store, files, run)
     rec = pm.record_decision(store, run, d, {"checkpoint": url, "step": step, "data_files": files,
                                              "previous_champion": champion})
-    log.info("retrain %s: %s", run, d.reason)
+    (log.info if d.promote else log.warning)("retrain %s: %s", run, d.reason)
     _report(cfg, run, d, [d.reason, "", f"- candidate: `{url}` (policy version {step})",
                           f"- champion before: `{champion['checkpoint'] if champion else None}`",
                           f"- trained on: {', '.join(f['url'] for f in files) or 'the configured data'}",

@@ -2,10 +2,11 @@
 
     check storage -> find a checkpoint to resume from -> start cluster -> restore -> push weights
     -> eval (before training, fresh runs only)
-    for each iteration: one `iteration` flow run; save at `checkpoint.save_interval`, on the
-    sentinel file and at the end; eval every `eval.interval` and at the end (eval.blocking=false:
-    an eval overlaps the next iteration, its generation gating the next weight push; all are
-    recorded, in order, before the flow returns; see tasks/evaluate.py)
+    for each iteration: one `iteration` flow run; save at `checkpoint.save_interval`, every
+    `checkpoint.save_every_minutes` (default 10), on the sentinel file and at the end; eval every
+    `eval.interval` and at the end (eval.blocking=false: an eval overlaps the next iteration, its
+    generation gating the next weight push; all are recorded, in order, before the flow returns;
+    see tasks/evaluate.py)
 
 `num_iterations` is the run's total: a run resumed after k iterations runs iterations k..n-1.
 """
@@ -31,9 +32,13 @@ def _eval_due(config: RunConfig, done: int, last: int) -> bool:
     return done == last or (every is not None and done % every == 0)
 
 
-def _save_due(config: RunConfig, done: int, last: int) -> bool:
-    every = config.checkpoint.save_interval
-    return done == last or (every is not None and done % every == 0) or ckpt.sentinel_present(config.checkpoint.sentinel)
+def _save_due(config: RunConfig, done: int, last: int, minutes_since_save: float) -> bool:
+    """After the last iteration, every `save_interval` iterations, once `save_every_minutes` have passed
+    since the run's start or its last save, or when the sentinel file appears."""
+    c = config.checkpoint
+    return (done == last or (c.save_interval is not None and done % c.save_interval == 0)
+            or (c.save_every_minutes is not None and minutes_since_save >= c.save_every_minutes)
+            or ckpt.sentinel_present(c.sentinel))
 
 
 def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
@@ -81,11 +86,13 @@ def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, 
             last = min(last, start + config.debug_exit_after)
         history: list[dict[str, float]] = []
         progress = start_progress(config, start, config.num_iterations)
+        saved_at = time.monotonic()
         for i in range(start, last):
             m = iteration(config, i)
             update_progress(progress, i + 1, config.num_iterations)
-            if _save_due(config, i + 1, last):
+            if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60):
                 log.info("checkpoint: %s", save_checkpoint(config, i + 1))
+                saved_at = time.monotonic()
                 if ckpt.sentinel_present(config.checkpoint.sentinel):
                     ckpt.remove_sentinel(config.checkpoint.sentinel)
             if _eval_due(config, i + 1, last):

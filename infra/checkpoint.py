@@ -16,6 +16,7 @@ tasks/checkpoint.py drives the trainer ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.storage import ExperimentStore, normalize_root
 
 log = logging.getLogger("reflow.checkpoint")
 ROOT = "checkpoints"
@@ -71,7 +72,7 @@ def from_url(url: str, like: ExperimentStore) -> Checkpoint:
     step = step_of(name)
     if not parent or step is None:
         raise CheckpointInvalid(f"resume={url!r} is not a checkpoint URL (expected …/checkpoints/iter_NNNNNN)")
-    store = ExperimentStore.open(parent, name, like.endpoint_url, like.retries, like.backoff_s)
+    store = dataclasses.replace(like, root=normalize_root(parent), experiment=name)  # every setting of `like`
     return Checkpoint(store, "", step)
 
 

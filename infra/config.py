@@ -12,10 +12,32 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
+from reflow.infra.guards import SEGMENT_PATTERN, check_segment, credential_problem, credentials_message
 from reflow.rl.algorithms import SPECS, AlgorithmConfig, GRPOConfig
 from reflow.rl.algorithms.base import StrictModel as _Strict
+
+CREDENTIALS = "credentials_in_url"  # the pydantic error type of a value that embeds credentials
+
+
+def _segment(name: str) -> str:
+    return check_segment(name, "name")
+
+
+def _credential_free(location: str) -> str:
+    problem = credential_problem(location)
+    if problem is not None:
+        raise ValueError(credentials_message("this location", problem))
+    return location
+
+
+# A name that becomes one folder of a storage path (infra/guards.py says why `..` and `a/b` are refused).
+# The pattern is for the JSON schema (Prefect's form); the validator gives the error that names the rule.
+PathSegment = Annotated[str, AfterValidator(_segment), Field(json_schema_extra={"pattern": SEGMENT_PATTERN})]
+# A path or URL given outside a RunConfig (a flow parameter); inside one, RunConfig checks every string.
+Location = Annotated[str, AfterValidator(_credential_free)]
 
 
 class ModelConfig(_Strict):
@@ -88,7 +110,7 @@ class WeightSyncConfig(_Strict):
     bucket_mb: int = Field(512, ge=1, description="Flattened bucket size of a tensor or distributed push.")
     mode: Literal["tensor", "distributed", "disk"] = Field("tensor", description="tensor: update_weights_from_tensor with IPC buckets (engines on the trainer's node/GPUs); distributed: a broadcast group + update_weights_from_distributed (engines on other GPUs); disk: the trainer writes HF safetensors, engines reload them.")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Process-group backend of mode=distributed: gloo on CPU, nccl between GPUs.")
-    disk_dir: str | None = Field(None, description="mode=disk: folder or storage URL (file://, s3://) the engines can read; a versioned subfolder is written per push. Default: a local temp folder (one node only).")
+    disk_dir: str | None = Field(None, description="mode=disk: folder or storage URL (file://, s3://) the engines can read. reflow writes only into its own subfolder `reflow-weight-push/` (one `v<version>` folder per push) and deletes only versions it wrote there. Default: a local temp folder (one node only).")
     verify_atol: float = Field(0.0, ge=0.0, description="Absolute tolerance of the weight check; 0 = bit-exact. Raise it for quantised engines (fp8/int4).")
 
 
@@ -104,12 +126,15 @@ class ClusterConfig(_Strict):
 class StorageConfig(_Strict):
     root: str = Field("file://./.reflow/runs", description="Where checkpoints, rollouts and metrics go (file:// or s3://bucket/prefix).")
     endpoint_url: str | None = Field(None, description="S3-compatible endpoint override (e.g. http://127.0.0.1:9000). Credentials come from the standard AWS chain (env, ~/.aws, instance role), never from this file.")
-    retries: int = Field(6, ge=0, le=20, description="Retries of one storage operation after a transient error (connection refused, timeout, 5xx).")
-    retry_backoff_s: float = Field(0.5, gt=0.0, le=60.0, description="Wait before the first retry; doubles on each further retry (capped at 30 s).")
+    retries: int = Field(10, ge=0, le=20, description="At most this many retries of one storage operation after a transient error (connection refused, timeout, 5xx); with the defaults, outage_budget_s ends the retrying first. Permanent errors (missing object, access denied, disk full, read-only filesystem) are never retried.")
+    retry_backoff_s: float = Field(0.5, gt=0.0, le=60.0, description="Wait before the first retry; doubles on each further retry (capped at 30 s, and cut short so that the last retry falls at the end of outage_budget_s).")
+    outage_budget_s: float = Field(60.0, gt=0.0, le=3600.0, description="How long one storage operation keeps retrying transient errors, counted from its first attempt: storage that is back within it costs time, not the run; past it the operation fails with a StorageError naming this setting. An attempt in flight is not cut short: a hung endpoint holds it as long as the S3 client waits (slow_call_warn_s makes that visible).")
+    slow_call_warn_s: float = Field(10.0, gt=0.0, description="Log a warning when one storage call has run this long (while it still runs, so a hung endpoint shows) and its duration when it ends.")
 
 
 class CheckpointConfig(_Strict):
     save_interval: int | None = Field(None, ge=1, description="Save every this many completed iterations; a checkpoint is always saved after the last iteration.")
+    save_every_minutes: float | None = Field(10.0, gt=0.0, description="Also save when this many minutes have passed since the run's start or its last save (checked after each iteration), so a crash loses at most about this much work; null: only save_interval, the sentinel and the last iteration.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept; older ones are deleted (never the one `latest` points to).")
     sentinel: str | None = Field(None, description="Path or URL of a file whose appearance requests a checkpoint after the current iteration; it is removed after the save.")
 
@@ -117,7 +142,7 @@ class CheckpointConfig(_Strict):
 class EvalSetConfig(_Strict):
     """One named eval set: where its prompts come from, how responses are sampled and scored."""
 
-    name: str = Field("heldout", pattern=r"^[A-Za-z0-9_.-]+$", description="Name of the set: its storage folder, artifact rows and plot curve.")
+    name: PathSegment = Field("heldout", description="Name of the set: its storage folder, artifact rows and plot curve.")
     source: str = Field("heldout", min_length=1, description="`heldout`: the task's held-out split (data.*); else a jsonl/parquet file path or URL (file://, s3://).")
     prompt_key: str | None = Field(None, description="Column holding the prompt text; default data.prompt_key.")
     label_key: str | None = Field(None, description="Column holding the ground truth; default data.label_key.")
@@ -158,7 +183,10 @@ class EvalConfig(_Strict):
 class RunConfig(_Strict):
     """One experiment: what to train, on what, how, and where results go."""
 
-    experiment: str = Field("demo", pattern=r"^[A-Za-z0-9_.-]+$", description="Experiment name: storage prefix and Ray namespace.")
+    # A root-level error's input is the whole config: pydantic's own message must not print a key in it.
+    model_config = ConfigDict(hide_input_in_errors=True)
+
+    experiment: PathSegment = Field("demo", description="Experiment name: storage prefix and Ray namespace.")
     seed: int = Field(0, ge=0, description="Global seed.")
     num_iterations: int = Field(20, ge=0, description="Total rollout iterations of the run (a target: a resumed run stops when this many iterations are done in total, not this many more).")
     resume: str = Field("auto", min_length=1, description="`auto`: continue from the latest committed checkpoint of the experiment (if any); `never`: start fresh (refused if the experiment already has checkpoints); or a checkpoint URL.")
@@ -200,6 +228,25 @@ class RunConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _no_credentials(self) -> RunConfig:
+        """Every string of the config (paths, URLs, endpoints, in any section) is saved in config.yaml and
+        in flow-run parameters: refuse one that embeds a key or a signature. The message names the field
+        and the part of the URL, never the secret."""
+        found = [credentials_message(field, problem) for field, value in _strings(self.model_dump())
+                 if (problem := credential_problem(value)) is not None]
+        if found:
+            raise PydanticCustomError(CREDENTIALS, "{message}", {"message": "\n  ".join(found)})
+        return self
+
+    @model_validator(mode="after")
+    def _check_colocate(self) -> RunConfig:
+        if self.cluster.colocate and self.rollout.backend == "sglang" and self.trainer.zero_stage == 0:
+            raise ValueError("cluster.colocate with SGLang engines (GPUs) needs trainer.zero_stage 1, 2 or 3: DeepSpeed "
+                             "offloads only ZeRO optimizer states, so with stage 0 the trainer's memory would stay "
+                             "on the GPUs the engines need")
+        return self
+
+    @model_validator(mode="after")
     def _check_batch(self) -> RunConfig:
         samples = self.rollout.prompts_per_iteration * self.rollout.n_samples_per_prompt
         per = self.trainer.num_ranks * self.trainer.minibatches_per_iteration
@@ -208,6 +255,14 @@ class RunConfig(_Strict):
                 f"rollout.prompts_per_iteration * rollout.n_samples_per_prompt = {samples} samples "
                 f"must divide evenly over trainer.num_ranks * trainer.minibatches_per_iteration = {per}")
         return self
+
+
+def _strings(node: Any, where: str = "") -> list[tuple[str, str]]:
+    """(dotted field, value) of every string in a dumped config; list items are numbered (`eval.sets.0.source`)."""
+    if isinstance(node, str):
+        return [(where, node)]
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    return [found for key, value in items for found in _strings(value, f"{where}.{key}" if where else str(key))]
 
 
 class ConfigError(ValueError):
@@ -226,16 +281,29 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     data = json.loads(json.dumps(data))  # deep copy
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key.sub=value (e.g. trainer.lr=1e-4)")
+            raise ConfigError(f"override {_shown(repr(item))} is not of the form key.sub=value (e.g. trainer.lr=1e-4)")
         key, raw = item.split("=", 1)
         node = data
         parts = key.strip().split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"override {item!r}: {p!r} is not a section")
+                raise ConfigError(f"override {_shown(repr(item))}: {p!r} is not a section")
         node[parts[-1]] = _parse_value(raw)
     return data
+
+
+def _echo(error: Any) -> str:
+    """` (got <input>)` for an error's message; nothing for a section, and never a value with credentials
+    (an unknown key or a wrongly typed value may hold a URL too)."""
+    if "input" not in error or isinstance(error["input"], dict):
+        return ""
+    return f" (got {_shown(repr(error['input']))})"
+
+
+def _shown(text: str) -> str:
+    """`text` for an error message, unless it holds credentials (a refused URL must not be echoed)."""
+    return "a value with credentials, not shown" if credential_problem(text) is not None else text
 
 
 def _format_errors(err: ValidationError, source: str) -> str:
@@ -244,9 +312,11 @@ def _format_errors(err: ValidationError, source: str) -> str:
         parts = [str(x) for x in e["loc"]]
         if parts[:1] == ["algorithm"] and len(parts) > 1 and parts[1] in SPECS:
             del parts[1]  # the union's tag: `algorithm.lam`, not `algorithm.ppo.lam`
+        if e["type"] == CREDENTIALS:  # the message names the field(s) itself
+            lines.append(f"  {e['msg']}")
+            continue
         loc = ".".join(parts) or "<root>"
-        got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-        lines.append(f"  {loc}: {e['msg']}{got}")
+        lines.append(f"  {loc}: {e['msg']}{_echo(e)}")
     return "\n".join(lines)
 
 
@@ -282,6 +352,8 @@ class ExperimentFile(_Strict):
     """An experiment YAML plus dotted overrides: the short form of a flow's `config` parameter, for
     `prefect deployment run` and the UI. Validated when the flow run starts: a bad file or override
     fails the run before anything starts, with the same message as the CLI."""
+
+    model_config = ConfigDict(hide_input_in_errors=True)  # the overrides may hold a refused URL
 
     file: str = Field("configs/demo.yaml", min_length=1, description="Experiment YAML, relative to the deployment's working directory (the repository).")
     overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides, e.g. [\"num_iterations=40\", \"trainer.lr=1e-5\"].")

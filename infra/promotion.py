@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import math
 import time
 from dataclasses import asdict, dataclass
 
@@ -18,6 +20,7 @@ import pandas as pd
 
 from reflow.infra.storage import ExperimentStore
 
+log = logging.getLogger("reflow.promotion")
 CHAMPION, LEDGER = "champion.json", "retrain/ledger.json"
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 
@@ -32,20 +35,49 @@ class Decision:
     tolerance: float
 
 
-def decide(candidate: float | None, champion: float | None, tolerance: float, metric: str) -> Decision:
+def decide(candidate: float | None, champion: float | None, tolerance: float, metric: str,
+           champion_metric: str | None = None) -> Decision:
     """Promote unless the candidate's metric falls more than `tolerance` below the champion's.
-    Higher is better (accuracy, pass@k, mean reward)."""
+    Higher is better (accuracy, pass@k, mean reward). `champion_metric`: the metric the champion was
+    chosen on, when there is one (default: `metric`); `champion` None with no `champion_metric` means
+    there is no champion yet. Every comparison with NaN is False, so without the finiteness checks a
+    NaN on either side would pass the regression test and promote."""
+    def refuse(reason: str) -> Decision:
+        log.warning("promotion refused: %s", reason)
+        return Decision(False, reason, metric, candidate, champion, tolerance)
+
     if candidate is None:
         return Decision(False, f"the candidate has no {metric!r} (no eval recorded it)", metric, None, champion, tolerance)
-    if champion is None:
+    if not math.isfinite(candidate):
+        return refuse(f"the candidate's {metric} is {candidate} (not finite): the eval failed or scored nothing; "
+                      f"nothing is promoted")
+    if champion is None and champion_metric is None:
         return Decision(True, "no champion yet: the first evaluated checkpoint becomes champion", metric,
                         candidate, None, tolerance)
+    if champion_metric is not None and champion_metric != metric:
+        return refuse(f"the champion was chosen on {champion_metric!r}, this gate compares {metric!r}: the values "
+                      f"are not comparable, so nothing is promoted. Keep the gate with metric={champion_metric!r}, "
+                      f"or accept {metric!r} by deleting the experiment's {CHAMPION} (the next evaluated "
+                      f"checkpoint then becomes champion)")
+    if champion is None or not math.isfinite(champion):
+        return refuse(f"the champion's recorded {metric} is {champion} (missing or not finite): it cannot be compared, so "
+                      f"nothing is promoted; delete the experiment's {CHAMPION} to choose a champion afresh")
     drop = champion - candidate
     if drop > tolerance:
         return Decision(False, f"{metric} regressed by {drop:.4f} ({champion:.4f} -> {candidate:.4f}), more than the "
                                f"tolerance {tolerance:.4f}: the champion stays", metric, candidate, champion, tolerance)
     return Decision(True, f"{metric} {candidate:.4f} vs champion {champion:.4f} (change {-drop:+.4f}, tolerance "
                           f"{tolerance:.4f}): promoted", metric, candidate, champion, tolerance)
+
+
+def against_champion(candidate: float | None, record: dict | None, tolerance: float, metric: str) -> Decision:
+    """`decide` against a champion.json record (None: no champion yet). A record names the metric it was
+    chosen on; one without a name or value cannot be compared, and so blocks promotion."""
+    if record is None:
+        return decide(candidate, None, tolerance, metric)
+    value = record.get("value")
+    return decide(candidate, None if value is None else float(value), tolerance, metric,
+                  champion_metric=str(record.get("metric") or "<unrecorded>"))
 
 
 def metric_of(evals: dict[int, dict[str, dict]], version: int, metric: str) -> float | None:

@@ -67,7 +67,8 @@ def test_disk_push_with_partial_release_tags(ray_cluster, prefect_server, tiny_p
     summary, infos = _run(cfg)
     assert summary["history"][0]["push_verified_tensors"] > 0
     assert infos[0]["memory_events"] == [["release", ["kv_cache"]], ["resume", ["kv_cache"]]]
-    assert [p.name for p in (tmp_path / "push").iterdir()] == ["v1"]  # older pushes removed
+    assert [p.name for p in (tmp_path / "push").iterdir()] == ["reflow-weight-push"]  # its own subfolder only
+    assert [p.name for p in (tmp_path / "push" / "reflow-weight-push").iterdir()] == ["v1"]  # older pushes removed
 
 
 def test_colocation_bundles():

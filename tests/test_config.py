@@ -82,3 +82,18 @@ def test_cli_reports_config_errors(capsys):
     with pytest.raises(SystemExit) as e:
         main(["config", "trainer.lr=abc"])
     assert "trainer.lr" in str(e.value.code)
+
+
+def test_colocated_sglang_needs_a_zero_stage_that_can_offload():
+    with pytest.raises(ConfigError, match="needs trainer.zero_stage 1, 2 or 3"):
+        load_config(None, ["cluster.colocate=true", "rollout.backend=sglang", "trainer.zero_stage=0"])
+    assert load_config(None, ["cluster.colocate=true", "rollout.backend=sglang", "trainer.zero_stage=3"])
+    assert load_config(None, ["cluster.colocate=true"])  # the embedded engine on CPU: nothing to offload
+
+
+def test_example_configs_load_and_name_no_hub_model():
+    from pathlib import Path
+
+    for f in sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")):
+        path = load_config(f).model.path
+        assert path.startswith((".", "/", "s3://", "file://", "models/")), f"{f.name}: model.path {path!r} looks like a hub id"

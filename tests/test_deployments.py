@@ -207,14 +207,14 @@ def test_rerun_after_crash_in_train_does_not_generate_again(stack):
     crashed = stack.run_train(5, "--job-variable", 'env={"REFLOW_FAULT_KILL_DURING_TRAIN": "4"}')
     assert crashed["state_type"] in ("CRASHED", "FAILED"), crashed["state"]
     assert (stages / "scored.json").is_file(), "the rollouts of iteration 4 were not persisted before train"
-    mtime = (stages / "scored.pkl").stat().st_mtime_ns
+    mtime = (stages / "scored.batch.json").stat().st_mtime_ns
     served = int(stack.actors()["engine-0"]["sequences"])
 
     parent = stack.run_train(5)
     assert parent["state_type"] == "COMPLETED", parent["state"]
     metrics = json.loads((stack.run_dir() / "iterations" / "000004" / "metrics.json").read_text())
     assert metrics.get("scored_from_storage") == 1.0
-    assert (stages / "scored.pkl").stat().st_mtime_ns == mtime
+    assert (stages / "scored.batch.json").stat().st_mtime_ns == mtime
     # The engine only served the final eval (8 held-out prompts, greedy): no rollout was regenerated.
     assert int(stack.actors()["engine-0"]["sequences"]) - served == 8
 

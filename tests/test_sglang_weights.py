@@ -199,7 +199,7 @@ def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pushes")
         model, named = _new_named(tok, 14)
         url = publish_folder(lambda out: save_policy(model, tok, out), "s3://pushes/run1", "7")
-        assert url == "s3://pushes/run1/v7"
+        assert url == "s3://pushes/run1/reflow-weight-push/v7"
         stats = push_weights(clients, named, "disk-s3-v7", PushSettings(bucket_bytes=16 << 10, verify="full", mode="disk"),
                              model_path=url)
         assert stats["verified_tensors"] == 2 * len(named)

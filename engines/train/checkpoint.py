@@ -25,10 +25,20 @@ import numpy as np
 import torch
 
 DS_TAG = "optim"
+# What np.random.get_state() pickles to (an MT19937 uint32 array), for the weights-only unpickler.
+_NUMPY_RNG_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def load_rng_state(path: str | Path) -> None:
+    """Restore the RNG states `rng_state()` saved at `path` (torch.save). Loaded with torch's
+    weights-only unpickler plus numpy's array reconstruction: a file planted in the bucket cannot
+    run code (its sha256 in the manifest would not stop a writer of the bucket)."""
+    with torch.serialization.safe_globals(_NUMPY_RNG_GLOBALS):
+        set_rng_state(torch.load(path, weights_only=True))
 
 
 def set_rng_state(state: dict) -> None:
@@ -102,7 +112,7 @@ def load(tr) -> dict:
             raise RuntimeError(f"trainer rank {tr.rank}: DeepSpeed found no checkpoint under {local}/{DS_TAG}")
         tr.scheduler.load_state_dict(client["reflow_scheduler"])
         tr.iteration = int(client["reflow_trainer_iteration"])
-        set_rng_state(torch.load(Path(local) / "rng" / f"rank_{tr.rank:05d}.pt", weights_only=False))
+        load_rng_state(Path(local) / "rng" / f"rank_{tr.rank:05d}.pt")
         tr.engine.module.eval()  # as after init: dropout off (see TrainerRank._build_engine)
         return {"rank": tr.rank, "iteration": tr.iteration, "lr": tr.scheduler.get_last_lr()[0]}
     finally:

@@ -294,6 +294,9 @@ class DeepSpeedRank:
         if getattr(self, "_offloaded", False):
             raise RuntimeError("trainer states are already offloaded: call reload_states first")
         if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU (and ZeRO >= 1 in DeepSpeed)
+            if self.zero_stage == 0:
+                raise RuntimeError("cluster.colocate on GPU needs trainer.zero_stage 1, 2 or 3: DeepSpeed offloads "
+                                   "only ZeRO optimizer states, so with stage 0 the trainer's memory stays on the GPU")
             self.engine.offload_states()
         self._offloaded, self._state_moves = True, getattr(self, "_state_moves", 0) + 1
         return {"offloaded": True, "moves": self._state_moves}

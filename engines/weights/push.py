@@ -181,11 +181,18 @@ def _send_disk(clients: list[EngineClient], model_path: str, version: str) -> in
     return 0
 
 
+PUSH_SUBDIR = "reflow-weight-push"  # the only folder of weight_sync.disk_dir that reflow writes into
+PUSH_MARKER = ".reflow-push"  # in every version folder reflow wrote: only those are ever deleted
+
+
 def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str) -> str:
-    """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/v<version>`; returns what
-    engines load. A storage URL (s3://...) gets the folder uploaded; a fresh name per version also
-    keeps URL-keyed engine caches (reflow.engines.hf_io) from serving stale weights. Earlier local versions
-    are removed, so one folder's worth of disk is used."""
+    """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/reflow-weight-push/v<version>`;
+    returns what engines load. A storage URL (s3://...) gets the folder uploaded; a fresh name per
+    version also keeps URL-keyed engine caches (reflow.engines.hf_io) from serving stale weights.
+
+    Locally, earlier versions are removed (one folder's worth of disk), but only folders that carry
+    reflow's marker: anything else in `disk_dir`, or in the subfolder, is never touched, and a
+    version folder reflow did not write is refused rather than overwritten."""
     root = disk_dir or str(Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}")
     name = f"v{version}"
     if "://" in root and not root.startswith("file://"):
@@ -193,17 +200,23 @@ def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version:
 
         with tempfile.TemporaryDirectory(prefix="reflow-push-") as tmp:
             write(Path(tmp))
-            url = f"{root.rstrip('/')}/{name}"
+            url = f"{root.rstrip('/')}/{PUSH_SUBDIR}/{name}"
             fs, path = fsspec.core.url_to_fs(url)
             fs.put(f"{tmp}/", path, recursive=True)
         return url
-    base = Path(root.removeprefix("file://")).expanduser().resolve()
+    base = Path(root.removeprefix("file://")).expanduser().resolve() / PUSH_SUBDIR
     target = base / name
-    shutil.rmtree(target, ignore_errors=True)
+    if target.exists() or target.is_symlink():
+        if not (target / PUSH_MARKER).is_file():
+            raise FileExistsError(f"{target} exists and was not written by reflow: refusing to overwrite it; "
+                                  f"point weight_sync.disk_dir at another folder or move it away")
+        shutil.rmtree(target)  # a retried push of the same version
     target.mkdir(parents=True)
+    # Marked before writing: a push that fails half-way leaves a folder a retry may replace.
+    (target / PUSH_MARKER).write_text(f"weight push v{version} by pid {os.getpid()}\n")
     write(target)
     for old in base.glob("v*"):  # previous pushes: engines have already reloaded them
-        if old != target and old.is_dir():
+        if old != target and not old.is_symlink() and (old / PUSH_MARKER).is_file():
             shutil.rmtree(old, ignore_errors=True)
     return str(target)
 
