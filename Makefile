@@ -16,24 +16,29 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 .PHONY: setup demo lint test test-random test-fast bench clean
 
-# --no-compile: pip's bytecode compilation of every installed file (torch, ray, sglang, ...) was
-# most of the set-up time (torch 35 s -> 10 s, sglang 20 s -> 3 s); Python compiles what is
-# imported, once, on first import; for that it must be allowed to write .pyc files, which an
-# inherited PYTHONDONTWRITEBYTECODE=1 forbids (then every Ray worker recompiles torch on import).
+# Installs go through uv where it can be had (`pip install uv`, a 17 MB wheel): a clean set-up takes
+# ~15 s instead of ~2.5 min with pip. Anything uv cannot do falls back to pip. uv does not read pip's
+# configuration, so pip's find-links (e.g. a local CPU build of torch) are passed on.
+# pip runs with --no-compile: its bytecode compilation of every installed file was most of its time;
+# Python compiles what is imported, once, on first import; for that it must be allowed to write .pyc
+# files, which an inherited PYTHONDONTWRITEBYTECODE=1 forbids (then every Ray worker recompiles torch).
 unexport PYTHONDONTWRITEBYTECODE
 PIP := $(BIN)/pip install -q --no-compile
+INSTALL = sh -c '$(BIN)/uv pip install -q --python $(BIN)/python $${PIP_FIND_LINKS:+--find-links $$PIP_FIND_LINKS} "$$@" \
+	|| $(PIP) "$$@"' install
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(PIP) $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(PIP) -e .
+	test -x $(BIN)/uv || $(PIP) uv || echo "uv unavailable: installing with pip"
+	$(INSTALL) $(TORCH_PIP_ARGS) "$(TORCH)"
+	$(INSTALL) -e .
 	touch $@
 
 # Test extras, plus SGLang's own request/response/bucket code for the contract tests: the
 # sglang wheel only (39 MB, no CUDA stack), which `pip install -e .[test]` cannot say (--no-deps).
 $(BIN)/.installed-test: $(BIN)/.installed
-	$(PIP) -e '.[test]'
-	$(PIP) --no-deps sglang==0.5.23
+	$(INSTALL) -e '.[test]'
+	$(INSTALL) --no-deps sglang==0.5.23
 	touch $@
 
 setup: $(BIN)/.installed

@@ -3,11 +3,14 @@ a loopback S3 server, and running `reflow train` as a subprocess."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import yaml
@@ -48,6 +51,44 @@ class LoopbackS3:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+
+@contextmanager
+def s3_with_bucket(bucket: str = "reflow-test") -> Iterator[LoopbackS3]:
+    """A started LoopbackS3 holding `bucket`, with moto's dummy AWS credentials in the environment
+    (restored afterwards). moto keeps its buckets in process memory, shared by every server of the
+    test session: an earlier module's objects may still be there, so tests use their own prefixes."""
+    server = LoopbackS3().start()
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    old = {k: os.environ.get(k) for k in creds}
+    os.environ.update(creds)
+    try:
+        import s3fs
+
+        try:
+            s3fs.S3FileSystem(endpoint_url=server.url, skip_instance_cache=True).mkdir(bucket)
+        except FileExistsError:  # moto's buckets live in this process: an earlier server made it
+            pass
+        yield server
+    finally:
+        server.stop()
+        for k, v in old.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+
+
+@contextmanager
+def captured(logger_name: str) -> Iterator[list[str]]:
+    """Warnings logged to `logger_name` (a handler on the logger itself: Prefect's logging setup,
+    once imported, keeps caplog's root handler from seeing these)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger(logger_name)
+    logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logger.removeHandler(handler)
 
 
 def write_config(path: Path, policy: Path, storage_root: str, experiment: str, **extra) -> Path:

@@ -3,8 +3,6 @@ ZeRO-2 DeepSpeed round trip (HF folder loadable by transformers, fallback past a
 from __future__ import annotations
 
 import json
-import logging
-from contextlib import contextmanager
 
 import pytest
 import ray
@@ -12,21 +10,7 @@ import torch
 
 from reflow.infra import checkpoint as ckpt
 from reflow.infra.storage import ChecksumError, ExperimentStore, StorageError, with_retries
-
-
-@contextmanager
-def _captured(logger_name: str):
-    """Messages logged to `logger_name` (a handler on the logger itself: Prefect's logging setup,
-    once imported, keeps caplog's root handler from seeing these)."""
-    messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger(logger_name)
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
+from tests.ckpt_fixtures import captured
 
 
 def _store(tmp_path, **kw) -> ExperimentStore:
@@ -57,7 +41,7 @@ def test_retries_recover_transient_errors_and_not_permanent_ones():
             raise ConnectionRefusedError("server away")
         return "ok"
 
-    with _captured("reflow.storage") as warnings:
+    with captured("reflow.storage") as warnings:
         assert with_retries(flaky, "write s3://b/x", retries=3, backoff_s=0.01) == "ok"
     assert len(calls) == 3 and any("retry 2/3" in w for w in warnings), warnings
     with pytest.raises(FileNotFoundError):
@@ -100,7 +84,7 @@ def test_uncommitted_and_tampered_checkpoints_are_skipped_with_a_warning(tmp_pat
     assert [ck.step for ck, _, _ in ckpt.valid_candidates(store)] == [3, 2, 1]
     store.rm(ckpt.at_step(store, 3).rel(ckpt.MARKER))  # "killed before the marker"
     store.write_text(ckpt.at_step(store, 2).rel(ckpt.MANIFEST), "{}")  # manifest no longer matches
-    with _captured("reflow.checkpoint") as warnings:
+    with captured("reflow.checkpoint") as warnings:
         found = ckpt.valid_candidates(store)
     assert [ck.step for ck, _, _ in found] == [1]
     assert any("iter_000003, which is not committed" in w for w in warnings), warnings
@@ -165,7 +149,7 @@ def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp
 
     b = TrainerGroup.create(2, "test-ckpt", "b", init_timeout_s=300, **kw)
     found = [(ck, files) for ck, files, _ in ckpt.valid_candidates(store)]
-    with _captured("reflow.checkpoint") as warnings:
+    with captured("reflow.checkpoint") as warnings:
         assert load_first_valid(b, found, num_ranks=2).step == 1
     assert any("skipping checkpoint" in w and "sha256" in w for w in warnings), warnings
 

@@ -23,6 +23,7 @@ from tests.ckpt_fixtures import (
     iteration_rewards,
     reap,
     run_train,
+    s3_with_bucket,
     write_config,
 )
 
@@ -55,17 +56,8 @@ def baseline(env, tiny_policy, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def s3(env):
-    server = LoopbackS3().start()
-    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in creds}
-    os.environ.update(creds)
-    import s3fs
-
-    s3fs.S3FileSystem(endpoint_url=server.url, skip_instance_cache=True).mkdir("reflow-test")
-    yield server
-    server.stop()
-    for k, v in old.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with s3_with_bucket() as server:
+        yield server
 
 
 def _s3_store(server, experiment) -> ExperimentStore:

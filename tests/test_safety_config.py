@@ -22,20 +22,16 @@ SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYzEXAMPLEKEY"
 BAD_NAMES = ["..", ".", "", "../escape", "a/b", "a\\b", ".hidden", "has space"]
 
 
-@pytest.mark.parametrize("name", BAD_NAMES)
-def test_experiment_name_is_one_path_segment(name):
-    with pytest.raises(ConfigError) as e:
-        load_config(None, [f"experiment='{name}'"])
-    msg = str(e.value)
-    assert "experiment" in msg and "path segment" in msg, msg
+NAME_FIELDS = {"experiment": "experiment='{}'", "eval.sets.0.name": "eval.sets=[{{name: '{}', temperature: 0}}]"}
 
 
+@pytest.mark.parametrize("field", list(NAME_FIELDS))
 @pytest.mark.parametrize("name", BAD_NAMES)
-def test_eval_set_name_is_one_path_segment(name):
+def test_names_are_one_path_segment(field, name):
     with pytest.raises(ConfigError) as e:
-        load_config(None, [f"eval.sets=[{{name: '{name}', temperature: 0}}]"])
+        load_config(None, [NAME_FIELDS[field].format(name)])
     msg = str(e.value)
-    assert "eval.sets.0.name" in msg and "path segment" in msg, msg
+    assert field in msg and "path segment" in msg, msg
 
 
 @pytest.mark.parametrize("name", ["demo", "demo-s1-20250101-120000", "exp.v2", "a_b", "x..y"])

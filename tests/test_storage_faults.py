@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import re
 import shutil
@@ -22,31 +21,20 @@ import subprocess
 import sys
 import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from reflow.infra.config import StorageConfig
 from reflow.infra.storage import ExperimentStore, StorageError, is_transient, with_retries
-from tests.ckpt_fixtures import LoopbackS3, free_port
+from tests.ckpt_fixtures import captured, free_port, s3_with_bucket
 
 RETRY_LOGGED = re.compile(r"storage: .* failed \(.*\); retry \d+/\d+")  # the format tests/test_resume.py matches
 CLOUD_WORDS = ("bucket", "aws", "credential")  # advice a file:// root must not get
 
 
-@contextmanager
 def _captured(logger_name: str = "reflow.storage"):
-    """Messages logged to `logger_name` (a handler on the logger itself, as in test_checkpoint.py)."""
-    messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    logger = logging.getLogger(logger_name)
-    logger.addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logger.removeHandler(handler)
+    return captured(logger_name)
 
 
 # ---------------------------------------------------------------- classification
@@ -211,17 +199,8 @@ def test_permission_denied_fails_at_once_with_local_advice(payload):
 
 @pytest.fixture(scope="module")
 def s3():
-    server = LoopbackS3().start()
-    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    old = {k: os.environ.get(k) for k in creds}
-    os.environ.update(creds)
-    import s3fs
-
-    s3fs.S3FileSystem(endpoint_url=server.url, skip_instance_cache=True).mkdir("reflow-test")
-    yield server
-    server.stop()
-    for k, v in old.items():
-        os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    with s3_with_bucket() as server:
+        yield server
 
 
 def _s3_store(endpoint: str, experiment: str, **settings) -> ExperimentStore:

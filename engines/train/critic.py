@@ -173,7 +173,7 @@ class CriticGroup(TrainerGroup):
         import ray
 
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        return [a.compute_values.remote(ref, pad_id) for a in self.actors]
+        return self._all("compute_values", ref, pad_id)
 
 
 # ---------------------------------------------------------------- outside the actors (Ray tasks)

@@ -110,48 +110,52 @@ class TrainerGroup:
 
     # Each method below returns one ObjectRef per rank.
 
+    def _all(self, method: str, *args, **kw) -> list:
+        """Call `method` on every rank at once; one ObjectRef per rank, in rank order."""
+        return [getattr(a, method).remote(*args, **kw) for a in self.actors]
+
     def ping(self) -> list:
-        return [a.ping.remote() for a in self.actors]
+        return self._all("ping")
 
     def train_iteration(self, batch, **kw) -> list:
         """`batch`: a RolloutBatch or an ObjectRef to one (put once here, so it is not copied per rank)."""
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
-        return [a.train_iteration.remote(ref, **kw) for a in self.actors]
+        return self._all("train_iteration", ref, **kw)
 
     def push_weights(self, urls: list[str], version: str, settings: PushSettings) -> list:
         """Rank 0's result is the push report; the others return {}."""
-        return [a.push_weights.remote(urls, version, settings) for a in self.actors]
+        return self._all("push_weights", urls, version, settings)
 
     def offload_states(self) -> list:
-        return [a.offload_states.remote() for a in self.actors]
+        return self._all("offload_states")
 
     def reload_states(self) -> list:
-        return [a.reload_states.remote() for a in self.actors]
+        return self._all("reload_states")
 
     def named_weights(self) -> list:
-        return [a.named_weights.remote() for a in self.actors]
+        return self._all("named_weights")
 
     def save_hf(self, local_dir: str) -> list:
-        return [a.save_hf.remote(local_dir) for a in self.actors]
+        return self._all("save_hf", local_dir)
 
     def weights_checksum(self) -> list:
-        return [a.weights_checksum.remote() for a in self.actors]
+        return self._all("weights_checksum")
 
     def fill_weights(self, value: float) -> list:
-        return [a.fill_weights.remote(value) for a in self.actors]
+        return self._all("fill_weights", value)
 
     def save_checkpoint(self, store, prefix: str) -> list:
         """Each rank uploads its part under `prefix`; each ref is that rank's {relative path: sha256/bytes}."""
-        return [a.save_checkpoint.remote(store, prefix) for a in self.actors]
+        return self._all("save_checkpoint", store, prefix)
 
     def fetch_checkpoint(self, store, prefix: str, manifest: dict) -> list:
-        return [a.fetch_checkpoint.remote(store, prefix, manifest) for a in self.actors]
+        return self._all("fetch_checkpoint", store, prefix, manifest)
 
     def load_checkpoint(self) -> list:
-        return [a.load_checkpoint.remote() for a in self.actors]
+        return self._all("load_checkpoint")
 
     def drop_fetched_checkpoint(self) -> list:
-        return [a.drop_fetched_checkpoint.remote() for a in self.actors]
+        return self._all("drop_fetched_checkpoint")
 
     def kill(self) -> None:
         for a in self.actors:
