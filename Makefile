@@ -61,10 +61,12 @@ lint: $(BIN)/.installed-test
 test: lint
 	$(BIN)/python -m pytest -q --durations=15 tests $(ARGS)
 
-# The same suite with modules and tests shuffled (the seed is printed; repeat one with
-# ARGS=--random-order-seed=N).
+# The same suite with modules and tests shuffled. The seed is printed first (pytest -q hides the
+# plugin's header line); repeat an order with `make test-random SEED=N`.
 test-random: $(BIN)/.installed-test
-	$(BIN)/python -m pytest -q --durations=15 --random-order tests $(ARGS)
+	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
+	echo "random order seed $$seed (repeat it: make test-random SEED=$$seed)"; \
+	$(BIN)/python -m pytest -q --durations=15 --random-order-seed=$$seed tests $(ARGS)
 
 # The quick tier: no Ray, DeepSpeed or Prefect start-up (tests/conftest.py fails a test that does).
 test-fast: $(BIN)/.installed-test
