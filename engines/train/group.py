@@ -31,6 +31,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _fan_out(method: str):
+    """A TrainerGroup method calling the rank method `method` on every rank (see `TrainerGroup._all`)."""
+    def call(self, *args, **kw) -> list:
+        return self._all(method, *args, **kw)
+
+    call.__name__ = call.__qualname__ = method
+    call.__doc__ = f"`{method}` on every rank at once: one ObjectRef per rank, in rank order."
+    return call
+
+
 class TrainerGroup:
     rank_cls = TrainerRank  # the class each actor hosts (reflow.engines.train.critic.CriticGroup: CriticRank)
 
@@ -126,36 +136,20 @@ class TrainerGroup:
         """Rank 0's result is the push report; the others return {}."""
         return self._all("push_weights", urls, version, settings)
 
-    def offload_states(self) -> list:
-        return self._all("offload_states")
-
-    def reload_states(self) -> list:
-        return self._all("reload_states")
-
-    def named_weights(self) -> list:
-        return self._all("named_weights")
-
-    def save_hf(self, local_dir: str) -> list:
-        return self._all("save_hf", local_dir)
-
-    def weights_checksum(self) -> list:
-        return self._all("weights_checksum")
-
-    def fill_weights(self, value: float) -> list:
-        return self._all("fill_weights", value)
+    # Plain fan-outs: the rank method of the same name, same arguments, on every rank.
+    offload_states = _fan_out("offload_states")
+    reload_states = _fan_out("reload_states")
+    named_weights = _fan_out("named_weights")
+    save_hf = _fan_out("save_hf")  # (local_dir)
+    weights_checksum = _fan_out("weights_checksum")
+    fill_weights = _fan_out("fill_weights")  # (value)
+    fetch_checkpoint = _fan_out("fetch_checkpoint")  # (store, prefix, manifest)
+    load_checkpoint = _fan_out("load_checkpoint")
+    drop_fetched_checkpoint = _fan_out("drop_fetched_checkpoint")
 
     def save_checkpoint(self, store, prefix: str) -> list:
         """Each rank uploads its part under `prefix`; each ref is that rank's {relative path: sha256/bytes}."""
         return self._all("save_checkpoint", store, prefix)
-
-    def fetch_checkpoint(self, store, prefix: str, manifest: dict) -> list:
-        return self._all("fetch_checkpoint", store, prefix, manifest)
-
-    def load_checkpoint(self) -> list:
-        return self._all("load_checkpoint")
-
-    def drop_fetched_checkpoint(self) -> list:
-        return self._all("drop_fetched_checkpoint")
 
     def kill(self) -> None:
         for a in self.actors:
