@@ -7,6 +7,7 @@ batch-level `advantages` function of a spec: the rollout stage calls that on the
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -90,8 +91,10 @@ class AlgorithmBase(StrictModel):
         return self.kl_coef > 0 or self.kl_reward_coef > 0
 
 
+@functools.cache
 def _owners() -> dict[str, list[str]]:
-    """{field: algorithm types that have it} over the fields not every type has."""
+    """{field: algorithm types that have it} over the fields not every type has (fixed once the
+    registry exists, so computed once, not on every validation)."""
     from reflow.rl.algorithms import SPECS
 
     out: dict[str, list[str]] = {}
