@@ -110,12 +110,14 @@ def cmd_cluster(args) -> None:
 
     if args.cluster_command == "up":
         try:
-            info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus)
+            info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus, host=args.host)
         except cluster.ClusterError as e:
             sys.exit(f"reflow: {e}")
         print(f"reflow: Ray head {'started' if started else 'already running'} at {info.address} "
               f"(pid {info.pid}, {info.num_cpus} CPUs). Attach flows and workers with:")
         print(" ".join(f"export {k}={v};" for k, v in info.env().items()))
+        print(f"reflow: token authentication on (token in {info.token_path}, readable by you only); "
+              f"listening on {info.address.rsplit(':', 1)[0]} only")
     elif args.cluster_command == "status":
         st = cluster.status(args.state_dir)
         print(json.dumps(st, indent=2, default=str) if args.json else _status_text(st))
@@ -130,8 +132,9 @@ def cmd_cluster(args) -> None:
 def _status_text(st: dict) -> str:
     if not st["up"]:
         return "reflow: no Ray head is running (start one with `reflow cluster up`)"
-    lines = [f"Ray head {st['address']} (pid {st['pid']}, {st['num_cpus']} CPUs); export RAY_ADDRESS={st['address']} "
-             f"RAY_AUTH_MODE=token", f"{len(st['actors'])} reflow actor(s):"]
+    exports = " ".join(f"{k}={v}" for k, v in st["env"].items())
+    lines = [f"Ray head {st['address']} (pid {st['pid']}, {st['num_cpus']} CPUs); export {exports}",
+             f"{len(st['actors'])} reflow actor(s):"]
     lines += ["  " + "  ".join(f"{k}={v}" for k, v in row.items()) for row in st["actors"]]
     return "\n".join(lines)
 
@@ -190,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bootstrap)
 
     cl = sub.add_parser("cluster", help="a long-lived local Ray head whose actors later flow runs reuse",
-                        description="Start, inspect or stop a Ray head for reflow (loopback, no dashboard). Flows "
+                        description="Start, inspect or stop a Ray head for reflow (loopback only, token "
+                                    "authentication, no dashboard). Flows "
                                     "attach through RAY_ADDRESS; each experiment's engines and trainers are then "
                                     "detached actors that the next flow run of the experiment reuses.")
     clsub = cl.add_subparsers(dest="cluster_command", required=True, metavar="SUBCOMMAND")
@@ -204,6 +208,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "up":
             cp.add_argument("--port", type=int, default=6390, help="GCS port (default %(default)s)")
             cp.add_argument("--num-cpus", type=int, default=None, help="logical CPUs (default max(4, cores))")
+            cp.add_argument("--host", default="127.0.0.1",
+                            help="address to listen on (default %(default)s: loopback only). Give this machine's "
+                                 "address only for a multi-node cluster: Ray then listens on every interface, "
+                                 "guarded by the token (copy the token file to the other nodes)")
         if name == "status":
             cp.add_argument("--json", action="store_true", help="print JSON")
         if name == "down":
@@ -218,12 +226,26 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _ray_env_for(args) -> None:
+    """Before Ray is imported (it reads these at import): attaching to the head `reflow cluster up`
+    recorded takes its token file and loopback switch, so `RAY_ADDRESS` alone is enough; a head
+    from a plain `ray start` keeps its token in ~/.ray/auth_token."""
+    from reflow.infra import ray_head
+
+    address = os.environ.get("RAY_ADDRESS")
+    if args.command != "cluster" and not address:
+        return  # the flow starts a cluster of its own (infra/ray_connect.py closes it)
+    head = ray_head.read_head(getattr(args, "state_dir", None))
+    if head is not None and (args.command == "cluster" or address == head.address):
+        for k, v in head.env().items():
+            os.environ.setdefault(k, v)
+    elif "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
-    attaching = args.command == "cluster" or bool(os.environ.get("RAY_ADDRESS"))
-    if attaching and "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
-        # Ray reads this at import; a head from `ray start` / `reflow cluster up` uses token auth.
-        os.environ["RAY_AUTH_MODE"] = "token"
+    _ray_env_for(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

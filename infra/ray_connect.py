@@ -12,6 +12,8 @@ from pathlib import Path
 
 import ray
 
+from reflow.infra.ray_head import ray_env, read_head, use_ray_env, write_token
+
 log = logging.getLogger("reflow.ray")
 _ATTACHED: list[str] = []  # the address this process attached to (empty: a cluster of its own, or none)
 
@@ -45,15 +47,18 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
         return "reusing the Ray cluster this process is already connected to"
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
-        # Ray >= 2.5x uses token auth: "auto" finds the local head and its token; an explicit
-        # host:port needs RAY_AUTH_MODE=token in the environment (see ENVIRONMENT.md).
+        # The head `reflow cluster up` recorded (in this folder's .reflow/cluster or
+        # $REFLOW_CLUSTER_DIR) lends its token file and loopback switch when the shell lacks them.
+        head = read_head()
+        if head is not None and head.address == address and "RAY_AUTH_TOKEN_PATH" not in os.environ:
+            use_ray_env({k: v for k, v in head.env().items() if k != "RAY_ADDRESS"})
         try:
             ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
                      log_to_driver=True)
         except ConnectionError as e:
-            hint = ("" if os.environ.get("RAY_AUTH_MODE") == "token" else
-                    " Ray 2.60 clusters use token auth: export RAY_AUTH_MODE=token before starting this process "
-                    "(Ray reads it at import).")
+            hint = ("" if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_MODE") == "token" else
+                    " Ray 2.60 clusters use token auth: export what `reflow cluster up` printed (RAY_AUTH_MODE, "
+                    "RAY_AUTH_TOKEN_PATH, RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER) before starting this process.")
             raise ConnectionError(f"cannot attach to the Ray cluster at {address}: {e}.{hint} Is it up? "
                                   f"(`reflow cluster status`)") from e
         _ATTACHED[:] = [address]
@@ -62,9 +67,18 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     # ray.init try to join a dead cluster.
     tmp = tempfile.mkdtemp(prefix="reflow_ray_")
     cpus = num_cpus or max(4, os.cpu_count() or 1)
+    _closed_local_cluster(Path(tmp))
     ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=tmp,
              runtime_env={"env_vars": worker_env()}, log_to_driver=True)
-    return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp})"
+    return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
+
+
+def _closed_local_cluster(tmp: Path) -> None:
+    """Make the cluster `ray.init` is about to start in this process loopback-only and token-
+    authenticated, as `reflow cluster up` does (infra/ray_head.py says why each piece is needed).
+    The token file is private to this run (mkdtemp's folder is 0700, the file 0600); Ray's own
+    default, ~/.ray/auth_token, is created world-readable."""
+    use_ray_env(ray_env(write_token(tmp / "auth_token"), "127.0.0.1"))
 
 
 def attached_to_running_cluster() -> bool:

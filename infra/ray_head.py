@@ -1,16 +1,27 @@
 """A long-lived local Ray head for reflow: `reflow cluster up|down|status`.
 
-`up` starts `ray start --head --block` in its own process session (loopback, no dashboard, no usage
-stats, its own temp dir) and records where it is in a state file; flows attach through
-`RAY_ADDRESS`. Ray 2.60 enables token auth, so clients also need `RAY_AUTH_MODE=token` (the token
-sits in ~/.ray/auth_token); `reflow.infra.ray_connect.connect` sets it when it attaches by address.
+`up` starts `ray start --head --block` in its own process session (no dashboard, no usage stats,
+its own temp dir) and records where it is in a state file; flows attach through `RAY_ADDRESS`.
 `down` releases reflow's actors and ends *that* head by PID: `ray stop` would kill every Ray
 process on the machine, including other people's clusters.
+
+Closed to the network by default:
+- Token authentication is always on. `up` writes a fresh 256-bit token to `<state dir>/auth_token`
+  (mode 0600; Ray's own ~/.ray/auth_token is created world-readable) and starts Ray with
+  `RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=<that file>`; clients get the same two variables from
+  `HeadInfo.env()` (the path, never the token, is printed). Without it Ray 2.60 turns auth on only
+  when ~/.ray/auth_token already exists, and otherwise runs code for anyone who reaches the port.
+- On a loopback host every Ray socket is bound to loopback. `ray start --node-ip-address=127.0.0.1`
+  alone is not enough on Linux: Ray swaps a loopback node address for the machine's own address and
+  its gRPC servers bind every interface, unless `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` ("single-node
+  cluster") is set, which `up` does for loopback hosts (and `HeadInfo.env()` for its clients). Pass another host only for a multi-node
+  cluster; the token then guards it (tests/test_cluster_security.py checks both).
 """
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -35,10 +46,37 @@ class HeadInfo:
     temp_dir: str
     num_cpus: int
     started_at: float
+    token_path: str = ""  # the head's auth token file (heads recorded before it existed: "")
 
     def env(self) -> dict[str, str]:
         """What a shell, a Prefect worker or a test needs to attach flows to this head."""
-        return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token"}
+        if not self.token_path:  # recorded by an older reflow: the token sits in ~/.ray/auth_token
+            return {"RAY_ADDRESS": self.address, "RAY_AUTH_MODE": "token"}
+        return {"RAY_ADDRESS": self.address, **ray_env(Path(self.token_path), self.address.rsplit(":", 1)[0])}
+
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def write_token(path: Path) -> Path:
+    """A fresh 256-bit Ray auth token in `path`, readable by its owner only (created 0600, so it is
+    never readable by others, not even for a moment)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def ray_env(token_path: Path, host: str) -> dict[str, str]:
+    """Environment for Ray processes of a cluster reflow starts: token auth with `token_path`, and
+    single-node (loopback-only) binding when `host` is a loopback address. Clients need the same:
+    without the single-node switch a client swaps a loopback address for the machine's own one and
+    finds no head there."""
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path)}
+    if host in LOOPBACK_HOSTS:
+        env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    return env
 
 
 def state_dir(path: str | Path | None = None) -> Path:
@@ -92,13 +130,15 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
     # Ray's sockets live under its temp dir and AF_UNIX paths are capped at 107 bytes: keep it short.
     tmp = Path(tempfile.mkdtemp(prefix="reflow_ray_", dir="/tmp"))
     cpus = num_cpus or max(4, os.cpu_count() or 1)
+    token = write_token(d / "auth_token")
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--head", f"--port={port}", f"--node-ip-address={host}", "--block",
            "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={cpus}", f"--temp-dir={tmp}"]
     log = open(d / "head.log", "ab")
     # Ray 2.60's head drains for up to 30 s on SIGTERM (for Ray Serve replicas on Kubernetes);
     # `reflow cluster down` means stop now, and reflow runs no Serve, so the drain is turned off.
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}, **ray_env(token, host),
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while not _port_open(host, port):
@@ -110,7 +150,7 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
         time.sleep(0.2)
     time.sleep(1.0)  # the GCS port opens before the raylet registers; let it settle
     info = HeadInfo(address=f"{host}:{port}", pid=proc.pid, temp_dir=str(tmp), num_cpus=cpus,
-                    started_at=time.time())
+                    started_at=time.time(), token_path=str(token))
     (d / "head.json").write_text(json.dumps(asdict(info), indent=2))
     return info, True
 
@@ -130,11 +170,25 @@ def down(path: str | Path | None = None, timeout_s: float = 30.0) -> HeadInfo | 
     return info
 
 
+def use_ray_env(env: dict[str, str]) -> None:
+    """Apply `env` (from `ray_env` / `HeadInfo.env()`) to this process, whose Ray is imported already:
+    Ray read the single-node switch and the auth mode at import, so both are re-read here (what Ray
+    itself does when it turns token auth on). Ray processes this one starts inherit the environment."""
+    from ray._private import ray_constants
+    from ray._raylet import Config
+
+    os.environ.pop("RAY_AUTH_TOKEN", None)  # it would win over RAY_AUTH_TOKEN_PATH
+    os.environ.update(env)
+    if env.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
+    Config.initialize("")
+
+
 def _attach(info: HeadInfo) -> None:
     import ray
 
     if not ray.is_initialized():
-        os.environ.update(info.env())
+        use_ray_env(info.env())
         ray.init(address=info.address, namespace="reflow-cli", log_to_driver=False)
 
 
@@ -174,7 +228,7 @@ def status(path: str | Path | None = None) -> dict[str, object]:
         return {"up": False}
     _attach(info)
     rows = [_describe(ns, name) for ns, names in experiment_actors().items() for name in names]
-    return {"up": True, **asdict(info), "actors": rows}
+    return {"up": True, **asdict(info), "env": info.env(), "actors": rows}
 
 
 def release_experiments(path: str | Path | None = None, experiment: str | None = None,

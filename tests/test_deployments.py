@@ -46,7 +46,7 @@ class Stack:
                     "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "PREFECT_CLI_PROMPT": "false",
                     "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_WORKER_PREFETCH_SECONDS": "1",
                     "REFLOW_CLUSTER_DIR": str(tmp / "cluster"), "PWD": str(REPO),
-                    "RAY_ADDRESS": f"127.0.0.1:{self.ray_port}", "RAY_AUTH_MODE": "token",
+                    "RAY_ADDRESS": f"127.0.0.1:{self.ray_port}",
                     "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
         self.procs: list[subprocess.Popen] = []
 
@@ -130,6 +130,10 @@ def stack(tiny_policy, tmp_path_factory):
     try:
         up = s.cmd("reflow", "cluster", "up", "--port", str(s.ray_port), "--num-cpus", "6")
         assert f"RAY_ADDRESS=127.0.0.1:{s.ray_port}" in up.stdout
+        # What the README tells a user to do: export what `up` printed (token file, loopback switch).
+        exports = dict(w.removesuffix(";").split("=", 1) for w in up.stdout.split() if "=" in w and w.endswith(";"))
+        assert exports.get("RAY_AUTH_TOKEN_PATH") and exports.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0", up.stdout
+        s.env.update(exports)
         port = s.api.rsplit(":", 1)[1].split("/")[0]
         s.spawn("server", "prefect", "server", "start", "--host", "127.0.0.1", "--port", port)
         _wait_healthy(s.api + "/health", 180)

@@ -1,0 +1,129 @@
+"""The Ray clusters reflow starts are closed to the network: token authentication always on, and
+every socket of every Ray process bound to loopback (issue 13, point 1).
+
+Both ways reflow starts Ray are covered: `reflow cluster up` (a long-lived head, `ray start`) and
+a flow with no RAY_ADDRESS (`ray_connect.connect` starts a cluster inside the driver). Clients are
+separate processes with their own HOME, so a token lying in the real ~/.ray cannot help them.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+
+from reflow.infra import ray_head
+
+pytestmark = pytest.mark.slow  # ~1 min: a head, a cluster, five client drivers
+
+LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def listeners(root: int) -> list[tuple[str, str, int]]:
+    """(process name, ip, port) of every listening TCP socket of `root` and its descendants: Ray's
+    own processes and the workers it forks (and the driver, when the cluster lives in it)."""
+    procs = [psutil.Process(root)]
+    procs += procs[0].children(recursive=True)
+    out = []
+    for p in procs:
+        try:
+            conns = p.net_connections(kind="tcp")
+        except psutil.Error:  # exited meanwhile
+            continue
+        out += [(p.name(), c.laddr.ip, c.laddr.port) for c in conns if c.status == psutil.CONN_LISTEN]
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _client(address: str, env: dict[str, str], home: Path) -> subprocess.CompletedProcess:
+    """A separate driver that attaches to `address` and runs one task."""
+    code = (f"import ray; ray.init(address={address!r}, log_to_driver=False); "
+            "print('ANSWER', ray.get(ray.remote(lambda: 41 + 1).remote()))")
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return subprocess.run([sys.executable, "-c", code], env={**base, "HOME": str(home), **env},
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cluster")
+    info, started = ray_head.up(d, port=_free_port(), num_cpus=1)
+    assert started
+    try:
+        yield d, info
+    finally:
+        ray_head.down(d)
+
+
+def test_head_refuses_clients_without_its_token(head, tmp_path):
+    d, info = head
+    wrong = tmp_path / "wrong_token"
+    wrong.write_text("0" * 64)
+    single_node = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}  # else the client looks on the public address
+    envs = (single_node, {**single_node, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(wrong)})
+    with ThreadPoolExecutor(len(envs)) as pool:  # each refused client retries for ~20 s: at once
+        refused = list(pool.map(lambda env: _client(info.address, env, tmp_path), envs))
+    for env, p in zip(envs, refused):
+        assert p.returncode != 0 and "ANSWER" not in p.stdout, (env, p.stdout[-2000:])
+        assert "Failed to connect" in p.stderr or "uthentication" in p.stderr, p.stderr[-2000:]
+    ok = _client(info.address, info.env(), tmp_path)
+    assert "ANSWER 42" in ok.stdout, ok.stderr[-3000:]
+
+
+def test_head_token_is_private_and_never_printed(head):
+    d, info = head
+    token_file = Path(info.env()["RAY_AUTH_TOKEN_PATH"])
+    assert token_file.stat().st_mode & 0o077 == 0  # readable by its owner only
+    token = token_file.read_text().strip()
+    assert len(token) >= 32
+    assert token not in (d / "head.log").read_text()
+    assert token not in (d / "head.json").read_text()
+    assert token not in json.dumps(info.env())
+
+
+def test_head_listens_on_loopback_only(head, tmp_path):
+    d, info = head
+    assert "ANSWER 42" in _client(info.address, info.env(), tmp_path).stdout  # workers started too
+    found = listeners(info.pid)
+    assert found, "no listening sockets found: the check would pass vacuously"
+    open_ = [f for f in found if f[1] not in LOOPBACK]
+    assert not open_, f"Ray processes listening beyond loopback: {open_}"
+
+
+def test_local_cluster_of_a_flow_is_loopback_and_token_authenticated(tmp_path):
+    """No RAY_ADDRESS: the flow's own cluster, started by `connect`, inside a fresh process."""
+    code = textwrap.dedent("""
+        import json, os, ray
+        from tests.test_cluster_security import listeners
+        from reflow.infra.ray_connect import connect
+        connect(None, 1, "reflow-sec")
+        assert ray.get(ray.remote(lambda: 42).remote()) == 42
+        from ray._raylet import AuthenticationMode, get_authentication_mode
+        print("RESULT", json.dumps({"listeners": listeners(os.getpid()),
+                                    "token": get_authentication_mode() == AuthenticationMode.TOKEN}))
+        ray.shutdown()
+    """)
+    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    p = subprocess.run([sys.executable, "-c", code], env={**base, "HOME": str(tmp_path)}, capture_output=True,
+                       text=True, timeout=180, cwd=REPO)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(line.removeprefix("RESULT "))
+    assert res["token"]
+    assert res["listeners"], "no listening sockets found: the check would pass vacuously"
+    open_ = [f for f in res["listeners"] if f[1] not in LOOPBACK]
+    assert not open_, f"Ray processes listening beyond loopback: {open_}"
