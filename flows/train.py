@@ -15,9 +15,11 @@ from __future__ import annotations
 import time
 
 from prefect import flow, get_run_logger
+from prefect.runtime import flow_run
 
 from reflow.flows.iteration import iteration
 from reflow.infra import checkpoint as ckpt
+from reflow.infra import leases
 from reflow.infra.config import FlowConfig, RunConfig, resolve_config
 from reflow.infra.runtime import shutdown_runtime
 from reflow.tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
@@ -64,15 +66,25 @@ def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, 
     config: the full run config, or {"file": "configs/X.yaml", "overrides": ["k=v", ...]}.
     release_cluster: kill the experiment's actors at the end (true), keep them for the next flow
     run (false), or (null) keep them only on a long-lived cluster (RAY_ADDRESS, `reflow cluster up`)."""
+    config = resolve_config(config)
+    for line in leases.take(config.experiment, flow_run.id):  # a killed predecessor: its leftovers, its state
+        get_run_logger().warning("previous run: %s", line)
+    try:
+        return _train(config, release_cluster)
+    finally:
+        leases.release(config.experiment)
+
+
+def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]:
     log = get_run_logger()
     t0 = time.perf_counter()
-    config = resolve_config(config)
     log.info("storage: %s", check_storage(config))
     found = find_checkpoints(config)
     if found and found[0][0].step >= config.num_iterations:
         return _already_done(config, found[0][0].step, found[0][0].url)
     try:
         log.info("cluster: %s", start_cluster(config))
+        leases.record(config.experiment)
         restored = restore(config, found)
         start = restored["step"]
         initial_push(config, start, restored["loaded"])
@@ -89,6 +101,7 @@ def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, 
         saved_at = time.monotonic()
         for i in range(start, last):
             m = iteration(config, i)
+            leases.record(config.experiment)  # engines recreated during the iteration are new processes
             update_progress(progress, i + 1, config.num_iterations)
             if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60):
                 log.info("checkpoint: %s", save_checkpoint(config, i + 1))

@@ -112,10 +112,11 @@ def write_config(path: Path, policy: Path, storage_root: str, experiment: str, *
 
 
 def run_train(config: Path, env_extra: dict[str, str] | None = None, timeout: float = 300,
-              background: bool = False):
+              background: bool = False, leave_leftovers: bool = False):
     """`reflow train -c config` in its own session, output to `<config>.log` (a pipe would stay open
     while Ray helpers of a SIGKILLed run live on). Returns (returncode, output), or the Popen with
-    `background`; call `reap` on it afterwards."""
+    `background`; call `reap` on it afterwards. `leave_leftovers`: do not reap the process group,
+    leaving what a killed run leaves behind for the next run to find."""
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("REFLOW_FAULT_")}
     env.update({"PYTHONPATH": str(REPO), **(env_extra or {})})
     log = config.with_suffix(".log")
@@ -128,7 +129,8 @@ def run_train(config: Path, env_extra: dict[str, str] | None = None, timeout: fl
     try:
         proc.wait(timeout=timeout)
     finally:
-        reap(proc)
+        if not leave_leftovers or proc.returncode is None:
+            reap(proc)
     return proc.returncode, log.read_text()
 
 

@@ -15,6 +15,7 @@ import pandas as pd
 import pytest
 
 from reflow.infra import checkpoint as ckpt
+from reflow.infra import leases
 from reflow.infra.storage import ExperimentStore
 from tests.ckpt_fixtures import (
     LoopbackS3,
@@ -76,17 +77,33 @@ def _assert_matches_baseline(store: ExperimentStore, baseline, tmp: Path) -> Non
         assert set(df.policy_version) == {i}
 
 
+def _state(flow_run_id: str):
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_flow_run(flow_run_id).state
+
+
 def test_kill_after_commit_and_mid_save_resume_exactly(env, baseline, tiny_policy, tmp_path):
     root = f"file://{tmp_path}/runs"
     cfg = write_config(tmp_path / "run.yaml", tiny_policy, root, "killed")
     store = ExperimentStore.open(root, "killed")
 
-    rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"})
+    rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"}, leave_leftovers=True)
     assert rc == -9, out[-3000:]
     assert store.read_text(ckpt.LATEST) == ckpt.name_of(3)
+    killed = leases.read("killed")
+    left = [p for p in killed.processes if leases.running(p[0], p[1])]
+    assert left, "Ray's agents outlive a SIGKILLed driver: the cleanup below would be checked vacuously"
+    assert _state(killed.flow_run_id).type.value == "RUNNING"  # nothing could report the kill
 
     rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_DURING_SAVE": "5"})
     assert rc == -9 and "resumed from" in out and ckpt.name_of(3) in out, out[-3000:]
+    # The second run cleaned up after the first before building its runtime.
+    assert not [p for p in left if leases.running(p[0], p[1])]
+    assert "process(es) left behind by flow run" in out, out[-3000:]
+    state = _state(killed.flow_run_id)
+    assert state.type.value == "CRASHED" and "marked CRASHED by the next run" in state.message
     assert store.read_text(ckpt.LATEST) == ckpt.name_of(4)
     assert not store.exists(f"{ckpt.ROOT}/{ckpt.name_of(5)}/{ckpt.MARKER}")  # files written, never committed
 

@@ -1,0 +1,87 @@
+"""infra/leases.py without Ray or Prefect: a dead holder's leftovers are ended, a live holder refuses
+a second run, a reused pid is not mistaken for the holder. The whole story with a real SIGKILLed
+`reflow train` (Ray's orphaned agents, the Prefect states) is in tests/test_resume.py."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import psutil
+import pytest
+
+from reflow.infra import leases
+
+# A holder that starts a long-lived child in its own session (as Ray's agents end up: re-parented
+# to init when the holder dies), records it, and SIGKILLs itself.
+_HOLDER = textwrap.dedent("""
+    import os, signal, subprocess, sys
+    from reflow.infra import leases
+    leases.take(sys.argv[1], None)
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
+    leases.record(sys.argv[1])
+    print(child.pid, flush=True)
+    if sys.argv[2] == "die":
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.stdin.read()  # "live": hold the lease until the test closes stdin
+""")
+
+
+def _holder(experiment: str, mode: str) -> tuple[subprocess.Popen, int]:
+    p = subprocess.Popen([sys.executable, "-c", _HOLDER, experiment, mode], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True, env=os.environ.copy())
+    return p, int(p.stdout.readline())
+
+
+@pytest.fixture(autouse=True)
+def lease_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFLOW_LEASE_DIR", str(tmp_path))
+
+
+def test_dead_holders_leftovers_are_ended():
+    p, child = _holder("exp", "die")
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    assert psutil.pid_exists(child)  # outlived its holder
+    done = leases.take("exp", None)
+    try:
+        assert any("left behind" in line and str(child) in line for line in done), done
+        assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+        assert leases.read("exp").pid == os.getpid()
+    finally:
+        leases.release("exp")
+    assert leases.read("exp") is None
+
+
+def test_live_holder_refuses_a_second_run():
+    p, child = _holder("busy", "live")
+    try:
+        with pytest.raises(leases.ExperimentBusy, match=f"pid {p.pid}"):
+            leases.take("busy", None)
+        assert psutil.pid_exists(child)  # nothing of the live run was touched
+    finally:
+        p.stdin.close()
+        p.wait(timeout=30)
+        psutil.Process(child).kill()
+
+
+def test_reused_pid_is_not_the_holder(tmp_path):
+    """A lease whose pid now belongs to another process (start time differs) counts as dead, and
+    that process is left alone."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    try:
+        leases._write(leases.Lease("reused", None, __import__("socket").gethostname(), other.pid,
+                                   psutil.Process(other.pid).create_time() - 100, 0.0,
+                                   [(other.pid, psutil.Process(other.pid).create_time() - 100, "x")]))
+        assert leases.take("reused", None) == []
+        assert other.poll() is None
+    finally:
+        leases.release("reused")
+        other.kill()
+        other.wait()
+
+
+def test_names_are_single_path_segments():
+    with pytest.raises(ValueError):
+        leases.take("../evil", None)
