@@ -185,7 +185,7 @@ def main() -> None:
         folder = save_policy(model, tok, Path(tempfile.mkdtemp(prefix="reflow-bench-engine-")) / "model")
         server = EmbeddedEngine(model_path=str(folder), engine_id="bench", threads=torch.get_num_threads())
         server.ready()
-        client = EngineClient(server.url(), timeout=3600)
+        client = EngineClient(server.url(), timeout=3600, api_key=server.api_key())
         engines["ours/http"] = lambda pr, ln: run_http(client, pr, ln)
     engines["hf"] = lambda pr, ln: run_hf(model, pr, ln, tok.pad_token_id)
     for fn in engines.values():  # warm-up: first-call costs stay out of the numbers

@@ -164,7 +164,7 @@ def start_engine(folder: Path, args):
     gen.model.to(args.device)  # parameters keep their identity, so the engine's name map stays valid
     gen.device = torch.device(args.device)
     server.ready()
-    return server, gen, EngineClient(server.url(), timeout=3600)
+    return server, gen, EngineClient(server.url(), timeout=3600, api_key=server.api_key())
 
 
 def bench_engine(gen, client, args) -> list[dict]:

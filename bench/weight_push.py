@@ -81,13 +81,13 @@ def push(policy: Path, args, size: str) -> dict:
                                 settings=RankSettings(lr=1e-4, total_steps=10, micro_batch_size=4, threads=args.threads))
     engine = ray.remote(EmbeddedEngine).options(namespace=ns, num_cpus=1).remote(
         model_path=str(policy), engine_id=f"engine-{size}", threads=args.threads)
-    url = ray.get(engine.url.remote())
+    url, api_key = ray.get([engine.url.remote(), engine.api_key.remote()])
     ray.get(engine.ready.remote())
     version = iter(range(1, 10**6))
 
     def one(verify: str) -> dict:
-        return ray.get(group.push_weights([url], str(next(version)), PushSettings(bucket_bytes=args.bucket_mb << 20,
-                                                                                  verify=verify)))[0]
+        settings = PushSettings(bucket_bytes=args.bucket_mb << 20, verify=verify)
+        return ray.get(group.push_weights([url], str(next(version)), settings, api_key))[0]
 
     one("off")  # warm-up: first HTTP connections, first shared-memory segment
     best, stats = _best_push(lambda: one("off"), args.repeat)

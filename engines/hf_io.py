@@ -1,21 +1,36 @@
 """Loading HF checkpoints the way a user's own checkpoint is loaded: a local folder or a URL.
 
-Remote checkpoints (any fsspec URL: s3://, file://, ...) are copied once into a local cache
-folder keyed by the URL, then loaded with `transformers` like any local folder. Trainer and
-engines both go through `resolve_checkpoint`.
+Remote folders (any fsspec URL: s3://, ...) are downloaded through the run's storage access
+(reflow.engines.storage_access: its endpoint, retries; default: the environment's) into a local
+cache, then loaded with `transformers` like any local folder. Trainer and engines both go through
+`resolve_checkpoint`.
+
+`files` is what the folder must hold, {name: {"sha256", "bytes"}}: the manifest entries of a reflow
+checkpoint's model/ folder (reflow.infra.checkpoint.model_files). With it, exactly those files are
+downloaded and each is checked against its sha256 (a local folder is checked in place and may hold
+nothing else), and the cached copy is keyed by the digest of the (name, sha256) list, so a checkpoint
+re-written at the same URL is never served from the cache of the old one. Without it (a user's own
+HF folder), the cache key is the URL plus the folder's listing (every file's name, size and ETag, or
+mtime where the store has no ETag): re-writing a file changes its listing, so the next load
+downloads afresh, at the cost of one listing per load; downloaded sizes are checked against it.
+Cached copies are never deleted here (they are named by content: delete the folder to reclaim space).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
 import torch
 
+from reflow.engines.storage_access import ChecksumError, StorageAccess, is_local, sha256_file
+
 CACHE_DIR = Path(os.environ.get("REFLOW_CACHE", Path.home() / ".cache" / "reflow" / "checkpoints"))
 _DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
            "fp16": torch.float16, "float16": torch.float16}
+Files = dict[str, dict]  # {name relative to the folder: {"sha256", "bytes"}}
 
 
 class CheckpointError(FileNotFoundError):
@@ -34,45 +49,106 @@ def _check_folder(local: Path, shown: str) -> Path:
     return local
 
 
-def resolve_checkpoint(path_or_url: str) -> Path:
-    """Local folder for `path_or_url`, downloading a remote checkpoint into the cache first."""
-    if "://" not in path_or_url or path_or_url.startswith("file://"):
-        local = Path(path_or_url.removeprefix("file://")).expanduser()
-        return _check_folder(local.resolve(), path_or_url)
-    import fsspec
+def _verify(path: Path, name: str, meta: dict, shown: str) -> None:
+    """ChecksumError unless the file at `path` has the size and sha256 `meta` records for `name`."""
+    size = path.stat().st_size
+    if "bytes" in meta and size != meta["bytes"]:
+        raise ChecksumError(f"checkpoint {shown}: {name} is {size} bytes where its manifest records "
+                            f"{meta['bytes']}: the file changed after the checkpoint was saved. Refusing to load it; "
+                            f"restore the file or use another checkpoint")
+    if "sha256" in meta and (got := sha256_file(path)) != meta["sha256"]:
+        raise ChecksumError(f"checkpoint {shown}: {name} does not match its manifest (sha256 {got[:12]}…, recorded "
+                            f"{meta['sha256'][:12]}…): the file changed after the checkpoint was saved. Refusing to "
+                            f"load it; restore the file or use another checkpoint")
 
-    fs, root = fsspec.core.url_to_fs(path_or_url)
-    if not fs.isdir(root):
-        raise CheckpointError(f"checkpoint {path_or_url!r} does not exist (no such prefix in object storage)")
-    key = hashlib.sha256(path_or_url.encode()).hexdigest()[:16]
-    dest = CACHE_DIR / key
-    done = dest / ".complete"
-    if not done.exists():
-        CACHE_DIR.mkdir(parents=True, exist_ok=True)
-        # Unique per call: two engines in one process (or two threads) may fetch the same URL at once.
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp", dir=CACHE_DIR))
-        fs.get(root.rstrip("/") + "/", str(tmp), recursive=True)
-        (tmp / ".complete").write_text(path_or_url)
-        if dest.exists():  # another process won the race; keep theirs
-            import shutil
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
+
+def _verify_local(local: Path, files: Files, shown: str) -> None:
+    """Every file of `files` in `local` as recorded, and nothing else there (anything else would be loaded unchecked)."""
+    held = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
+    if missing := sorted(set(files) - held):
+        raise ChecksumError(f"checkpoint {shown}: {', '.join(missing)} listed in its manifest but missing")
+    if extra := sorted(held - set(files)):
+        raise ChecksumError(f"checkpoint {shown}: holds {', '.join(extra)}, which its manifest does not list; "
+                            f"refusing to load files nobody recorded. Remove them or use another checkpoint")
+    for name, meta in sorted(files.items()):
+        _verify(local / name, name, meta, shown)
+
+
+def content_key(files: Files) -> str:
+    """The digest a folder with these files is cached under: sha256 of its sorted (name, sha256) list."""
+    h = hashlib.sha256()
+    for name in sorted(files):
+        h.update(f"{name}\t{files[name]['sha256']}\n".encode())
+    return h.hexdigest()
+
+
+def _listing_key(url: str, listing: dict[str, dict]) -> str:
+    """The digest a folder without a manifest is cached under: its URL and every file's name, size, ETag/mtime."""
+    h = hashlib.sha256(url.rstrip("/").encode() + b"\n")
+    for name, info in sorted(listing.items()):
+        tag = info.get("ETag") or info.get("mtime") or info.get("LastModified") or ""
+        h.update(f"{name}\t{info.get('size')}\t{tag}\n".encode())
+    return h.hexdigest()
+
+
+def _download(storage: StorageAccess, url: str, want: Files, dest: Path) -> None:
+    """Fetch every file of `want` into a fresh folder beside `dest`, check it, then move it into place.
+    The folder is unique per call: two engines in one process (or two threads) may fetch the same one at once."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f"{dest.name}.tmp", dir=dest.parent))
+    try:
+        for name, meta in sorted(want.items()):
+            try:
+                storage.get_file(f"{url.rstrip('/')}/{name}", tmp / name)
+            except FileNotFoundError:
+                raise CheckpointError(f"checkpoint {url}: {name} is listed but missing in storage") from None
+            _verify(tmp / name, name, meta, url)
+        (tmp / ".complete").write_text(url)
+        try:
             tmp.rename(dest)
+        except OSError:
+            if not (dest / ".complete").exists():
+                raise
+            # else another process finished the same copy first (same key, same content): keep theirs
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_checkpoint(path_or_url: str, storage: StorageAccess | None = None, files: Files | None = None) -> Path:
+    """Local folder for `path_or_url`, downloading a remote one into the cache first (see the module
+    docstring for `files` and what the cache is keyed by). `storage`: the run's storage access."""
+    if is_local(path_or_url):
+        local = _check_folder(Path(path_or_url.removeprefix("file://")).expanduser().resolve(), path_or_url)
+        if files is not None:
+            _verify_local(local, files, path_or_url)
+        return local
+    storage = storage or StorageAccess()
+    if files is not None:
+        key, want = f"sha256-{content_key(files)[:32]}", files
+    else:
+        listing = storage.files(path_or_url)
+        if not listing:
+            raise CheckpointError(f"checkpoint {path_or_url!r} does not exist (no such prefix in object storage)")
+        key, want = f"url-{_listing_key(path_or_url, listing)[:32]}", {n: {"bytes": i["size"]} for n, i in listing.items()}
+    dest = CACHE_DIR / key
+    if not (dest / ".complete").exists():
+        _download(storage, path_or_url, want, dest)
     return _check_folder(dest, path_or_url)
 
 
-def load_causal_lm(path_or_url: str, dtype: str = "fp32"):
+def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess | None = None,
+                   files: Files | None = None):
     from transformers import AutoModelForCausalLM
 
-    local = resolve_checkpoint(path_or_url)
+    local = resolve_checkpoint(path_or_url, storage, files)
     model = AutoModelForCausalLM.from_pretrained(local, dtype=_DTYPES[dtype])
     return model
 
 
-def load_tokenizer(path_or_url: str):
+def load_tokenizer(path_or_url: str, storage: StorageAccess | None = None, files: Files | None = None):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(resolve_checkpoint(path_or_url))
+    return AutoTokenizer.from_pretrained(resolve_checkpoint(path_or_url, storage, files))
 
 
 def torch_dtype(name: str) -> torch.dtype:

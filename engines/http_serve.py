@@ -1,15 +1,27 @@
-"""Serving an ASGI app from inside a Ray actor, and the URL other processes reach it at.
+"""Serving an ASGI app from inside a Ray actor, the URL other processes reach it at, and its guard.
 
 The embedded engine and the router both bind their own socket (port 0 lets the OS pick a free
 port, so nothing races for one) and run uvicorn in a daemon thread: no signal handlers, and the
 actor's own methods stay free while requests are served.
+
+Both apps sit behind `HttpGuard`, one implementation of SGLang 0.5.23's `--api-key` rule
+(sglang/srt/utils/auth.py, `decide_request_auth` with only an api key): OPTIONS and the probes
+(/health*, /ready*, /metrics*, so /health_generate too) stay open, every other request needs
+`Authorization: Bearer <api key>`, compared in constant time, else 401. The guard also caps request
+bodies. The key is generated per runtime (infra/runtime.py) and reaches engines, router and clients
+as an argument over Ray; it is never logged or written anywhere.
 """
 from __future__ import annotations
 
+import hmac
+import json
+import secrets
 import socket
 import threading
 
 WILDCARD_HOSTS = ("0.0.0.0", "", "::")
+PROBE_PREFIXES = ("/health", "/ready", "/metrics")  # SGLang's open prefixes (k8s probes, Prometheus)
+DEFAULT_MAX_BODY_BYTES = 1 << 30  # far above any /generate batch; weight data travels as handles, not bytes
 
 
 def node_ip() -> str:
@@ -55,3 +67,106 @@ class ThreadedServer:
         if before_close is not None:
             before_close()
         self.sock.close()
+
+
+# ---------------------------------------------------------------- the API key
+
+
+def new_api_key() -> str:
+    """A fresh random API key (256 bits, URL-safe text)."""
+    return secrets.token_urlsafe(32)
+
+
+def check_api_key(api_key: object) -> str:
+    """`api_key` if usable as a bearer token; an empty key would switch SGLang's check off."""
+    if not isinstance(api_key, str) or not api_key or not api_key.isascii() or any(c.isspace() for c in api_key):
+        raise ValueError("api_key must be a non-empty ASCII string without whitespace (infra/runtime.py makes one "
+                         "per runtime with reflow.engines.http_serve.new_api_key)")
+    return api_key
+
+
+def bearer(api_key: str | None) -> dict[str, str]:
+    """The request header that carries `api_key` (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def auth_refusal(method: str, path: str, authorization: str | None, api_key: str) -> str | None:
+    """None when SGLang's rule lets the request through, else why not (never echoing what was sent)."""
+    if method == "OPTIONS" or path.startswith(PROBE_PREFIXES):
+        return None
+    if not authorization:
+        return "Unauthorized: this endpoint needs an 'Authorization: Bearer <api key>' header; none was sent"
+    scheme, sep, token = authorization.partition(" ")
+    if scheme.lower() != "bearer" or not sep:
+        return "Unauthorized: the Authorization header must read 'Bearer <api key>'"
+    if not hmac.compare_digest(token.encode("utf-8", "surrogateescape"), api_key.encode()):
+        return "Unauthorized: the bearer token does not match this server's API key"
+    return None
+
+
+class HttpGuard:
+    """ASGI middleware: the bearer-token check, then a cap on the request body.
+
+    A body whose Content-Length exceeds `max_body_bytes` is refused before it is read (uvicorn
+    holds the body to its declared length); a chunked body is read up to the cap, then replayed."""
+
+    def __init__(self, app, api_key: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self.app, self.api_key, self.max_body_bytes = app, check_api_key(api_key), int(max_body_bytes)
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] not in ("http", "websocket"):
+            return await self.app(scope, receive, send)
+        headers: dict[bytes, bytes] = {}
+        for k, v in scope.get("headers", []):
+            headers.setdefault(k.lower(), v)  # the first of repeated headers, as Starlette reads them
+        authz = headers.get(b"authorization")
+        refusal = auth_refusal(scope.get("method", "GET"), scope["path"],
+                               None if authz is None else authz.decode("latin-1"), self.api_key)
+        if refusal is not None:
+            if scope["type"] == "websocket":
+                return await send({"type": "websocket.close", "code": 1008})
+            return await _json(send, 401, refusal, [(b"www-authenticate", b"Bearer")])
+        if scope["type"] == "http":
+            declared = headers.get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+                return await _json(send, 413, self._too_large())
+            if declared is None and b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+                receive = await self._buffered(receive)
+                if receive is None:
+                    return await _json(send, 413, self._too_large())
+        return await self.app(scope, receive, send)
+
+    def _too_large(self) -> str:
+        return f"request body is larger than this server's {self.max_body_bytes}-byte limit"
+
+    async def _buffered(self, receive):
+        """The whole chunked body as one message, or None once it passes the cap."""
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left: the app sees that
+                return _replay(message, receive)
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_body_bytes:
+                return None
+            more = message.get("more_body", False)
+        return _replay({"type": "http.request", "body": b"".join(chunks), "more_body": False}, receive)
+
+
+def _replay(first: dict, receive):
+    """`first`, then the connection's own messages (a later http.disconnect)."""
+    pending = [first]
+
+    async def replayed():
+        return pending.pop() if pending else await receive()
+    return replayed
+
+
+async def _json(send, status: int, error: str, headers: list | None = None) -> None:
+    """SGLang's error shape: {"error": "<message>"}."""
+    body = json.dumps({"error": error}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or [])]})
+    await send({"type": "http.response.body", "body": body})

@@ -2,7 +2,9 @@
 
 Every method is one SGLang native endpoint (see /work/shared/SGLANG_API.md); callers never
 branch on the backend. Any non-2xx answer raises `EngineError` naming URL, endpoint, status and
-the server's own message.
+the server's own message. Requests carry `Authorization: Bearer <api_key>` (the runtime's key:
+engines and router refuse everything but their probes without it); the key travels when a client
+is pickled into a Ray task, and never shows in a repr or an error.
 """
 from __future__ import annotations
 
@@ -12,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+
+from reflow.engines.http_serve import bearer
 
 
 class EngineError(RuntimeError):
@@ -40,18 +44,21 @@ def _server_message(r: httpx.Response) -> str:
 
 
 class EngineClient:
-    """HTTP client for one engine. `timeout` bounds each request (generation included)."""
+    """HTTP client for one engine (or router). `timeout` bounds each request (generation included);
+    `api_key` is sent as a bearer token with every request."""
 
-    def __init__(self, url: str, timeout: float = 600.0):
+    def __init__(self, url: str, timeout: float = 600.0, api_key: str | None = None):
         self.url = url.rstrip("/")
         self.timeout = timeout
-        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0))
+        self._api_key = api_key
+        self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
+                                  headers=bearer(api_key))
 
-    def __repr__(self) -> str:
+    def __repr__(self) -> str:  # never the key
         return f"EngineClient({self.url!r})"
 
-    def __reduce__(self):  # picklable (e.g. into a Ray task): reconnects on the other side
-        return (EngineClient, (self.url, self.timeout))
+    def __reduce__(self):  # picklable (e.g. into a Ray task), key included: reconnects on the other side
+        return (EngineClient, (self.url, self.timeout, self._api_key))
 
     def close(self) -> None:
         self._http.close()

@@ -38,10 +38,10 @@ def sample_seeds(seed: int, version: int, count: int) -> list[int]:
 
 
 def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
-             timeout: float, seed: int | None = None) -> RolloutBatch:
+             timeout: float, seed: int | None = None, api_key: str | None = None) -> RolloutBatch:
     """n samples per prompt, prompt-major. With `seed`, every sample gets its own sampling_seed
-    (see `sample_seeds`); without, the engines' own random state decides."""
-    clients = [EngineClient(u, timeout=timeout) for u in urls]
+    (see `sample_seeds`); without, the engines' own random state decides. `api_key`: the runtime's."""
+    clients = [EngineClient(u, timeout=timeout, api_key=api_key) for u in urls]
     seeds = sample_seeds(seed, version, len(prompts) * n) if seed is not None else None
     outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds)
     if len(outs) != len(prompts) * n:
@@ -82,7 +82,8 @@ def score(batch: RolloutBatch, reward_fn: str, max_new_tokens: int = 0, overlong
 
 def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[Prompt]], sp: dict[str, Any],
                  n: int, version: int, timeout: float, reward_fn: str, score_kw: dict[str, Any],
-                 target_groups: int, seed: int | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+                 target_groups: int, seed: int | None = None,
+                 api_key: str | None = None) -> tuple[RolloutBatch, dict[str, float]]:
     """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
     scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
     the rounds run out), then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`).
@@ -93,7 +94,8 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
         if informative >= target_groups:
             break
         round_seed = None if seed is None else seed + 7919 * r
-        scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed), reward_fn, **score_kw)
+        scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed, api_key), reward_fn,
+                          **score_kw)
         rounds.append(scored)
         informative += len(groups_with_spread(scored)[0])
     batch, filler = fill_groups(rounds, target_groups)

@@ -8,6 +8,9 @@ that policy version generated with (checkpoint iter_<v> is saved after push v, b
 each set samples with the same per-sample seeds (infra/eval_sets.py), so an eval-only run of
 checkpoint v reproduces the in-training eval at v (same eval sets, same number of engines).
 Results go under evals/ so they never overwrite the in-training records under iterations/.
+Before any engine starts, every file of the model/ folder is checked against the checkpoint's
+manifest (sha256, not only sizes), and the engines check their copies the same way
+(infra/runtime.model_source): a file changed after the save is refused, naming it and the checkpoint.
 """
 from __future__ import annotations
 

@@ -6,6 +6,7 @@
         state.json                           step, data cursor, ranks, time
         config.yaml                          the resolved run config (no credentials: none are in it)
         MANIFEST.json                        {relative path: {sha256, bytes}} of every file above
+        SIGNATURE                            {alg, key_id, hmac}: HMAC-SHA256 of MANIFEST.json's bytes
         COMMITTED                            sha256 of MANIFEST.json; written only after all of it
     <experiment>/checkpoints/latest          name of the newest committed checkpoint, written last
 
@@ -13,11 +14,18 @@ A checkpoint counts only with its marker, and is loaded only if every file match
 (the trainer ranks check sha256 while downloading). Resume tries `latest` first, then older
 committed checkpoints, warning about each one it skips. This module talks to storage only;
 tasks/checkpoint.py drives the trainer ranks.
+
+Trust: optim/*.pt are pickles that DeepSpeed loads with torch.load(weights_only=False), and a
+bucket writer can rewrite MANIFEST.json and COMMITTED too; SIGNATURE (key outside the bucket,
+infra/signing.py) is what they cannot forge. `check` verifies it before any rank downloads a file
+and returns the verified {path: sha256} table that the ranks check their downloads against.
+Readers of model/ (safetensors) and state.json (JSON) unpickle nothing and need no signature.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import hmac
 import json
 import logging
 import time
@@ -25,12 +33,14 @@ from dataclasses import dataclass
 
 import fsspec
 
+from reflow.infra import signing
 from reflow.infra.storage import ExperimentStore, normalize_root
 
 log = logging.getLogger("reflow.checkpoint")
 ROOT = "checkpoints"
 LATEST = f"{ROOT}/latest"
-MARKER, MANIFEST, STATE = "COMMITTED", "MANIFEST.json", "state.json"
+MARKER, MANIFEST, STATE, SIGNATURE = "COMMITTED", "MANIFEST.json", "state.json", "SIGNATURE"
+HMAC_ALG = "HMAC-SHA256"
 
 
 class CheckpointInvalid(RuntimeError):
@@ -76,6 +86,18 @@ def from_url(url: str, like: ExperimentStore) -> Checkpoint:
     return Checkpoint(store, "", step)
 
 
+def model_files(model_url: str, like: ExperimentStore) -> dict[str, dict] | None:
+    """When `model_url` is the model/ folder of a checkpoint (…/checkpoints/iter_NNNNNN/model): its
+    manifest entries, {name in model/: {sha256, bytes}}, which every load of it is checked against
+    (reflow.engines.hf_io); the checkpoint must pass `check`. None for any other folder (a user's
+    own). No signature needed: model/ is safetensors and JSON, nothing in it is unpickled."""
+    parent, _, leaf = model_url.rstrip("/").rpartition("/")
+    if leaf != "model" or step_of(parent.rpartition("/")[2]) is None:
+        return None
+    files = check(from_url(parent, like), signature=False)
+    return {rel.removeprefix("model/"): meta for rel, meta in files.items() if rel.startswith("model/")}
+
+
 # ---------------------------------------------------------------- writing
 
 
@@ -86,8 +108,11 @@ def begin(ck: Checkpoint) -> None:
     ck.store.rm(ck.prefix, recursive=True)
 
 
-def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str) -> str:
-    """Write state + config, then MANIFEST, then COMMITTED, then move `latest`. Returns the URL."""
+def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str,
+           keys: signing.Keyring | None = None) -> str:
+    """Write state + config, then MANIFEST and its SIGNATURE (with `keys`' signing key; default: the
+    experiment's key from infra/signing.keyring), then COMMITTED, then move `latest`. Returns the URL."""
+    kid, key = (keys or signing.keyring(ck.store.experiment)).signing_key()
     files = dict(files)
     for name, data in ((STATE, json.dumps(state, indent=2, sort_keys=True).encode()),
                        ("config.yaml", config_yaml.encode())):
@@ -95,6 +120,8 @@ def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     manifest = json.dumps({"step": ck.step, "files": files}, indent=2, sort_keys=True).encode()
     ck.store.write_bytes(ck.rel(MANIFEST), manifest)
+    mac = hmac.new(key, manifest, hashlib.sha256).hexdigest()
+    ck.store.write_bytes(ck.rel(SIGNATURE), json.dumps({"alg": HMAC_ALG, "key_id": kid, "hmac": mac}).encode())
     ck.store.write_text(ck.rel(MARKER), hashlib.sha256(manifest).hexdigest())
     if ck.prefix:  # a checkpoint of this experiment: move the pointer
         ck.store.write_text(LATEST, ck.prefix.rsplit("/", 1)[-1])
@@ -104,21 +131,64 @@ def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str
 # ---------------------------------------------------------------- reading and validation
 
 
-def check(ck: Checkpoint) -> dict:
-    """Cheap validation (marker, manifest digest, every file present with its size); returns the
-    manifest's files. sha256 of the contents is checked by whoever downloads them."""
+def check(ck: Checkpoint, keys: signing.Keyring | None = None, *, signature: bool = True) -> dict:
+    """Cheap validation (marker, manifest digest, SIGNATURE, every file present with its size);
+    returns the manifest's files. sha256 of the contents is checked by whoever downloads them.
+    `keys` default: infra/signing.keyring (REFLOW_CHECKPOINT_KEY and this machine's key files).
+    signature=False only for readers that unpickle nothing (model/ safetensors, state.json)."""
     if not ck.store.exists(ck.rel(MARKER)):
         raise CheckpointInvalid(f"{ck.url}: no {MARKER} marker (the save did not finish)")
     manifest = ck.store.read_bytes(ck.rel(MANIFEST))
     if ck.store.read_text(ck.rel(MARKER)).strip() != hashlib.sha256(manifest).hexdigest():
         raise CheckpointInvalid(f"{ck.url}: {MANIFEST} does not match the digest in {MARKER}")
-    files = json.loads(manifest)["files"]
+    if signature:
+        verify_signature(ck, manifest, keys or signing.keyring(ck.store.experiment))
+    doc = json.loads(manifest)
+    if doc.get("step") != ck.step:
+        raise CheckpointInvalid(f"{ck.url}: {MANIFEST} is that of step {doc.get('step')}, not {ck.step} "
+                                f"(copied from another checkpoint folder?)")
+    files = doc["files"]
     for rel, meta in files.items():
         if not ck.store.exists(ck.rel(rel)):
             raise CheckpointInvalid(f"{ck.url}: {rel} is listed in the manifest but missing")
         if ck.store.size(ck.rel(rel)) != meta["bytes"]:
             raise CheckpointInvalid(f"{ck.url}: {rel} has the wrong size")
     return files
+
+
+def verify_signature(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> None:
+    """Raise CheckpointInvalid unless SIGNATURE is a valid HMAC of `manifest` under a key `keys` holds
+    (or the checkpoint is unsigned and `keys.trust_unsigned` allows that, with a warning)."""
+    if not ck.store.exists(ck.rel(SIGNATURE)):
+        if keys.trust_unsigned:
+            log.warning("%s is unsigned; loading it anyway because checkpoint.trust_unsigned is true: its "
+                        "optimizer states are pickles whoever can write the bucket could have replaced", ck.url)
+            return
+        raise CheckpointInvalid(
+            f"{ck.url} is unsigned (no {SIGNATURE}): its optimizer states (optim/*.pt) are pickles that "
+            f"anyone who can write the bucket could have replaced, so it is not loaded. If you saved it "
+            f"yourself before checkpoint signing existed, resume once with checkpoint.trust_unsigned=true "
+            f"(later saves are signed); its model/ weights (safetensors) load without a signature.")
+    try:
+        sig = json.loads(ck.store.read_bytes(ck.rel(SIGNATURE)))
+        alg, kid, mac = str(sig["alg"]), str(sig["key_id"]), str(sig["hmac"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointInvalid(f"{ck.url}: {SIGNATURE} is unreadable ({e!r}); it was not written by reflow "
+                                f"and the checkpoint is not loaded") from None
+    if alg != HMAC_ALG:
+        raise CheckpointInvalid(f"{ck.url}: {SIGNATURE} uses {alg!r}; only {HMAC_ALG} is accepted")
+    held = keys.find(kid)
+    if held is None:
+        raise CheckpointInvalid(
+            f"{ck.url} is signed with key id {kid}, which is not held here (held: {keys.held()}). Set "
+            f"{signing.KEY_ENV} (or name a Prefect Secret block in checkpoint.signing_key_secret) to the key "
+            f"the run was saved with, or copy that machine's key file into {keys.directory}.")
+    key, where = held
+    if not hmac.compare_digest(hmac.new(key, manifest, hashlib.sha256).hexdigest(), mac):
+        raise CheckpointInvalid(
+            f"{ck.url}: {SIGNATURE} does not match {MANIFEST} under key {kid} ({where}): the manifest was "
+            f"changed after the save signed it, by someone without the key. Do not load it; resume from "
+            f"another checkpoint and check who can write the bucket.")
 
 
 def read_state(ck: Checkpoint, files: dict[str, dict]) -> dict:
@@ -151,12 +221,14 @@ def candidates(store: ExperimentStore) -> list[Checkpoint]:
     return cks
 
 
-def valid_candidates(store: ExperimentStore) -> list[tuple[Checkpoint, dict, dict]]:
+def valid_candidates(store: ExperimentStore, keys: signing.Keyring | None = None, *,
+                     signature: bool = True) -> list[tuple[Checkpoint, dict, dict]]:
     """(checkpoint, manifest files, state) of each candidate that passes `check`, newest first."""
     out = []
+    keys = keys or (signing.keyring(store.experiment) if signature else None)
     for ck in candidates(store):
         try:
-            files = check(ck)
+            files = check(ck, keys, signature=signature)
             out.append((ck, files, read_state(ck, files)))
         except (CheckpointInvalid, KeyError, ValueError, FileNotFoundError) as e:
             log.warning("skipping checkpoint %s: %s", ck.url, e)

@@ -137,6 +137,8 @@ class CheckpointConfig(_Strict):
     save_every_minutes: float | None = Field(10.0, gt=0.0, description="Also save when this many minutes have passed since the run's start or its last save (checked after each iteration), so a crash loses at most about this much work; null: only save_interval, the sentinel and the last iteration.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept; older ones are deleted (never the one `latest` points to).")
     sentinel: str | None = Field(None, description="Path or URL of a file whose appearance requests a checkpoint after the current iteration; it is removed after the save.")
+    signing_key_secret: str | None = Field(None, min_length=1, description="Name of a Prefect Secret block holding the key that signs checkpoint manifests (HMAC-SHA256, at least 32 characters); unset: $REFLOW_CHECKPOINT_KEY, else a key this machine generates on the first save (<Prefect home>/reflow-keys/<experiment>.key). The key itself is never written to the config or the bucket.")
+    trust_unsigned: bool = Field(False, description="Also resume from checkpoints without a SIGNATURE (saved before signing existed). Their optimizer states are pickles anyone who can write the bucket could have replaced: only for checkpoints you wrote yourself; later saves are signed.")
 
 
 class EvalSetConfig(_Strict):

@@ -9,7 +9,8 @@ import hashlib
 from dataclasses import dataclass
 
 from reflow.infra.config import EvalSetConfig, RunConfig
-from reflow.rl.data import read_rows, tokenize_prompts
+from reflow.infra.settings import storage_access
+from reflow.rl.data import Reader, read_rows, tokenize_prompts
 from reflow.rl.rewards import load_reward_fn
 from reflow.rl.types import Prompt
 
@@ -37,11 +38,12 @@ def set_seed(run_seed: int, name: str) -> int:
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
-def _prompts(s: EvalSetConfig, where: str, cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[Prompt]:
+def _prompts(s: EvalSetConfig, where: str, cfg: RunConfig, tokenizer, heldout: list[Prompt],
+             read: Reader) -> list[Prompt]:
     if s.source == "heldout":
         prompts = list(heldout)[: s.max_prompts]
     else:
-        rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key, where)
+        rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key, where, read)
         try:
             prompts = tokenize_prompts(rows[: s.max_prompts], tokenizer, cfg.data.max_prompt_len)
         except ValueError as e:
@@ -52,8 +54,9 @@ def _prompts(s: EvalSetConfig, where: str, cfg: RunConfig, tokenizer, heldout: l
 
 
 def load_eval_sets(cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[EvalSet]:
-    """Every configured eval set, loaded, tokenized and validated (reward function importable)."""
-    out = []
+    """Every configured eval set, loaded (files through the run's storage access), tokenized and
+    validated (reward function importable)."""
+    out, read = [], storage_access(cfg).read_bytes
     for i, s in enumerate(cfg.eval.sets):
         where = f"eval.sets.{i}"
         reward_fn = s.reward_fn or cfg.data.reward_fn
@@ -62,7 +65,7 @@ def load_eval_sets(cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[Eva
         except ValueError as e:
             raise ValueError(f"{where}.reward_fn ({s.name}): {e}") from None
         sp = s.sampling(cfg.rollout)
-        out.append(EvalSet(name=s.name, prompts=_prompts(s, where, cfg, tokenizer, heldout), reward_fn=reward_fn,
+        out.append(EvalSet(name=s.name, prompts=_prompts(s, where, cfg, tokenizer, heldout, read), reward_fn=reward_fn,
                            correct_threshold=s.correct_threshold, n=sp["n"], temperature=sp["temperature"],
                            top_p=sp["top_p"], top_k=sp["top_k"], max_new_tokens=sp["max_new_tokens"],
                            ks=sorted(set(s.k)), seed=set_seed(cfg.seed, s.name)))

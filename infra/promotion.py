@@ -12,13 +12,13 @@ import io
 import json
 import logging
 import math
+import os
 import time
 from dataclasses import asdict, dataclass
 
-import fsspec
 import pandas as pd
 
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.storage import ExperimentStore, StorageAccess
 
 log = logging.getLogger("reflow.promotion")
 CHAMPION, LEDGER = "champion.json", "retrain/ledger.json"
@@ -103,20 +103,14 @@ def record_decision(store: ExperimentStore, run: str, decision: Decision, extra:
 # ---------------------------------------------------------------- data ledger
 
 
-def list_data_files(location: str, endpoint_url: str | None = None) -> list[dict]:
-    """Data files (jsonl/json/parquet) directly under a folder or URL prefix, with their sizes."""
-    opts = {"endpoint_url": endpoint_url} if endpoint_url and location.startswith("s3://") else {}
-    fs, root = fsspec.core.url_to_fs(location, **opts)
-    if not fs.exists(root):
+def list_data_files(location: str, storage: StorageAccess) -> list[dict]:
+    """Data files (jsonl/json/parquet) directly under a folder or URL prefix, with their sizes.
+    A relative folder is made absolute, so the ledger names each file the same from any directory."""
+    location = location.rstrip("/") if "://" in location else os.path.abspath(location)
+    if not storage.exists(location):
         raise FileNotFoundError(f"retrain data location {location!r} does not exist")
-    proto = location.split("://", 1)[0] + "://" if "://" in location else ""
-    out = []
-    for info in fs.ls(root, detail=True):
-        name = info["name"]
-        if info.get("type") == "file" and name.endswith(DATA_SUFFIXES):
-            out.append({"url": proto + name if proto and not name.startswith(proto) else name,
-                        "size": int(info.get("size") or 0)})
-    return sorted(out, key=lambda f: f["url"])
+    return [{"url": f"{location}/{name}", "size": int(info.get("size") or 0)}
+            for name, info in storage.files(location, maxdepth=1).items() if name.endswith(DATA_SUFFIXES)]
 
 
 def read_ledger(store: ExperimentStore) -> list[dict]:
@@ -130,13 +124,11 @@ def new_files(store: ExperimentStore, files: list[dict]) -> list[dict]:
     return [f for f in files if (f["url"], f["size"]) not in seen]
 
 
-def merge_rows(files: list[dict], endpoint_url: str | None = None) -> bytes:
+def merge_rows(files: list[dict], storage: StorageAccess) -> bytes:
     """The new files' rows as one jsonl (the run's training prompts, kept as its record)."""
     frames = []
     for f in files:
-        opts = {"endpoint_url": endpoint_url} if endpoint_url and f["url"].startswith("s3://") else {}
-        with fsspec.open(f["url"], "rb", **opts) as fh:
-            data = fh.read()
+        data = storage.read_bytes(f["url"])
         if f["url"].endswith(".parquet"):
             frames.append(pd.read_parquet(io.BytesIO(data)))
         else:

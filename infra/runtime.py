@@ -4,6 +4,11 @@ Config stops here: engines and trainers receive explicit arguments. A runtime is
 experiment in this process, so every task of every iteration flow run finds the same actors.
 Only the start steps build one (`start_runtime`, `start_eval_runtime`, called by the tasks in
 reflow.tasks.cluster); every other caller uses `get_runtime`, which fails when none was started.
+
+Engines and router answer only requests that carry the runtime's API key (a bearer token,
+reflow.engines.http_serve). The key is made here, one per runtime, and handed to the actors as
+an argument; a later flow run that reuses detached actors asks them for it over Ray
+(`runtime_api_key`). It lives in memory only: never logged, in a config, or a Prefect parameter.
 """
 from __future__ import annotations
 
@@ -17,15 +22,18 @@ import ray
 
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
+from reflow.engines.http_serve import new_api_key
 from reflow.engines.sglang.launcher import SGLangEngine
 from reflow.engines.sglang.router import Router, SGLangRouter, sglang_router_available
+from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.critic import CriticGroup
 from reflow.engines.train.group import TrainerGroup, TrainerInitError
 from reflow.infra import actors, placement
+from reflow.infra import checkpoint as ckpt
 from reflow.infra.config import RunConfig, dump_config
 from reflow.infra.eval_sets import EvalSet, load_eval_sets
 from reflow.infra.ray_connect import attached_to_running_cluster, connect, namespace_for
-from reflow.infra.settings import critic_rank_settings, policy_rank_settings
+from reflow.infra.settings import critic_rank_settings, policy_rank_settings, push_settings, storage_access
 from reflow.infra.storage import ExperimentStore
 from reflow.rl.data import load_prompt_rows, tokenize_prompts
 from reflow.rl.rewards import load_reward_fn
@@ -59,30 +67,59 @@ class Runtime:
     reused: list[str] = field(default_factory=list)
     placement: Any = None  # colocated mode's placement group (infra/placement.py)
     critic: Any = None  # reflow.engines.train.critic.CriticGroup when the algorithm needs a critic
+    api_key: str = field(default="", repr=False)  # engines' and router's bearer token (`runtime_api_key`)
 
 
 _RUNTIMES: dict[str, Runtime] = {}
 
 
+def model_source(cfg: RunConfig) -> tuple[StorageAccess, dict | None]:
+    """How model.path is loaded, on the driver and in every engine: through the run's storage access
+    and, when it is a checkpoint's model/ folder, checked against that checkpoint's manifest entries
+    (reflow.engines.hf_io.resolve_checkpoint; infra/checkpoint.model_files)."""
+    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
+    return storage_access(cfg), ckpt.model_files(cfg.model.path, store)
+
+
 def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     d = cfg.data
     train_rows, eval_rows = load_prompt_rows(d.task, d.path, d.prompt_key, d.label_key, d.seed,
-                                             d.num_train, d.num_eval, d.digits, d.eval_path)
+                                             d.num_train, d.num_eval, d.digits, d.eval_path,
+                                             storage_access(cfg).read_bytes)
     return (tokenize_prompts(train_rows, tokenizer, d.max_prompt_len),
             tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len))
 
 
-def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, pg=None):
-    """Get-or-create engine i (a named actor); both backends answer url()/ready()/shutdown() and speak
-    SGLang's HTTP API, so nothing after this point knows which one runs."""
+def runtime_api_key(namespace: str, num_engines: int, timeout_s: float = 30.0) -> str:
+    """The API key of `namespace`'s serving actors: the one a router or engine left by an earlier flow
+    run holds (they were all made with it, and ones recreated now get it too), else a fresh one.
+    Asked over Ray, the trusted channel; never written anywhere."""
+    for name in ["router"] + [f"engine-{i}" for i in range(num_engines)]:
+        try:
+            actor = ray.get_actor(name, namespace=namespace)
+        except ValueError:  # deliberate: no such actor (yet)
+            continue
+        try:
+            return ray.get(actor.api_key.remote(), timeout=timeout_s)
+        except (ray.exceptions.RayError, AttributeError):  # deliberate: a dead or hung actor is recreated later
+            continue
+    return new_api_key()
+
+
+def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_key: str, pg=None):
+    """Get-or-create engine i (a named actor); both backends answer url()/ready()/shutdown()/api_key() and
+    speak SGLang's HTTP API, so nothing after this point knows which one runs."""
     r = cfg.rollout
     if r.backend == "embedded":
         actor_cls, options = ray.remote(EmbeddedEngine), {"num_cpus": 1}
-        kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host)
+        storage, files = model_source(cfg)
+        kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host,
+                      api_key=api_key, storage=storage, model_files=files)
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
-                      enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s)
+                      enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s,
+                      api_key=api_key)
     if detached:
         options["lifetime"] = "detached"
     if pg is not None:  # colocated: in the bundle (GPU) of trainer rank i mod bundles
@@ -91,30 +128,31 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, pg=Non
             .remote(model_path=cfg.model.path, engine_id=f"engine-{i}", **kwargs))
 
 
-def _start_engines(cfg: RunConfig, namespace: str, detached: bool = False, pg=None) -> list[Any]:
+def _start_engines(cfg: RunConfig, namespace: str, api_key: str, detached: bool = False, pg=None) -> list[Any]:
     """One named engine actor per engine (get-or-create), returned before they have loaded: callers
     start the trainers meanwhile, then `_check_engines`."""
-    return [_engine_actor(cfg, namespace, i, detached, pg) for i in range(cfg.rollout.num_engines)]
+    return [_engine_actor(cfg, namespace, i, detached, api_key, pg) for i in range(cfg.rollout.num_engines)]
 
 
-def _check_engines(cfg: RunConfig, namespace: str, engines: list[Any], detached: bool = False, pg=None) -> list[Any]:
+def _check_engines(cfg: RunConfig, namespace: str, engines: list[Any], api_key: str, detached: bool = False,
+                   pg=None) -> list[Any]:
     """Wait until every engine answers. On a long-lived cluster an engine left by an earlier flow
     run that died or hangs is killed and recreated."""
     for i, ok in enumerate(actors.answers(engines)):
         if not ok:
             log.warning("engine-%d of %s did not answer: recreating it", i, namespace)
             ray.kill(engines[i], no_restart=True)
-            engines[i] = _engine_actor(cfg, namespace, i, detached, pg)
+            engines[i] = _engine_actor(cfg, namespace, i, detached, api_key, pg)
     return engines
 
 
-def _start_router(cfg: RunConfig, namespace: str, urls: list[str]) -> tuple[Any, list[str]]:
+def _start_router(cfg: RunConfig, namespace: str, urls: list[str], api_key: str) -> tuple[Any, list[str]]:
     """(router actor or None, the URLs /generate requests go to)."""
     if not cfg.rollout.router:
         return None, list(urls)
     actor_cls = ray.remote(SGLangRouter if sglang_router_available() else Router)
     router = actor_cls.options(name="router", namespace=namespace, num_cpus=0, get_if_exists=True).remote(
-        urls, host=cfg.cluster.bind_host)
+        urls, host=cfg.cluster.bind_host, api_key=api_key)
     ray.get(router.ready.remote())
     return router, [ray.get(router.url.remote())] * len(urls)
 
@@ -185,9 +223,9 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
 def build_runtime(cfg: RunConfig) -> Runtime:
     """Validate inputs first (checkpoint, data, reward fn), then start the actors."""
     t0 = time.perf_counter()
-    resolve_checkpoint(cfg.model.path)  # a missing checkpoint fails here, before Ray starts
+    local = resolve_checkpoint(cfg.model.path, *model_source(cfg))  # a missing or corrupt one fails here, before Ray starts
     load_reward_fn(cfg.data.reward_fn)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(str(local))
     train_prompts, eval_prompts = _load_data(cfg, tokenizer)
     eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)
@@ -196,9 +234,10 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     record, before_ids = actors.prepare_namespace(cfg, namespace) if persistent else (None, {})
     reusable = bool(before_ids)
     pg = _colocation(cfg, namespace, persistent)
+    api_key = runtime_api_key(namespace, cfg.rollout.num_engines)
     # Engines, policy ranks and critic ranks load at the same time (each is seconds of imports and
     # loading); only then is each waited for.
-    engines = _start_engines(cfg, namespace, persistent, pg)
+    engines = _start_engines(cfg, namespace, api_key, persistent, pg)
     trainers = _attach_trainers(cfg, namespace) if reusable else None
     fresh = trainers is None
     if fresh:
@@ -212,15 +251,15 @@ def build_runtime(cfg: RunConfig) -> Runtime:
             if group is not None:
                 group.kill()
         raise
-    engines = _check_engines(cfg, namespace, engines, persistent, pg)
+    engines = _check_engines(cfg, namespace, engines, api_key, persistent, pg)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     store.write_text("config.yaml", dump_config(cfg))
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                  train_prompts=train_prompts, eval_prompts=eval_prompts, trainers=trainers,
-                 engines=engines, engine_urls=urls, store=store)
-    rt.router, rt.generate_urls = _start_router(cfg, namespace, urls)
+                 engines=engines, engine_urls=urls, store=store, api_key=api_key)
+    rt.router, rt.generate_urls = _start_router(cfg, namespace, urls, api_key)
     rt.eval_sets = eval_sets
     rt.persistent = persistent
     rt.critic = critic
@@ -241,16 +280,18 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     return rt
 
 
-def ensure_engines(cfg: RunConfig) -> list[str]:
+def ensure_engines(cfg: RunConfig, serve_version: int | None = None) -> list[str]:
     """Recreate engines that died (e.g. mid-rollout, which the router survives) before the control
-    plane needs every one of them; the router swaps the URLs. Returns the names recreated; the
-    next push gives the new engines the current weights."""
+    plane or a rollout needs every one of them; the router swaps the URLs. Returns the names
+    recreated. A new engine starts from `model.path`: with `serve_version` (before a rollout) the
+    trainers push it their current weights as that version at once; without (before a push) the
+    push that follows does."""
     rt = get_runtime(cfg)
     dead = [i for i, ok in enumerate(actors.answers(rt.engines, "url", timeout_s=10)) if not ok]
     for i in dead:
         log.warning("engine-%d (%s) is gone: recreating it", i, rt.engine_urls[i])
         ray.kill(rt.engines[i], no_restart=True)
-        rt.engines[i] = _engine_actor(cfg, rt.namespace, i, rt.persistent, rt.placement)
+        rt.engines[i] = _engine_actor(cfg, rt.namespace, i, rt.persistent, rt.api_key, rt.placement)
         old, rt.engine_urls[i] = rt.engine_urls[i], ray.get(rt.engines[i].url.remote())
         ray.get(rt.engines[i].ready.remote())
         rt.actor_ids[f"engine-{i}"] = actors.actor_id(rt.engines[i])
@@ -260,6 +301,12 @@ def ensure_engines(cfg: RunConfig) -> list[str]:
                 ray.get(rt.router.remove_worker.remote(old))
         else:
             rt.generate_urls[i] = rt.engine_urls[i]
+    if dead and serve_version is not None and rt.trainers is not None:
+        urls = [rt.engine_urls[i] for i in dead]
+        report = next(r for r in ray.get(rt.trainers.push_weights(urls, str(serve_version), push_settings(cfg),
+                                                                  api_key=rt.api_key)) if r)
+        log.warning("recreated engine(s) %s now serve policy version %d (%d tensors verified)",
+                    ", ".join(urls), serve_version, report.get("verified_tensors", 0))
     return [f"engine-{i}" for i in dead]
 
 
@@ -349,19 +396,19 @@ def build_eval_runtime(cfg: RunConfig) -> Runtime:
     """Rollout engines serving `cfg.model.path` (e.g. a checkpoint's model/ folder) and the eval
     sets; no trainers. Inputs are validated before any actor starts, as in `build_runtime`."""
     t0 = time.perf_counter()
-    resolve_checkpoint(cfg.model.path)
-    tokenizer = load_tokenizer(cfg.model.path)
+    tokenizer = load_tokenizer(str(resolve_checkpoint(cfg.model.path, *model_source(cfg))))  # checked before Ray starts
     _, eval_prompts = _load_data(cfg, tokenizer)
     eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = _eval_namespace(cfg)
     log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
-    engines = _check_engines(cfg, namespace, _start_engines(cfg, namespace))
+    api_key = runtime_api_key(namespace, cfg.rollout.num_engines)
+    engines = _check_engines(cfg, namespace, _start_engines(cfg, namespace, api_key), api_key)
     urls = ray.get([e.url.remote() for e in engines])
     ray.get([e.ready.remote() for e in engines])
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                  train_prompts=[], eval_prompts=eval_prompts, trainers=None, engines=engines, engine_urls=urls,
-                 store=ExperimentStore.from_config(cfg.storage, cfg.experiment), eval_sets=eval_sets)
-    rt.router, rt.generate_urls = _start_router(cfg, namespace, urls)
+                 store=ExperimentStore.from_config(cfg.storage, cfg.experiment), eval_sets=eval_sets, api_key=api_key)
+    rt.router, rt.generate_urls = _start_router(cfg, namespace, urls, api_key)
     rt.timings["startup"] = time.perf_counter() - t0
     log.info("eval runtime ready in %.1fs: %d engine(s) serving %s", rt.timings["startup"], len(engines), cfg.model.path)
     return rt

@@ -2,10 +2,17 @@
 whole (the run config itself stays on the driver)."""
 from __future__ import annotations
 
+from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.settings import RankSettings
 from reflow.engines.weights.settings import PushSettings
 from reflow.infra.config import RunConfig
 from reflow.rl.losses import LossSettings
+
+
+def storage_access(cfg: RunConfig) -> StorageAccess:
+    """How every path outside the experiment store is reached (model folders, prompt files, eval
+    sources, new data, disk pushes): storage.endpoint_url and the storage retry settings."""
+    return StorageAccess.from_config(cfg.storage)
 
 
 def loss_settings(cfg: RunConfig) -> LossSettings:
@@ -29,7 +36,8 @@ def policy_rank_settings(cfg: RunConfig) -> RankSettings:
     return RankSettings(
         zero_stage=t.zero_stage, precision=t.precision, lr=t.lr, lr_schedule=t.lr_schedule,
         warmup_steps=t.warmup_steps, total_steps=total_steps(cfg), weight_decay=t.weight_decay,
-        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed)
+        grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed,
+        storage=storage_access(cfg))
 
 
 def critic_rank_settings(cfg: RunConfig) -> RankSettings:
@@ -38,10 +46,11 @@ def critic_rank_settings(cfg: RunConfig) -> RankSettings:
     return RankSettings(
         zero_stage=t.zero_stage, precision=t.precision, lr=c.lr, weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
-        threads=t.threads_per_rank, seed=cfg.seed)
+        threads=t.threads_per_rank, seed=cfg.seed, storage=storage_access(cfg))
 
 
 def push_settings(cfg: RunConfig) -> PushSettings:
     w = cfg.weight_sync
     return PushSettings(mode=w.mode, bucket_bytes=w.bucket_mb << 20, verify=w.verify, verify_sample=w.verify_sample,
-                        verify_rows=w.verify_rows, verify_atol=w.verify_atol, backend=w.backend, disk_dir=w.disk_dir)
+                        verify_rows=w.verify_rows, verify_atol=w.verify_atol, backend=w.backend, disk_dir=w.disk_dir,
+                        storage=storage_access(cfg))

@@ -5,7 +5,8 @@ Rows handed between these functions are dicts `{"prompt": str, "label": Any}` (l
 Sources (`load_prompt_rows`):
   * task "addition": the synthetic task of `reflow.rl.demo_task` (seed, num_train, num_eval, digits).
   * task "file": a jsonl (`.jsonl`/`.json`, one object per line) or parquet (`.parquet`/`.pq`)
-    file at a local path or any fsspec URL (s3://, file://, ...), read with pandas; columns
+    file at a local path, or at a URL (s3://, ...) through the reader infra passes in (the run's
+    storage access: its endpoint and retries), parsed with pandas; columns
     `prompt_key` and `label_key` become "prompt" and "label". The held-out split is `eval_path`
     when given (the whole file), else the LAST `num_eval` rows of `path` (the rest train). File
     order is kept, so put held-out rows at the end or pass a separate file.
@@ -13,7 +14,8 @@ Sources (`load_prompt_rows`):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from reflow.rl.types import Prompt
@@ -21,36 +23,52 @@ from reflow.rl.types import Prompt
 _MAX_LISTED = 5  # bad rows quoted in an error message; the rest are counted
 
 
-def _read_jsonl(path: str):
+Reader = Callable[[str], bytes]  # the bytes at a path or URL; infra passes its storage access's read_bytes
+
+
+def read_local(path: str) -> bytes:
+    """The default reader: local files only (a plain path or file://). URLs go through the storage
+    access infra passes in, so the run's endpoint and retries apply to them."""
+    if "://" in path and not path.startswith("file://"):
+        raise ValueError(f"{path!r} is a URL: pass a reader that reaches it (reflow.infra.settings."
+                         f"storage_access(cfg).read_bytes, which uses storage.endpoint_url)")
+    return Path(path.removeprefix("file://")).expanduser().read_bytes()
+
+
+def _parse_jsonl(data: bytes, path: str):
     """One JSON object per line (blank lines skipped); a bad line is named by its 1-based number."""
     import json
 
-    import fsspec
     import pandas as pd
 
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     records = []
-    with fsspec.open(path, "rt", encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path!r} line {lineno} is not valid JSON ({e.msg}): {line.strip()[:120]!r}") from None
-            if not isinstance(obj, dict):
-                raise ValueError(f"{path!r} line {lineno} is a JSON {type(obj).__name__}, not an object")
-            records.append(obj)
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path!r} line {lineno} is not valid JSON ({e.msg}): {line.strip()[:120]!r}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"{path!r} line {lineno} is a JSON {type(obj).__name__}, not an object")
+        records.append(obj)
     return pd.DataFrame.from_records(records)
 
 
-def _read_table(path: str, section: str = "data"):
+def _read_table(path: str, section: str = "data", read: Reader = read_local):
+    import io
+
     import pandas as pd
 
     name = path.lower().split("?")[0]
     if name.endswith((".parquet", ".pq")):
-        return pd.read_parquet(path)
+        return pd.read_parquet(io.BytesIO(read(path)))
     if name.endswith((".jsonl", ".json")):
-        return _read_jsonl(path)
+        return _parse_jsonl(read(path), path)
     raise ValueError(f"{section} file {path!r}: unknown file type; expected .jsonl, .json (lines) or .parquet")
 
 
@@ -58,11 +76,12 @@ def _is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data") -> list[dict]:
+def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data",
+              read: Reader = read_local) -> list[dict]:
     """All rows of a jsonl/parquet file as {"prompt", "label"} dicts; a row whose prompt cell is
     empty keeps no "prompt" key (reported by `tokenize_prompts`), a missing label becomes None.
-    `section` names the config section in errors (e.g. "eval.sets.1")."""
-    df = _read_table(path, section)
+    `section` names the config section in errors (e.g. "eval.sets.1"); `read` fetches the file."""
+    df = _read_table(path, section, read)
     for key, field in ((prompt_key, f"{section}.prompt_key"), (label_key, f"{section}.label_key")):
         if key not in df.columns:
             raise ValueError(f"{path!r} has no column {key!r} ({field}); columns: {list(df.columns)}")
@@ -77,8 +96,9 @@ def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data")
 
 def load_prompt_rows(task: str, path: str | None, prompt_key: str, label_key: str, seed: int,
                      num_train: int, num_eval: int, digits: int,
-                     eval_path: str | None = None) -> tuple[list[dict], list[dict]]:
-    """(train_rows, eval_rows) for `task` ("addition" or "file"; see the module docstring)."""
+                     eval_path: str | None = None, read: Reader = read_local) -> tuple[list[dict], list[dict]]:
+    """(train_rows, eval_rows) for `task` ("addition" or "file"; see the module docstring); `read`
+    fetches the files (default: local files only)."""
     if task == "addition":
         from reflow.rl.demo_task import make_problems
         return make_problems(seed, num_train, num_eval, digits)
@@ -86,9 +106,9 @@ def load_prompt_rows(task: str, path: str | None, prompt_key: str, label_key: st
         raise ValueError(f"data.task={task!r}: expected 'addition' or 'file'")
     if not path:
         raise ValueError("data.task='file' needs data.path (a jsonl or parquet file or URL)")
-    rows = read_rows(path, prompt_key, label_key)
+    rows = read_rows(path, prompt_key, label_key, read=read)
     if eval_path:
-        return rows, read_rows(eval_path, prompt_key, label_key)
+        return rows, read_rows(eval_path, prompt_key, label_key, read=read)
     if num_eval >= len(rows):
         raise ValueError(f"{path!r} has {len(rows)} rows; holding out the last num_eval={num_eval} "
                          f"leaves none to train on (lower data.num_eval or give an eval file)")

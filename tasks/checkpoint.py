@@ -3,6 +3,9 @@
 The trainer ranks upload and download their own files (engines/train/checkpoint.py); the driver only
 merges their manifests, commits, and decides which checkpoint to load (infra/checkpoint.py). With
 PPO the critic ranks do the same under `critic/` of the same checkpoint, inside the same manifest.
+The driver signs each manifest and verifies the signature before any rank fetches a file; the ranks
+get the verified {path: sha256} table, never the key (infra/signing.py). The keyring is built inside
+each task from the config, so the key is never a Prefect parameter or result.
 """
 from __future__ import annotations
 
@@ -11,6 +14,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.infra import checkpoint as ckpt
+from reflow.infra import signing
 from reflow.infra.config import RunConfig, dump_config
 from reflow.infra.runtime import get_runtime, recreate_trainers
 from reflow.infra.storage import ExperimentStore
@@ -27,6 +31,12 @@ def experiment_store(cfg: RunConfig) -> ExperimentStore:
     return ExperimentStore.from_config(cfg.storage, cfg.experiment)
 
 
+def keyring(cfg: RunConfig) -> signing.Keyring:
+    """The keys that sign and verify this run's checkpoints (checkpoint.signing_key_secret, else
+    $REFLOW_CHECKPOINT_KEY, else this machine's key for the experiment)."""
+    return signing.keyring(cfg.experiment, cfg.checkpoint.signing_key_secret, cfg.checkpoint.trust_unsigned)
+
+
 @task(name="check-storage", cache_policy=NO_CACHE)
 def check_storage(cfg: RunConfig) -> str:
     store = experiment_store(cfg)
@@ -36,8 +46,8 @@ def check_storage(cfg: RunConfig) -> str:
 
 @task(name="find-checkpoint", cache_policy=NO_CACHE)
 def find_checkpoints(cfg: RunConfig) -> list[tuple[ckpt.Checkpoint, dict]]:
-    """Resume candidates (checkpoint, manifest files), best first; [] = start from model.path."""
-    store = experiment_store(cfg)
+    """Resume candidates (checkpoint, verified manifest files), best first; [] = start from model.path."""
+    store, keys = experiment_store(cfg), keyring(cfg)  # a bad key setting fails here, before any work
     if cfg.resume == "never":
         if ckpt.committed(store):
             raise ResumeError(f"resume=never but {store.url(ckpt.ROOT)} already holds committed checkpoints; "
@@ -45,12 +55,21 @@ def find_checkpoints(cfg: RunConfig) -> list[tuple[ckpt.Checkpoint, dict]]:
         return []
     if cfg.resume != "auto":
         ck = ckpt.from_url(cfg.resume, store)
-        return [(ck, ckpt.check(ck))]  # explicit: no fallback, a bad one is an error
-    found = ckpt.valid_candidates(store)
-    if not found and ckpt.candidates(store):
+        return [(ck, ckpt.check(ck, keys))]  # explicit: no fallback, a bad one is an error
+    found = ckpt.valid_candidates(store, keys)
+    if not found and (cks := ckpt.candidates(store)):
         raise ResumeError(f"{store.url(ckpt.ROOT)} holds checkpoints but none is valid (see the warnings "
-                          f"above); refusing to silently start over. Use resume=never with a new experiment.")
+                          f"above; the newest: {_why_invalid(cks[0], keys)}); refusing to silently start "
+                          f"over. Fix that, or use resume=never with a new experiment.")
     return [(ck, files) for ck, files, _ in found]
+
+
+def _why_invalid(ck: ckpt.Checkpoint, keys: signing.Keyring) -> str:
+    try:
+        ckpt.check(ck, keys)
+    except (ckpt.CheckpointInvalid, KeyError, ValueError, FileNotFoundError) as e:  # deliberate: only reported
+        return str(e)
+    return "valid now (it changed meanwhile)"
 
 
 def _parts(ck: ckpt.Checkpoint, files: dict, trainers, critic=None) -> list[tuple[object, str, dict]]:
@@ -137,9 +156,9 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
 
 
 def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: str,
-         keep_last: int, critic=None) -> str:
+         keep_last: int, critic=None, keys: signing.Keyring | None = None) -> str:
     """Every rank uploads its part (the PPO critic's ranks under critic/, alongside), then
-    MANIFEST -> COMMITTED -> latest; then retention."""
+    MANIFEST -> SIGNATURE (with `keys`, default the experiment's key) -> COMMITTED -> latest; then retention."""
     ck = ckpt.at_step(store, step)
     ckpt.begin(ck)
     critic_refs = critic.save_checkpoint(store, ck.rel(CRITIC.rstrip("/"))) if critic is not None else []
@@ -149,7 +168,7 @@ def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: 
     for rank_files in ray.get(critic_refs):
         files.update({CRITIC + rel: meta for rel, meta in rank_files.items()})
     fault_point("KILL_DURING_SAVE", step)
-    url = ckpt.commit(ck, files, state, config_yaml)
+    url = ckpt.commit(ck, files, state, config_yaml, keys)
     fault_point("KILL_AFTER_COMMIT", step)
     ckpt.apply_retention(store, keep_last)
     return url
@@ -160,20 +179,22 @@ def save_checkpoint(cfg: RunConfig, step: int) -> str:
     rt = get_runtime(cfg)
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
     state["weights_sha256"] = ray.get(rt.trainers.weights_checksum())[0]  # lets a reused trainer skip a reload
-    return save(rt.trainers, rt.store, step, state, dump_config(cfg), cfg.checkpoint.keep_last, critic=rt.critic)
+    return save(rt.trainers, rt.store, step, state, dump_config(cfg), cfg.checkpoint.keep_last, critic=rt.critic,
+                keys=keyring(cfg))
 
 
 @task(name="resolve-checkpoint", cache_policy=NO_CACHE)
 def resolve_checkpoint(config: RunConfig, checkpoint: str) -> dict[str, object]:
-    """{url, step, model}: the newest valid committed checkpoint (`latest`) or the one at a URL."""
+    """{url, step, model}: the newest valid committed checkpoint (`latest`) or the one at a URL.
+    Evaluation reads only model/ (safetensors, no pickle), so the signature is not required here."""
     store = experiment_store(config)
     if checkpoint == "latest":
-        found = ckpt.valid_candidates(store)
+        found = ckpt.valid_candidates(store, signature=False)
         if not found:
             raise ckpt.CheckpointInvalid(f"no valid committed checkpoint under {store.url(ckpt.ROOT)}; "
                                          f"train first, or pass checkpoint=<URL of …/checkpoints/iter_NNNNNN>")
         ck = found[0][0]
     else:
         ck = ckpt.from_url(checkpoint, store)
-        ckpt.check(ck)  # committed, and every file the manifest lists is there with its size
+        ckpt.check(ck, signature=False)  # committed, and every file the manifest lists is there with its size
     return {"url": ck.url, "step": ck.step, "model": ck.store.url(ck.rel("model"))}

@@ -26,9 +26,9 @@ from reflow.infra.runtime import get_runtime
 from reflow.tasks.evaluate import wait_for_eval_generation
 
 
-def _each_engine(urls: list[str], call) -> None:
-    for url in urls:  # a handful of engines: sequential keeps the failing one obvious
-        call(EngineClient(url, timeout=120))
+def _each_engine(rt, call) -> None:
+    for url in rt.engine_urls:  # a handful of engines: sequential keeps the failing one obvious
+        call(EngineClient(url, timeout=120, api_key=rt.api_key))
 
 
 @task(name="colocate-to-trainer", cache_policy=NO_CACHE)
@@ -36,7 +36,7 @@ def to_trainer(cfg: RunConfig) -> dict[str, float]:
     rt = get_runtime(cfg)
     wait_for_eval_generation(rt.namespace)  # an eval may still generate on the engines (tasks/evaluate.py)
     t0 = time.perf_counter()
-    _each_engine(rt.engine_urls, lambda c: c.release_memory_occupation(list(cfg.cluster.release_tags)))
+    _each_engine(rt, lambda c: c.release_memory_occupation(list(cfg.cluster.release_tags)))
     critic = rt.critic.reload_states() if rt.critic is not None else []  # PPO: the critic takes turns too
     moves = ray.get(rt.trainers.reload_states())[0]["moves"]
     ray.get(critic)
@@ -51,5 +51,5 @@ def to_engines(cfg: RunConfig, stage: Literal["weights", "rest"]) -> dict[str, f
     if stage == "weights":
         ray.get(rt.trainers.offload_states() + (rt.critic.offload_states() if rt.critic is not None else []))
     if tags:
-        _each_engine(rt.engine_urls, lambda c: c.resume_memory_occupation(tags))
+        _each_engine(rt, lambda c: c.resume_memory_occupation(tags))
     return {f"time_engines_resume_{stage}": time.perf_counter() - t0}

@@ -6,6 +6,7 @@ from prefect.cache_policies import NO_CACHE
 
 from reflow.infra import promotion as pm
 from reflow.infra.config import RunConfig
+from reflow.infra.settings import storage_access
 from reflow.tasks.checkpoint import experiment_store
 
 
@@ -16,9 +17,9 @@ def take_new_data(cfg: RunConfig, location: str, run: str) -> tuple[RunConfig | 
         raise ValueError("retrain with new_data needs a fixed eval set to compare against the champion: set "
                          "data.eval_path, or give every eval set in eval.sets its own `source`")
     store = experiment_store(cfg)
-    files = pm.new_files(store, pm.list_data_files(location, cfg.storage.endpoint_url))
+    files = pm.new_files(store, pm.list_data_files(location, storage_access(cfg)))
     if not files:
         return None, []
-    url = store.write_bytes(f"retrain/runs/{run}/prompts.jsonl", pm.merge_rows(files, cfg.storage.endpoint_url))
+    url = store.write_bytes(f"retrain/runs/{run}/prompts.jsonl", pm.merge_rows(files, storage_access(cfg)))
     data = cfg.data.model_copy(update={"task": "file", "path": url})
     return cfg.model_copy(update={"data": data}), files

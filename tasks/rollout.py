@@ -14,7 +14,7 @@ from prefect.cache_policies import NO_CACHE
 
 from reflow.engines import rollout_stages as ro
 from reflow.infra.config import RunConfig
-from reflow.infra.runtime import Runtime, get_runtime
+from reflow.infra.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.storage import ExperimentStore
 from reflow.rl.data import PromptSampler
 from reflow.rl.types import Prompt, RolloutBatch
@@ -80,12 +80,16 @@ def generate(cfg: RunConfig, iteration: int) -> BatchRef:
     rt = get_runtime(cfg)
     if (cached := _cached(rt, iteration, "generated")) is not None:
         return cached
+    # An engine lost since the last push (or during this task's previous attempt: the retry comes
+    # back here) is recreated and given the current weights now, not after the retries are spent.
+    recreated = ensure_engines(cfg, serve_version=iteration)
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
-                           iteration, cfg.rollout.request_timeout_s, seed)
+                           iteration, cfg.rollout.request_timeout_s, seed, rt.api_key)
     ray.wait([ref], fetch_local=False)
-    return _persist(rt, BatchRef(ref, {"prompts": len(prompts)}, iteration), "generated")
+    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated))}
+    return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 
 def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:
@@ -115,7 +119,7 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
                                        _sp(rt), cfg.rollout.n_samples_per_prompt, batch.iteration,
                                        cfg.rollout.request_timeout_s, cfg.data.reward_fn, score_kw,
                                        cfg.rollout.prompts_per_iteration,
-                                       cfg.seed if cfg.rollout.seeded_sampling else None)
+                                       cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key)
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
     out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration)

@@ -62,7 +62,7 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
     eval_wait = wait_for_eval_generation(rt.namespace)
     recreated = ensure_engines(cfg)  # an engine lost mid-rollout (the router finished its work) comes back here
     t0 = time.perf_counter()
-    results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), push_settings(cfg)))
+    results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), push_settings(cfg), api_key=rt.api_key))
     stats = next((r for r in results if r), {})
     return {"push_seconds": time.perf_counter() - t0, "push_eval_wait_seconds": eval_wait,
             "engines_recreated": float(len(recreated)),
@@ -76,7 +76,8 @@ def engines_hold(rt, version: int) -> bool:
     names = [f"engine-{i}" for i in range(len(rt.engine_urls))]
     if not all(n in rt.reused for n in names):
         return False
-    return all(EngineClient(u, timeout=30).model_info().get("weight_version") == str(version) for u in rt.engine_urls)
+    return all(EngineClient(u, timeout=30, api_key=rt.api_key).model_info().get("weight_version") == str(version)
+               for u in rt.engine_urls)
 
 
 @task(name="initial-push", cache_policy=NO_CACHE)

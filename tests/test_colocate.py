@@ -34,7 +34,7 @@ def _run(cfg):
     try:
         summary = train(cfg, release_cluster=False)
         rt = start_runtime(cfg)
-        infos = [EngineClient(u).server_info() for u in rt.engine_urls]
+        infos = [EngineClient(u, api_key=rt.api_key).server_info() for u in rt.engine_urls]
         _assert_placed_together(rt)
         return summary, infos
     finally:

@@ -15,6 +15,7 @@ import torch
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.embedded.generator import Generator
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.weights.buckets import BucketError, flatten, load_payload, serialize_bucket, unflatten
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
@@ -22,6 +23,8 @@ from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model
 from tests.reference import greedy_reference
 
+KEY = new_api_key()  # the engines' API key (tests/test_http_auth.py: what it guards)
+AUTH = bearer(KEY)
 PROMPTS = ["12+34=", "5+6=", "(3+4)*5=", "7*8=", "99-1=", "1+1=", "2*(3+4)=", "10+20+30="]
 
 
@@ -42,7 +45,7 @@ def gen(model, tok):
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy):
-    e = EmbeddedEngine(str(tiny_policy), "test-engine", threads=1)
+    e = EmbeddedEngine(str(tiny_policy), "test-engine", threads=1, api_key=KEY)
     assert e.ready()
     yield e
     e.shutdown()
@@ -51,7 +54,7 @@ def engine(tiny_policy):
 @pytest.fixture()
 def fresh_engine(tiny_policy):
     """An engine whose weights a test may change."""
-    e = EmbeddedEngine(str(tiny_policy), "scratch-engine", threads=1)
+    e = EmbeddedEngine(str(tiny_policy), "scratch-engine", threads=1, api_key=KEY)
     e.ready()
     yield e
     e.shutdown()
@@ -59,7 +62,7 @@ def fresh_engine(tiny_policy):
 
 @pytest.fixture()
 def client(engine):
-    return EngineClient(engine.url(), timeout=60)
+    return EngineClient(engine.url(), timeout=60, api_key=KEY)
 
 
 def _ids(tok, texts):
@@ -173,7 +176,8 @@ def test_generate_response_shape(client, tok, engine):
     assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == 3
     many = client.generate(text=["1+1=", "2+2="], sampling_params={"max_new_tokens": 2, "n": 2})
     assert isinstance(many, list) and len(many) == 4 and "output_token_logprobs" not in many[0]["meta_info"]
-    out = generate_batch([client, EngineClient(engine.url())], _ids(tok, PROMPTS[:5]), {"max_new_tokens": 4}, n=2)
+    other = EngineClient(engine.url(), api_key=KEY)
+    out = generate_batch([client, other], _ids(tok, PROMPTS[:5]), {"max_new_tokens": 4}, n=2)
     assert [o["meta_info"]["prompt_tokens"] for o in out] == [len(p) for p in _ids(tok, PROMPTS[:5]) for _ in "ab"]
 
 
@@ -191,7 +195,7 @@ def test_generate_response_shape(client, tok, engine):
     ({"input_ids": [5], "sampling_params": {"min_new_tokens": 9, "max_new_tokens": 4}}, "min_new_tokens must be in"),
 ])
 def test_malformed_generate_is_400_with_message(engine, body, message):
-    r = httpx.post(engine.url() + "/generate", json=body)
+    r = httpx.post(engine.url() + "/generate", json=body, headers=AUTH)
     err = r.json()["error"]  # SGLang: a string for contract errors, {"message"} for the others
     assert r.status_code == 400 and message in (err if isinstance(err, str) else err["message"])
 
@@ -206,10 +210,11 @@ def test_own_checks_when_sglang_is_absent(engine, monkeypatch, body, message):
     from reflow.engines.sglang import contract as sglang_contract
 
     monkeypatch.setattr(sglang_contract, "load", lambda: None)  # as on a machine without the wheel
-    r = httpx.post(engine.url() + "/generate", json=body)
+    r = httpx.post(engine.url() + "/generate", json=body, headers=AUTH)
     err = r.json()["error"]
     assert r.status_code == 400 and message in (err if isinstance(err, str) else err["message"])
-    ok = httpx.post(engine.url() + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}})
+    ok = httpx.post(engine.url() + "/generate", json={"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2}},
+                    headers=AUTH)
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
     named = [("model.norm.weight", torch.ones(32))]
     assert torch.equal(load_payload(serialize_bucket(named), "flattened_bucket")[0][1], torch.ones(32))
@@ -249,7 +254,7 @@ def test_pause_parks_generation_and_abort_returns_partial_output(client, engine,
         out=client.generate(input_ids=_ids(tok, PROMPTS) * 32, sampling_params=long, rid=rids)))
     worker.start()
     deadline = time.monotonic() + 10
-    while httpx.get(engine.url() + "/v1/loads").json()["loads"][0]["num_running_reqs"] == 0:
+    while httpx.get(engine.url() + "/v1/loads", headers=AUTH).json()["loads"][0]["num_running_reqs"] == 0:
         assert time.monotonic() < deadline
     client.pause_generation("in_place")
     assert client.flush_cache()  # parked requests do not block a flush
@@ -271,7 +276,7 @@ def test_concurrent_requests_merge_without_mixing(engine, model, tok):
     results = [None] * len(prompts)
 
     def one(i):
-        c = EngineClient(engine.url())
+        c = EngineClient(engine.url(), api_key=KEY)
         sp = {"temperature": 0.0, "max_new_tokens": 4 + 3 * i, "ignore_eos": True}
         results[i] = c.generate(input_ids=prompts[i], sampling_params=sp, rid=f"req-{i}")
 
@@ -362,7 +367,7 @@ def test_payload_globals_are_on_sglangs_allow_list():
 
 
 def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
-    c = EngineClient(fresh_engine.url())
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
     new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=7)
     named = list(new.state_dict().items())
     stats = push_weights([c], named, "v1", PushSettings(bucket_bytes=16 << 10, verify="full"))
@@ -387,7 +392,7 @@ def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
 def test_update_weights_from_disk_and_get_weights_by_name(fresh_engine, tok, tmp_path):
     from reflow.rl.demo_policy import save_policy
 
-    c = EngineClient(fresh_engine.url())
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
     new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=5)
     path = str(save_policy(new, tok, tmp_path / "new_policy"))
     out = c.update_weights_from_disk(path, weight_version="disk-1")  # no session needed
@@ -407,23 +412,25 @@ def test_push_between_two_ray_actors(ray_cluster, tiny_policy, tok):
     import ray
 
     class Pusher:  # defined here so Ray ships it by value
-        def push(self, url, named, version):
+        def push(self, url, api_key, named, version):
             from reflow.engines.rollout_client import EngineClient as Client
             from reflow.engines.weights.push import push_weights as push
             from reflow.engines.weights.settings import PushSettings as Settings
 
-            return push([Client(url)], named, version, Settings(bucket_bytes=32 << 10, verify="full"))
+            return push([Client(url, api_key=api_key)], named, version, Settings(bucket_bytes=32 << 10, verify="full"))
 
-    engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "ray-engine", threads=1)
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "ray-engine", threads=1,
+                                                                   api_key=KEY)
     pusher = ray.remote(Pusher).options(num_cpus=1).remote()
     try:
         url = ray.get(engine.url.remote())
         assert ray.get(engine.ready.remote())
         new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=3)
-        stats = ray.get(pusher.push.remote(url, list(new.state_dict().items()), "ray-v1"), timeout=60)
+        stats = ray.get(pusher.push.remote(url, KEY, list(new.state_dict().items()), "ray-v1"), timeout=60)
         assert stats["verified_tensors"] == len(new.state_dict())
         p = tok.encode("12+34=")
-        out = EngineClient(url).generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 10})
+        client = EngineClient(url, api_key=KEY)
+        out = client.generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 10})
         assert out["output_ids"] == _argmax_loop(new, p, 10, {tok.eos_token_id})
         assert out["meta_info"]["weight_version"] == "ray-v1"
     finally:

@@ -1,4 +1,5 @@
-"""Checkpoints load from a local folder or a URL (s3:// against moto's S3 server on loopback)."""
+"""Checkpoints load from a local folder or a URL (s3:// against moto's S3 server on loopback); with
+a manifest, every file is checked and nothing else is loaded."""
 from __future__ import annotations
 
 import socket
@@ -31,6 +32,7 @@ def test_missing_and_malformed_folders_are_named(tmp_path):
 
 
 def test_load_from_s3_url_matches_local(tiny_policy, s3_endpoint, tmp_path, monkeypatch):
+    """No storage access passed: the defaults, with the endpoint from the environment (the fallback)."""
     import s3fs
 
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3_endpoint)
@@ -51,3 +53,52 @@ def test_load_from_s3_url_matches_local(tiny_policy, s3_endpoint, tmp_path, monk
     assert load_tokenizer(url)("12+34=").input_ids == load_tokenizer(str(tiny_policy))("12+34=").input_ids
     with pytest.raises(CheckpointError, match="does not exist"):
         resolve_checkpoint("s3://ckpts/missing")
+
+
+def _manifest(folder) -> dict[str, dict]:
+    """What a checkpoint's manifest records for the files of `folder` (infra/checkpoint.py)."""
+    from reflow.infra.storage import sha256_file
+
+    return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())}
+
+
+def test_a_local_folder_is_checked_in_place_against_its_manifest(tiny_policy, tmp_path):
+    import shutil
+
+    from reflow.infra.storage import ChecksumError
+
+    folder = shutil.copytree(tiny_policy, tmp_path / "model")
+    files = _manifest(folder)
+    assert resolve_checkpoint(str(folder), files=files) == folder.resolve()
+    (folder / "extra.safetensors").write_bytes(b"planted")
+    with pytest.raises(ChecksumError, match=r"holds extra\.safetensors, which its manifest does not list"):
+        resolve_checkpoint(f"file://{folder}", files=files)
+    (folder / "extra.safetensors").unlink()
+    config = (folder / "config.json").read_bytes()
+    (folder / "config.json").write_bytes(config + b" ")
+    with pytest.raises(ChecksumError, match=r"config\.json is \d+ bytes where its manifest records"):
+        resolve_checkpoint(str(folder), files=files)
+    (folder / "config.json").write_bytes(config.replace(b"{", b"[", 1))  # same size, other bytes
+    with pytest.raises(ChecksumError, match=rf"checkpoint {folder}: config\.json does not match its manifest"):
+        resolve_checkpoint(str(folder), files=files)
+
+
+def test_only_the_files_of_the_manifest_are_downloaded(tiny_policy, s3_endpoint, tmp_path, monkeypatch):
+    """With a manifest, a file planted beside the checkpoint's own never reaches the local copy; the
+    endpoint here is the explicit storage access's (no AWS_ENDPOINT_URL*)."""
+    import s3fs
+
+    from reflow.engines.storage_access import StorageAccess
+
+    for k in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(k, raising=False)
+    for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.setenv(k, "test")
+    monkeypatch.setattr("reflow.engines.hf_io.CACHE_DIR", tmp_path / "cache")
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint, skip_instance_cache=True)
+    fs.mkdir("planted")
+    fs.put(str(tiny_policy) + "/", "planted/model/", recursive=True)
+    fs.pipe("planted/model/pytorch_model.bin", b"not in the manifest")
+    local = resolve_checkpoint("s3://planted/model", StorageAccess(endpoint_url=s3_endpoint),
+                               files=_manifest(tiny_policy))
+    assert sorted(p.name for p in local.iterdir() if p.name != ".complete") == sorted(_manifest(tiny_policy))

@@ -116,7 +116,7 @@ def test_kill_after_commit_and_mid_save_resume_exactly(env, baseline, tiny_polic
     assert "Started a local Ray instance" not in out
 
 
-def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, seconds: float = 4.0) -> None:
+def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, seconds: float) -> None:
     """Once `rel` exists, stop the S3 server until the run has logged a storage retry (at least
     `seconds`), then start it again on the same port. Waiting for the run to notice, rather than for
     a fixed time, keeps the test honest on a slow machine: a fixed window can fall between two writes."""
@@ -135,15 +135,16 @@ def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, sec
 
 
 def test_s3_outage_then_kill_then_resume_exactly(env, baseline, s3, tiny_policy, tmp_path):
-    """On moto's S3 server: the server goes away for 4 s once iteration 1 is recorded (the run waits and
-    retries), the run is SIGKILLed after checkpoint 3, the resumed run completes; every iteration's
-    records are present and the result equals the uninterrupted file:// run."""
+    """On moto's S3 server: the server goes away for 30 s once iteration 1 is recorded (the run waits
+    and retries within `storage.outage_budget_s`, 60 s by default), the run is SIGKILLed after
+    checkpoint 3, the resumed run completes; every iteration's records are present and the result
+    equals the uninterrupted file:// run."""
     cfg = write_config(tmp_path / "run.yaml", tiny_policy, "s3://reflow-test/runs", "s3-run",
                        **{"storage.endpoint_url": s3.url})
     store = _s3_store(s3, "s3-run")
     proc = run_train(cfg, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"}, background=True)
     try:
-        _outage_when(store, "iterations/000001/metrics.json", s3, proc)
+        _outage_when(store, "iterations/000001/metrics.json", s3, proc, seconds=30.0)
         proc.wait(timeout=240)
     finally:
         reap(proc)

@@ -12,8 +12,11 @@ import httpx
 import pytest
 
 from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.sglang.router import Router
+
+KEY = new_api_key()  # shared by the router and its engines, as a runtime's key is
 
 
 @pytest.fixture()
@@ -21,7 +24,8 @@ def two_engines(ray_cluster, tiny_policy):
     """Fresh per test: one test kills an engine, so sharing them would make the others order-dependent."""
     import ray
 
-    actors = [ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), f"routed-{i}", threads=1)
+    actors = [ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), f"routed-{i}", threads=1,
+                                                                    api_key=KEY)
               for i in range(2)]
     urls = ray.get([a.url.remote() for a in actors])
     ray.get([a.ready.remote() for a in actors])
@@ -32,22 +36,40 @@ def two_engines(ray_cluster, tiny_policy):
 
 @pytest.fixture()
 def router(two_engines):
-    r = Router(two_engines[1], timeout=120)
+    r = Router(two_engines[1], api_key=KEY, timeout=120)
     r.ready()
     yield r
     r.shutdown()
 
 
-def _running(url: str) -> int:
+def _running(url: str, api_key: str = KEY) -> int:
     try:
-        return httpx.get(f"{url}/v1/loads", timeout=5).json()["loads"][0]["num_running_reqs"]
+        return httpx.get(f"{url}/v1/loads", timeout=5, headers=bearer(api_key)).json()["loads"][0]["num_running_reqs"]
     except httpx.TransportError:
         return 0
 
 
+def _kill_when_busy(victim, url: str, api_key: str) -> tuple[threading.Thread, threading.Event]:
+    """Start a thread that kills the engine actor `victim` once it is generating; (thread, killed)."""
+    import ray
+
+    killed = threading.Event()
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        while _running(url, api_key) == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ray.kill(victim)
+        killed.set()
+
+    killer = threading.Thread(target=run)
+    killer.start()
+    return killer, killed
+
+
 def test_least_loaded_spreads_requests_and_workers_register(router, two_engines):
     _, urls = two_engines
-    clients = [EngineClient(router.url(), timeout=120)] * 4  # four concurrent shards through one router
+    clients = [EngineClient(router.url(), timeout=120, api_key=KEY)] * 4  # four concurrent shards through one router
     out = generate_batch(clients, [[5, 6, 7]] * 16, {"max_new_tokens": 24, "ignore_eos": True}, n=2)
     assert len(out) == 32 and all(o["meta_info"]["completion_tokens"] == 24 for o in out)
     router.remove_worker(urls[0])
@@ -59,11 +81,11 @@ def test_least_loaded_spreads_requests_and_workers_register(router, two_engines)
 
 
 def test_router_with_no_live_engine_is_a_clear_503():
-    r = Router([])
+    r = Router([], api_key=KEY)
     r.ready()
     try:
         with pytest.raises(EngineError, match="no live engine behind the router") as e:
-            EngineClient(r.url()).generate(input_ids=[5, 6])
+            EngineClient(r.url(), api_key=KEY).generate(input_ids=[5, 6])
         assert e.value.status == 503
     finally:
         r.shutdown()
@@ -73,7 +95,7 @@ def test_killing_an_engine_mid_rollout_still_completes_the_batch(router, two_eng
     import ray
 
     actors, urls = two_engines
-    clients = [EngineClient(router.url(), timeout=120)] * 4
+    clients = [EngineClient(router.url(), timeout=120, api_key=KEY)] * 4
     sp = {"max_new_tokens": 48, "ignore_eos": True, "temperature": 1.0}
     result: dict = {}
     worker = threading.Thread(target=lambda: result.update(out=generate_batch(clients, [[5, 6, 7, 8]] * 32, sp, n=2)))
@@ -109,23 +131,44 @@ def test_iteration_completes_when_an_engine_dies_mid_rollout(ray_cluster, prefec
     rt = start_runtime(cfg)
     try:
         victim, victim_url = rt.engines[0], rt.engine_urls[0]
-        killed = threading.Event()
-
-        def kill_when_busy() -> None:
-            deadline = time.monotonic() + 60
-            while _running(victim_url) == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
-            ray.kill(victim)
-            killed.set()
-
-        killer = threading.Thread(target=kill_when_busy)
-        killer.start()
+        killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
         m = iteration(cfg, 0)
         killer.join(60)
-        assert killed.is_set() and _running(victim_url) == 0
+        assert killed.is_set() and _running(victim_url, rt.api_key) == 0
         assert m["engines_recreated"] == 1.0
         assert m["push_verified_tensors"] > 0  # the full check passed on both engines, the new one included
         assert rt.engine_urls[0] != victim_url
         assert sorted(ray.get(rt.router.workers.remote())["urls"]) == sorted(rt.engine_urls)
+    finally:
+        shutdown_runtime(cfg.experiment)
+
+
+def test_engine_lost_during_generate_is_recreated_with_current_weights_before_the_retry(
+        ray_cluster, prefect_server, tiny_policy, tmp_path):
+    """No router: a killed engine fails the generate attempt; the retry (not the next push, after
+    the retries are spent) recreates it, gives it the trainer's current weights and generates."""
+    import ray
+
+    from reflow.flows.iteration import iteration
+    from reflow.infra.config import load_config
+    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.tasks.rollout import generate
+
+    cfg = load_config(None, [
+        "experiment=gen-kill", f"model.path={tiny_policy}", "num_iterations=2", "data.num_train=64",
+        "data.num_eval=4", "rollout.num_engines=1", "rollout.prompts_per_iteration=16",
+        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=48", "trainer.micro_batch_size=32",
+        "weight_sync.verify=full", f"storage.root=file://{tmp_path}/runs"])
+    rt = start_runtime(cfg)
+    try:
+        iteration(cfg, 0)  # the engine now serves policy version 1, which model.path does not hold
+        victim, victim_url = rt.engines[0], rt.engine_urls[0]
+        killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
+        batch = generate(cfg, 1)
+        killer.join(60)
+        assert killed.is_set() and rt.engine_urls[0] != victim_url
+        assert batch.stats["engines_recreated_before_generate"] == 1.0
+        assert len(ray.get(batch.ref)) == 16 * 4
+        assert EngineClient(rt.engine_urls[0], api_key=rt.api_key).model_info()["weight_version"] == "1"
     finally:
         shutdown_runtime(cfg.experiment)

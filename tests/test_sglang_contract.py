@@ -13,23 +13,25 @@ import pytest
 
 from reflow.engines.embedded.contract import NO_INPUT
 from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient
 from reflow.engines.sglang import contract as sglang_contract
 
 CONTRACT = sglang_contract.load()
+KEY = new_api_key()  # its auth against SGLang's own --api-key code: tests/test_http_auth.py
 pytestmark = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not installed (make setup installs it)")
 
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy):
-    e = EmbeddedEngine(str(tiny_policy), "contract-engine", threads=1)
+    e = EmbeddedEngine(str(tiny_policy), "contract-engine", threads=1, api_key=KEY)
     e.ready()
     yield e
     e.shutdown()
 
 
 def _post(engine, body) -> tuple[int, str]:
-    r = httpx.post(engine.url() + "/generate", json=body)
+    r = httpx.post(engine.url() + "/generate", json=body, headers=bearer(KEY))
     err = r.json().get("error") if r.status_code != 200 else None
     return r.status_code, err if isinstance(err, str) or err is None else err["message"]
 
@@ -77,7 +79,7 @@ def test_no_input_is_sglangs_text(engine):
     {"input_ids": [[5, 6]], "sampling_params": {"max_new_tokens": 0}, "return_logprob": [True]},
 ])
 def test_every_response_validates_against_sglangs_response_type(engine, body):
-    r = httpx.post(engine.url() + "/generate", json=body)
+    r = httpx.post(engine.url() + "/generate", json=body, headers=bearer(KEY))
     assert r.status_code == 200, r.text
     items = r.json() if isinstance(r.json(), list) else [r.json()]
     for item in items:
@@ -99,7 +101,7 @@ def test_client_sees_sglangs_message(engine):
     from reflow.engines.rollout_client import EngineError
 
     with pytest.raises(EngineError, match="unknown field `foo`"):
-        EngineClient(engine.url()).generate(input_ids=[5], sampling_params={"foo": 1})
+        EngineClient(engine.url(), api_key=KEY).generate(input_ids=[5], sampling_params={"foo": 1})
 
 
 def test_loader_returns_none_without_sglang(monkeypatch):

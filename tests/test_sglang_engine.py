@@ -37,7 +37,8 @@ needs_wheel = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not
 
 def _args(**kw):
     base = dict(host="0.0.0.0", port=31000, nccl_port=31001, tp_size=2, mem_fraction_static=0.7,
-                enable_memory_saver=True, base_gpu_id=1, dist_init_addr="10.0.0.2:31002", random_seed=3)
+                enable_memory_saver=True, base_gpu_id=1, dist_init_addr="10.0.0.2:31002", random_seed=3,
+                api_key="runtime-key")
     return server_args("/models/policy", **{**base, **kw})
 
 
@@ -107,6 +108,7 @@ def test_command_line_flags():
     assert "--enable-memory-saver" not in cmd and "--dist-init-addr" not in cmd
     assert "--skip-server-warmup" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
+    assert cmd[cmd.index("--api-key") + 1] == "runtime-key"  # SGLang's own auth (tests/test_http_auth.py)
     with pytest.raises(ValueError, match="not a ServerArgs field"):
         command_line({"made_up": 1})
     with pytest.raises(TypeError, match="tp_size must be int"):

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.http_serve import new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.sglang import contract as sglang_contract
 from reflow.engines.weights.buckets import serialize_bucket
@@ -18,10 +19,12 @@ from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model, save_policy
 from tests.reference import greedy_reference
 
+KEY = new_api_key()
+
 
 @pytest.fixture(scope="module")
 def engines(tiny_policy):
-    es = [EmbeddedEngine(str(tiny_policy), f"weights-{i}", threads=1) for i in range(2)]
+    es = [EmbeddedEngine(str(tiny_policy), f"weights-{i}", threads=1, api_key=KEY) for i in range(2)]
     for e in es:
         e.ready()
     yield es
@@ -31,7 +34,7 @@ def engines(tiny_policy):
 
 @pytest.fixture()
 def clients(engines):
-    return [EngineClient(e.url(), timeout=60) for e in engines]
+    return [EngineClient(e.url(), timeout=60, api_key=KEY) for e in engines]
 
 
 _greedy = greedy_reference  # plain full-sequence greedy loop (tests/reference.py)

@@ -167,14 +167,14 @@ def test_fill_weights_then_push_to_an_engine(zero3, tiny_policy):
 
     engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "trainer-test-engine")
     try:
-        url = ray.get(engine.url.remote())
+        url, key = ray.get([engine.url.remote(), engine.api_key.remote()])
         assert ray.get(engine.ready.remote())
         ray.get(zero3.fill_weights(0.25))
         for named in ray.get(zero3.named_weights()):
             assert named and all(bool((t == 0.25).all()) for _, t in named)
-        reports = ray.get(zero3.push_weights([url], "filled", PushSettings(bucket_bytes=32 << 10, verify="full")))
+        reports = ray.get(zero3.push_weights([url], "filled", PushSettings(bucket_bytes=32 << 10, verify="full"), key))
         assert reports[1] == {} and reports[0]["verified_tensors"] == len(named)
-        assert EngineClient(url).get_weights_by_name("model.norm.weight") == pytest.approx([0.25] * 32)
+        assert EngineClient(url, api_key=key).get_weights_by_name("model.norm.weight") == pytest.approx([0.25] * 32)
     finally:
         ray.get(engine.shutdown.remote(), timeout=10)
         ray.kill(engine)
@@ -210,3 +210,39 @@ def test_bf16_zero2_two_ranks(ray_cluster, tiny_policy):
         assert len(set(after)) == 1 and after[0] != before[0]
     finally:
         group.kill()
+
+
+def test_push_survives_a_lost_shared_memory_manager(ray_cluster, tiny_policy, tmp_path):
+    """torch's file_system sharing registers every shared buffer with a torch_shm_manager child of
+    the trainer process; once that process is gone every allocation fails ("Broken pipe") for the
+    life of the trainer. The push then goes through disk (HF safetensors the engine reloads), this
+    time and from then on, and the engine still ends up with exactly the trainer's weights."""
+    import psutil
+
+    from reflow.engines.embedded.engine import EmbeddedEngine
+    from reflow.engines.rollout_client import EngineClient
+
+    group = _create("shm", 1, tiny_policy, zero_stage=1)
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(tiny_policy), "shm-test-engine")
+    try:
+        url, key = ray.get([engine.url.remote(), engine.api_key.remote()])
+        assert ray.get(engine.ready.remote())
+        settings = PushSettings(bucket_bytes=32 << 10, verify="full", disk_dir=str(tmp_path / "pushes"))
+        first = ray.get(group.push_weights([url], "1", settings, key))[0]
+        assert "fallback" not in first
+        rank = psutil.Process(ray.get(group.ping())[0]["pid"])
+        managers = [c for c in rank.children(recursive=True) if c.name() == "torch_shm_manager"]
+        assert managers, "no torch_shm_manager under the trainer rank: nothing to lose"
+        for m in managers:
+            m.kill()
+        psutil.wait_procs(managers, timeout=10)
+        ray.get(group.fill_weights(0.5))
+        for version in ("2", "3"):
+            report = ray.get(group.push_weights([url], version, settings, key))[0]
+            assert report["mode"] == "disk" and "shared memory" in report["fallback"], report
+            assert report["verified_tensors"] > 0
+        assert EngineClient(url, api_key=key).get_weights_by_name("model.norm.weight") == pytest.approx([0.5] * 32)
+    finally:
+        group.kill()
+        ray.get(engine.shutdown.remote(), timeout=10)
+        ray.kill(engine)

@@ -1,7 +1,8 @@
 """Nothing reflow reads back from storage can run code (issue 13, point 4): a bucket writer can
 replace any file, and the sha256 records sit in the same bucket, so a pickle there would be code
 execution in the Ray workers. Stage results are JSON; RNG states load with torch's weights-only
-unpickler."""
+unpickler. DeepSpeed's pickled optimizer states are guarded by signed manifests instead:
+tests/test_signed_checkpoints.py."""
 from __future__ import annotations
 
 import json

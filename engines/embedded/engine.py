@@ -3,7 +3,9 @@
 A plain class; the caller wraps it, e.g.
     ray.remote(EmbeddedEngine).options(name="engine-0", namespace=ns, num_cpus=1)
        .remote(model_path=..., engine_id="engine-0", threads=1)
-then `url()` and `ready()`. The HTTP server runs in a thread of the actor (engines/http_serve.py).
+then `url()` and `ready()`. The HTTP server runs in a thread of the actor (engines/http_serve.py)
+and answers only requests that carry `api_key` (the runtime's; a fresh one when none is given,
+which `api_key()` hands back over Ray).
 """
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ import torch
 from reflow.engines.embedded.generator import Generator
 from reflow.engines.embedded.server import build_app
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
-from reflow.engines.http_serve import ThreadedServer
+from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, ThreadedServer, check_api_key, new_api_key
 from reflow.engines.rollout_client import poll_health
+from reflow.engines.storage_access import StorageAccess
 
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this engine serves
 
@@ -22,21 +25,32 @@ class EmbeddedEngine:
     """Loads the checkpoint, starts the server, answers where it is and whether it is ready."""
 
     def __init__(self, model_path: str, engine_id: str, host: str = "127.0.0.1", port: int = 0,
-                 threads: int = 1, max_batch_size: int = 256, dtype: str = "fp32"):
+                 threads: int = 1, max_batch_size: int = 256, dtype: str = "fp32", api_key: str | None = None,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
+                 storage: StorageAccess | None = None, model_files: dict | None = None):
+        """`storage`: how to reach `model_path` and pushed folders in object storage (the run's endpoint
+        and retries); `model_files`: the checkpoint manifest entries `model_path` is checked against
+        (reflow.engines.hf_io.resolve_checkpoint)."""
         torch.set_num_threads(threads)  # Ray actors default to 1 OMP thread; make it deliberate
         self.engine_id, self.host = engine_id, host
-        local = str(resolve_checkpoint(model_path))
-        self.generator = Generator(load_causal_lm(model_path, dtype), load_tokenizer(model_path),
+        self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
+        local = str(resolve_checkpoint(model_path, storage, model_files))
+        self.generator = Generator(load_causal_lm(local, dtype), load_tokenizer(local),
                                    max_batch_size=max_batch_size, threads=threads)
         info = {"model_path": model_path, "tokenizer_path": model_path, "local_path": local,
                 "engine_id": engine_id, "version": SGLANG_API_VERSION, "threads": threads}
-        self.app = build_app(self.generator, info)
+        self.app = build_app(self.generator, info, self._api_key, max_body_bytes=max_body_bytes,
+                             max_weight_bytes=max_weight_bytes, storage=storage)
         self.http = ThreadedServer(self.app, host, port, f"uvicorn-{engine_id}", timeout_keep_alive=75)
         self.port = self.http.port
 
     def url(self) -> str:
         """Base URL other processes use to reach this engine."""
         return self.http.url()
+
+    def api_key(self) -> str:
+        """The key every request but the probes must carry (asked over Ray by a later flow run)."""
+        return self._api_key
 
     def _check_thread(self) -> None:
         if not self.http.thread.is_alive():

@@ -4,6 +4,10 @@ Request and response shapes, status codes and error texts follow /work/shared/SG
 `EngineClient` drives this server and a real SGLang server the same way. Request validation lives
 in reflow.engines.embedded.contract (SGLang's own code when installed), scheduling state in
 reflow.engines.embedded.state, the distributed weight-update group in reflow.engines.weights.group.
+Every endpoint but the probes needs the API key (reflow.engines.http_serve.HttpGuard, SGLang's
+`--api-key` rule). Weight updates are bounded by the model itself: a tensor payload maps at most
+the model's size in float32, and a distributed update must declare the parameters' own shapes
+before anything is allocated for it.
 Departure: flush_cache has no prefix cache to drop.
 """
 from __future__ import annotations
@@ -13,6 +17,7 @@ import time
 import uuid
 from contextlib import asynccontextmanager
 
+import torch
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
@@ -28,6 +33,8 @@ from reflow.engines.embedded.contract import (
 from reflow.engines.embedded.generator import Generator, SamplingConfig
 from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
 from reflow.engines.hf_io import load_causal_lm
+from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, HttpGuard
+from reflow.engines.storage_access import StorageAccess
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import BucketError, load_payload
 
@@ -59,13 +66,24 @@ async def _body(request: Request) -> dict:
     return body
 
 
-def build_app(generator: Generator, server_info: dict) -> FastAPI:
-    """FastAPI app serving SGLang's native endpoints over `generator`.
+def weight_bytes_limit(generator: Generator) -> int:
+    """What one weight payload may map: every model tensor once in float32 (a push in the trainer's
+    dtype fits), plus the 16-byte alignment of each bucket entry."""
+    tensors = generator.model.state_dict().values()
+    return sum(4 * t.numel() + 16 for t in tensors)
+
+
+def build_app(generator: Generator, server_info: dict, api_key: str, *,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
+              storage: StorageAccess | None = None) -> FastAPI:
+    """FastAPI app serving SGLang's native endpoints over `generator`, behind `api_key`.
 
     server_info: static facts reported by /server_info and /model_info (model_path,
     tokenizer_path, dtype, engine_id, ...). `app.state.engine` is the shared EngineState.
+    max_weight_bytes: shared memory one weight payload may map (default `weight_bytes_limit`).
+    storage: how update_weights_from_disk reaches a folder in object storage (the run's endpoint, retries).
     """
-    state = EngineState(generator, server_info)
+    state = EngineState(generator, server_info, storage)
 
     @asynccontextmanager
     async def lifespan(_app):
@@ -73,11 +91,12 @@ def build_app(generator: Generator, server_info: dict) -> FastAPI:
         state.close()  # server stopping: abort what runs, stop the worker
 
     app = FastAPI(title="reflow embedded engine (SGLang API)", lifespan=lifespan)
+    app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=max_body_bytes)
     app.state.engine = state
     _data_plane(app, state)
     _info_routes(app, state)
     _control_routes(app, state)
-    _weight_routes(app, state)
+    _weight_routes(app, state, weight_bytes_limit(generator) if max_weight_bytes is None else max_weight_bytes)
     return app
 
 
@@ -211,9 +230,9 @@ def _weight_endpoint(state: EngineState, fn):
     return endpoint
 
 
-def _weight_routes(app: FastAPI, state: EngineState) -> None:
+def _weight_routes(app: FastAPI, state: EngineState, max_weight_bytes: int) -> None:
     # Weight endpoints share one shape: JSON body in, SGLang's {"success", "message"} out.
-    for path, fn in (("/update_weights_from_tensor", _update_from_tensor),
+    for path, fn in (("/update_weights_from_tensor", lambda s, b: _update_from_tensor(s, b, max_weight_bytes)),
                      ("/update_weights_from_disk", _update_from_disk),
                      ("/init_weights_update_group", _init_group),
                      ("/update_weights_from_distributed", _update_from_distributed),
@@ -229,7 +248,7 @@ def _weight_routes(app: FastAPI, state: EngineState) -> None:
             return _error(e)
 
 
-def _update_from_tensor(state: EngineState, body: dict) -> str:
+def _update_from_tensor(state: EngineState, body: dict, max_bytes: int) -> str:
     payloads = body.get("serialized_named_tensors")
     if not isinstance(payloads, list) or not payloads or not isinstance(payloads[0], str):
         raise ContractError("serialized_named_tensors must be a non-empty list of base64 strings (one per TP rank)")
@@ -238,7 +257,7 @@ def _update_from_tensor(state: EngineState, body: dict) -> str:
         state.abort(abort_all=True, message="Abort by update_weights_from_tensor")
     with state.writing():
         try:
-            named = load_payload(payloads[0], body.get("load_format"))  # TP=1: entry 0 is ours
+            named = load_payload(payloads[0], body.get("load_format"), max_bytes)  # TP=1: entry 0 is ours
             count = state.gen.load_named_tensors(named)
         except BucketError as e:
             raise EngineStateError(f"weight payload rejected: {e}") from e
@@ -268,17 +287,36 @@ def _init_group(state: EngineState, body: dict) -> str:
 
 def _update_from_distributed(state: EngineState, body: dict) -> str:
     state.require_session("update_weights_from_distributed")
+    names, dtypes, shapes = (list(body.get(k) or []) for k in ("names", "dtypes", "shapes"))
+    _check_declared(state.gen, names, dtypes, shapes)  # before the receive buffer is allocated
     name = body.get("group_name") or "weight_update_group"
     if name not in state.groups:
         raise EngineStateError(f"Group {name} not in {list(state.groups)}. "
                                f"Please call `init_weights_update_group` first.")
-    named = weight_group.receive(state.groups[name], list(body.get("names") or []), list(body.get("dtypes") or []),
-                                 list(body.get("shapes") or []), body.get("load_format"))
+    named = weight_group.receive(state.groups[name], names, dtypes, shapes, body.get("load_format"))
     with state.writing():
         state.gen.load_named_tensors(named)
         if body.get("weight_version") is not None:
             state.gen.weight_version = str(body["weight_version"])
     return "Succeeded to update parameter online."
+
+
+def _check_declared(gen: Generator, names: list, dtypes: list, shapes: list) -> None:
+    """A distributed update allocates what it declares: each entry must be one of the model's tensors,
+    once, with its shape and a floating-point dtype (so at most 8 bytes an element)."""
+    params, seen = gen.model.state_dict(), set()
+    for n, d, shape in zip(names, dtypes, shapes):
+        if not isinstance(n, str) or n not in params:
+            raise KeyError(f"unknown weight name {n!r}: the engine's model has no such tensor "
+                           f"(names look like {next(iter(params))!r}); send HF parameter names")
+        if n in seen:
+            raise ContractError(f"weight {n!r} is named twice in one update")
+        seen.add(n)
+        if not isinstance(shape, list) or any(type(x) is not int for x in shape) or shape != list(params[n].shape):
+            raise ValueError(f"shape mismatch for {n!r}: got {shape!r}, engine has {list(params[n].shape)}")
+        dt = getattr(torch, str(d).removeprefix("torch."), None)
+        if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+            raise ContractError(f"dtype {d!r} of {n!r} is not a floating-point torch dtype")
 
 
 def _destroy_group(state: EngineState, body: dict) -> str:
@@ -294,7 +332,7 @@ def _update_from_disk(state: EngineState, body: dict) -> dict:
     if body.get("abort_all_requests"):
         state.abort(abort_all=True, message="Abort by update_weights_from_disk")
     try:
-        model = load_causal_lm(path, dtype=_DTYPE_NAMES.get(str(state.gen.dtype), "fp32"))
+        model = load_causal_lm(path, dtype=_DTYPE_NAMES.get(str(state.gen.dtype), "fp32"), storage=state.storage)
     except (OSError, ValueError) as e:
         raise EngineStateError(f"could not load weights from {path!r}: {e}") from e
     with state.writing():

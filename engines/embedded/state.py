@@ -39,8 +39,9 @@ class _Job:
 class EngineState:
     """Everything the endpoints share: queue, pause, aborts, weight session, memory tags."""
 
-    def __init__(self, generator: Generator, server_info: dict):
+    def __init__(self, generator: Generator, server_info: dict, storage=None):
         self.gen, self.info = generator, dict(server_info)
+        self.storage = storage  # StorageAccess for update_weights_from_disk of a storage URL (None: defaults)
         self.cond = threading.Condition()
         self.queue: list[_Job] = []
         self.running: list[_Job] = []

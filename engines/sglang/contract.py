@@ -7,7 +7,11 @@ the installed folder as its path lets exactly those import:
     (built on `sglang.api.v1.api_types.GenerateRequest`), with serde's error texts;
   - `sglang.api.v1.api_types.GenerateResponse`: the response schema;
   - `sglang.srt.sampling.sampling_params.SamplingParams`: normalize() + verify(vocab_size);
-  - `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket` (+ its metadata class).
+  - `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorBucket` (+ its metadata class);
+  - `sglang.srt.utils.auth`: what `--api-key` installs (`decide_request_auth`,
+    `add_api_key_middleware`), which tests hold reflow's own guard (engines/http_serve.py) to. Its
+    package `sglang.srt.utils` needs the runtime, so without it the module file is loaded alone
+    (it imports nothing of sglang's).
 
 `load()` returns None when sglang is not installed (it is a test dependency, installed with
 --no-deps); callers then fall back to reflow's own checks. When the real runtime is importable
@@ -38,6 +42,7 @@ class Contract:
     SamplingParams: Any
     FlattenedTensorBucket: Any
     FlattenedTensorMetadata: Any
+    auth: Any = None  # the module sglang.srt.utils.auth
 
     def check_response(self, body: dict) -> None:
         """Raise JsonContractError when one /generate response item breaks SGLang's schema."""
@@ -88,7 +93,22 @@ def load() -> Contract | None:
                     GenerateRequest=api.GenerateRequest, GenerateResponse=api.GenerateResponse,
                     JsonContractError=api.JsonContractError, SamplingParams=sp.SamplingParams,
                     FlattenedTensorBucket=tb.FlattenedTensorBucket,
-                    FlattenedTensorMetadata=tb.FlattenedTensorMetadata)
+                    FlattenedTensorMetadata=tb.FlattenedTensorMetadata, auth=_auth_module())
+
+
+def _auth_module():
+    """sglang.srt.utils.auth: imported normally when its package imports, else its file on its own."""
+    name = "sglang.srt.utils.auth"
+    try:
+        return importlib.import_module(name)
+    except ImportError:  # deliberate: sglang.srt.utils/__init__ needs the GPU runtime (pybase64, triton...)
+        pass
+    path = f"{installed_root()}/srt/utils/auth.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
 
 
 def installed_root() -> str | None:

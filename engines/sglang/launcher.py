@@ -9,6 +9,11 @@ the field table SERVER_ARG_TYPES, which tests check against the installed wheel'
 Ports: several engines start on one node at once, and SGLang binds its ports only after seconds
 of start-up, so "bind port 0, close, pass it on" can hand two engines the same port. Ports are
 therefore allocated under a node-wide file lock and remembered for a while (`allocate_ports`).
+
+Authentication: the server gets the runtime's key as SGLang's own `--api-key` (every endpoint but
+/health*, /ready*, /metrics* then needs it as a bearer token) and binds 127.0.0.1 unless told
+otherwise (a multi-node cluster sets cluster.bind_host=0.0.0.0). The key is on the server's command
+line, which other users of the node can read (ps); `redacted` keeps it out of reflow's messages.
 Untested here (no GPU): the real server start, CUDA device placement, NCCL.
 """
 from __future__ import annotations
@@ -24,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from reflow.engines.http_serve import advertised_url, node_ip
+from reflow.engines.http_serve import advertised_url, check_api_key, new_api_key, node_ip
 from reflow.engines.rollout_client import poll_health
 
 INSTALL_HINT = ("rollout.backend=sglang needs SGLang on the engine nodes: pip install 'reflow[sglang]' "
@@ -35,7 +40,7 @@ SERVER_ARG_TYPES: dict[str, type] = {
     "model_path": str, "tokenizer_path": str, "host": str, "port": int, "tp_size": int,
     "mem_fraction_static": float, "enable_memory_saver": bool, "nccl_port": int, "dist_init_addr": str,
     "base_gpu_id": int, "skip_server_warmup": bool, "dtype": str, "random_seed": int, "log_level": str,
-    "trust_remote_code": bool,
+    "trust_remote_code": bool, "api_key": str,
 }
 _PORT_LEASE_S = 600.0  # a port handed out stays reserved this long (covers a slow server start)
 
@@ -51,9 +56,9 @@ class EngineStartError(RuntimeError):
 def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_size: int = 1,
                 mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
                 dist_init_addr: str | None = None, dtype: str = "auto", random_seed: int | None = None,
-                skip_server_warmup: bool = True, log_level: str = "warning") -> dict:
+                skip_server_warmup: bool = True, log_level: str = "warning", api_key: str | None = None) -> dict:
     """ServerArgs field values for one engine (the builder passes explicit values; no config here)."""
-    return {"model_path": model_path, "tokenizer_path": model_path, "host": host, "port": port,
+    return {"model_path": model_path, "tokenizer_path": model_path, "host": host, "port": port, "api_key": api_key,
             "tp_size": tp_size, "mem_fraction_static": mem_fraction_static,
             "enable_memory_saver": enable_memory_saver, "nccl_port": nccl_port, "dist_init_addr": dist_init_addr,
             "base_gpu_id": base_gpu_id, "skip_server_warmup": skip_server_warmup, "dtype": dtype,
@@ -76,6 +81,11 @@ def command_line(args: dict, python: str = sys.executable) -> list[str]:
         flag = "--" + name.replace("_", "-")
         cmd += [flag] if kind is bool else [flag, str(value)]
     return cmd
+
+
+def redacted(cmd: list[str]) -> list[str]:
+    """`cmd` with the value of --api-key replaced, for messages and logs."""
+    return [("<redacted>" if i and cmd[i - 1] == "--api-key" else a) for i, a in enumerate(cmd)]
 
 
 def allocate_ports(count: int, host: str = "", registry: Path | None = None) -> list[int]:
@@ -118,11 +128,13 @@ def require_sglang(python: str = sys.executable, env: dict | None = None, timeou
 class SGLangEngine:
     """Launches one SGLang server; the Ray actor around it is what the runtime keeps."""
 
-    def __init__(self, model_path: str, engine_id: str, *, host: str = "0.0.0.0", tp_size: int = 1,
+    def __init__(self, model_path: str, engine_id: str, *, host: str = "127.0.0.1", tp_size: int = 1,
                  mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
                  multi_node: bool = False, dtype: str = "auto", seed: int | None = None,
-                 startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None):
+                 startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None,
+                 api_key: str | None = None):
         self.engine_id, self.startup_timeout_s = engine_id, startup_timeout_s
+        self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
         self.env = {**os.environ, **(env or {})}
         require_sglang(python, self.env)
         port, nccl_port, dist_port = allocate_ports(3)
@@ -130,7 +142,8 @@ class SGLangEngine:
         dist_addr = f"{node_ip()}:{dist_port}" if multi_node else None  # TP across nodes only
         self.args = server_args(model_path, host=host, port=port, nccl_port=nccl_port, tp_size=tp_size,
                                 mem_fraction_static=mem_fraction_static, enable_memory_saver=enable_memory_saver,
-                                base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed)
+                                base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed,
+                                api_key=self._api_key)
         self.cmd = command_line(self.args, python)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-{engine_id}-{port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle
@@ -139,6 +152,10 @@ class SGLangEngine:
 
     def url(self) -> str:
         return advertised_url(self.host, self.args["port"])
+
+    def api_key(self) -> str:
+        """The server's --api-key (asked over Ray by a later flow run)."""
+        return self._api_key
 
     def _check_process(self) -> None:
         if self.proc.poll() is not None:
@@ -152,7 +169,7 @@ class SGLangEngine:
         if last is None:
             return True
         raise EngineStartError(f"SGLang engine {self.engine_id} at {self.url()} not healthy after {timeout:.0f}s "
-                               f"({last}); command: {' '.join(self.cmd)}; last log lines:\n{self.log_tail()}")
+                               f"({last}); command: {' '.join(redacted(self.cmd))}; last log lines:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         try:

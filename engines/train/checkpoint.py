@@ -8,7 +8,9 @@ A rank writes everything it owns into a local temp folder, then uploads it file 
     rng/rank_NNNNN.pt    python / numpy / torch RNG states of this process
 Loading is two-phase so a bad checkpoint never touches the live engine: `fetch` downloads and
 checks every file against the manifest's sha256 (not collective, may fail per rank), then `load`
-calls `engine.load_checkpoint` (collective) on every rank.
+calls `engine.load_checkpoint` (collective) on every rank. That unpickles optim/*.pt, so the table
+`fetch` takes is the one the driver verified with its SIGNATURE (infra/checkpoint.py `check`): a rank
+never reads MANIFEST.json from the bucket and downloads only files that table lists.
 
 `store` is duck-typed (`put_file(local, rel) -> {"sha256", "bytes"}`, `get_file(rel, local,
 sha256)`): reflow.infra.storage.ExperimentStore, passed in by the caller so engines/ imports no infra/.
@@ -80,7 +82,8 @@ def _wanted(rel: str, rank: int) -> bool:
 
 
 def fetch(tr, store, prefix: str, manifest: dict[str, dict]) -> str:
-    """Download and sha256-check this rank's files into a local folder; raises ChecksumError."""
+    """Download and sha256-check this rank's files into a local folder; raises ChecksumError.
+    `manifest`: the driver's verified {relative path: {sha256, bytes}} table, not the bucket's file."""
     if f"rng/rank_{tr.rank:05d}.pt" not in manifest:
         raise FileNotFoundError(f"checkpoint {prefix} has no RNG state for rank {tr.rank}: it was saved "
                                 f"with fewer trainer ranks; resume with the same trainer.num_ranks")

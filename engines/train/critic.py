@@ -53,13 +53,13 @@ class ValueModel(nn.Module):
         return self.head(h).squeeze(-1).float()  # [B, L]
 
 
-def load_value_model(path: str, dtype: str = "fp32", seed: int = 0) -> ValueModel:
+def load_value_model(path: str, dtype: str = "fp32", seed: int = 0, storage=None) -> ValueModel:
     """Backbone from the HF checkpoint at `path`; the head from its `value_head.safetensors` when the
     folder is a saved critic, else freshly initialised (seeded: every rank builds the same one)."""
     from safetensors.torch import load_file
     from transformers import AutoModel
 
-    local = resolve_checkpoint(path)
+    local = resolve_checkpoint(path, storage)
     backbone = AutoModel.from_pretrained(local, dtype=torch_dtype(dtype))
     hidden = backbone.config.hidden_size
     with torch.random.fork_rng():
@@ -81,12 +81,12 @@ class CriticRank(DeepSpeedRank):
         """`settings.lr_schedule` is not used: the critic's learning rate is constant."""
         t0 = time.perf_counter()
         s = settings
-        self.zero_stage, self.model_path = s.zero_stage, model_path
+        self.zero_stage, self.model_path, self.storage = s.zero_stage, model_path, s.storage
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold)
-        self._build_engine(load_value_model(model_path, s.precision, s.seed), cfg, s.lr, s.weight_decay, lambda _: 1.0)
+        self._build_engine(load_value_model(model_path, s.precision, s.seed, s.storage), cfg, s.lr, s.weight_decay, lambda _: 1.0)
         self.init_time_s = time.perf_counter() - t0
 
     def _shard(self, batch: RolloutBatch, pad_id: int, minibatches: int = 1) -> dict[str, torch.Tensor]:
@@ -160,7 +160,7 @@ class CriticRank(DeepSpeedRank):
         self.engine.module.backbone.save_pretrained(out, state_dict=backbone)
         save_file({k[len("head."):]: v.contiguous() for k, v in weights.items() if k.startswith("head.")},
                   out / VALUE_HEAD_FILE)
-        load_tokenizer(self.model_path).save_pretrained(out)
+        load_tokenizer(self.model_path, storage=self.storage).save_pretrained(out)
 
 
 class CriticGroup(TrainerGroup):

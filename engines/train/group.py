@@ -132,9 +132,9 @@ class TrainerGroup:
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         return self._all("train_iteration", ref, **kw)
 
-    def push_weights(self, urls: list[str], version: str, settings: PushSettings) -> list:
-        """Rank 0's result is the push report; the others return {}."""
-        return self._all("push_weights", urls, version, settings)
+    def push_weights(self, urls: list[str], version: str, settings: PushSettings, api_key: str | None = None) -> list:
+        """Rank 0's result is the push report; the others return {}. `api_key`: the engines'."""
+        return self._all("push_weights", urls, version, settings, api_key)
 
     # Plain fan-outs: the rank method of the same name, same arguments, on every rank.
     offload_states = _fan_out("offload_states")

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from reflow.engines.storage_access import StorageAccess
+
 
 @dataclass(frozen=True)
 class RankSettings:
@@ -23,3 +25,4 @@ class RankSettings:
     seed: int = 0
     backend: Literal["gloo", "nccl"] = "gloo"  # torch.distributed backend of the ranks' group
     zero3_param_persistence_threshold: int = 100_000  # ZeRO-3: parameters this small stay unpartitioned
+    storage: StorageAccess | None = None  # how model folders in object storage are reached (None: defaults)

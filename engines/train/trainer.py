@@ -31,6 +31,8 @@ Updates of earlier mini-batches of the same call stay applied; the lr schedule d
 """
 from __future__ import annotations
 
+import dataclasses
+import logging
 import math
 import time
 from pathlib import Path
@@ -53,6 +55,8 @@ from reflow.rl.losses import (
     token_logprobs,
 )
 from reflow.rl.types import RolloutBatch, to_train_tensors
+
+log = logging.getLogger("reflow.trainer")
 
 # Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
 _SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tokens",
@@ -78,16 +82,17 @@ class TrainerRank(DeepSpeedRank):
         t0 = time.perf_counter()
         s = settings
         lr_multiplier(0, s.lr_schedule, s.warmup_steps, s.total_steps)  # fail fast on a bad schedule name
-        self.zero_stage, self.model_path = s.zero_stage, model_path
+        self.zero_stage, self.model_path, self.storage = s.zero_stage, model_path, s.storage
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
+        self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold)
-        self._build_engine(load_causal_lm(model_path, dtype=s.precision), cfg, s.lr, s.weight_decay,
+        self._build_engine(load_causal_lm(model_path, dtype=s.precision, storage=s.storage), cfg, s.lr, s.weight_decay,
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
         self.ref_model = None
         if ref_model_path is not None:
-            self.ref_model = load_causal_lm(ref_model_path, dtype=s.precision).to(self.engine.device)
+            self.ref_model = load_causal_lm(ref_model_path, dtype=s.precision, storage=s.storage).to(self.engine.device)
             self.ref_model.eval().requires_grad_(False)
         self.init_time_s = time.perf_counter() - t0
 
@@ -229,23 +234,36 @@ class TrainerRank(DeepSpeedRank):
 
     # ---------------------------------------------------------------- weights
 
-    def push_weights(self, urls: list[str], version: str, settings: PushSettings) -> dict:
+    def push_weights(self, urls: list[str], version: str, settings: PushSettings, api_key: str | None = None) -> dict:
         """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, mode
-        tensor|distributed|disk) and returns the report. Collective."""
+        tensor|distributed|disk) with their `api_key`, and returns the report. Collective."""
         named = self._gathered(keep=self.rank == 0)
         if self.rank != 0:
             return {}
         import ray
 
         from reflow.engines.rollout_client import EngineClient
+        from reflow.engines.weights.buckets import SharedMemoryUnavailable
         from reflow.engines.weights.push import publish_folder, push_weights
 
-        path = None
-        if settings.mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
-            path = publish_folder(lambda out: self._write_hf(named, out), settings.disk_dir, version)
-        return push_weights([EngineClient(u) for u in urls], named, version, settings, model_path=path,
-                            master_address=ray.util.get_node_ip_address())
+        clients = [EngineClient(u, api_key=api_key) for u in urls]
+
+        def push(s: PushSettings) -> dict:
+            path = None
+            if s.mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
+                path = publish_folder(lambda out: self._write_hf(named, out), s.disk_dir, version, s.storage)
+            return push_weights(clients, named, version, s, model_path=path,
+                                master_address=ray.util.get_node_ip_address())
+
+        if settings.mode == "tensor" and self._shm_lost is not None:
+            return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
+        try:
+            return push(settings)
+        except SharedMemoryUnavailable as e:  # lost for the life of this process: disk from now on
+            self._shm_lost = f"shared memory unavailable, pushing through disk from now on: {e}"
+            log.warning("weight push %s: %s", version, self._shm_lost)
+            return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
 
     def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
         self.engine.module.save_pretrained(out, state_dict=dict(named))
-        load_tokenizer(self.model_path).save_pretrained(out)
+        load_tokenizer(self.model_path, storage=self.storage).save_pretrained(out)

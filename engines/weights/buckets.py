@@ -33,6 +33,7 @@ from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
+import torch.multiprocessing.reductions
 
 SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 _ALIGN = 16
@@ -41,6 +42,11 @@ MetaTuple = tuple  # (name, shape, dtype str, start_idx, end_idx, numel)
 
 class BucketError(ValueError):
     """A weight payload is malformed, unsafe, or cannot be rebuilt in this process."""
+
+
+class SharedMemoryUnavailable(RuntimeError):
+    """This process can no longer allocate shared memory for weight buckets (for good: see
+    `_shared_uint8`); a push has to take another way (reflow.engines.train.trainer falls back to disk)."""
 
 
 @dataclass
@@ -99,7 +105,14 @@ def _shared_uint8(nbytes: int) -> torch.Tensor:
     receiver's rebuild drops a reference torch's file_system strategy counts in the segment, so
     after k > 1 receivers the segment is unlinked while this process still holds it; a reused
     buffer then fails to open ("unable to open shared memory object", seen with 2 engines)."""
-    return torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage._new_shared(nbytes), 0, (nbytes,))
+    try:
+        storage = torch.UntypedStorage._new_shared(nbytes)
+    except RuntimeError as e:  # "Broken pipe": the manager is gone; or /dev/shm is full
+        raise SharedMemoryUnavailable(
+            f"cannot allocate a {nbytes}-byte shared-memory weight bucket ({e}): this process's torch_shm_manager "
+            f"is gone (it registers every file_system-shared buffer and is never restarted) or /dev/shm is "
+            f"full") from e
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (nbytes,))
 
 
 def release(payload: Payload) -> None:
@@ -248,38 +261,115 @@ _HINTS = {
 }
 
 
-class _SafeUnpickler(pickle.Unpickler):
-    """Refuses every global outside the allow-list (a pickle can otherwise run any code)."""
+class _SafeUnpickler(pickle._Unpickler):
+    """Refuses every global outside the allow-list (a pickle can otherwise run any code), and calls
+    only the rebuild functions, plain containers and the metadata class: an allowed class such as
+    torch.UntypedStorage names the kind of storage to rebuild and is never called (called, it
+    allocates what the payload asks: UntypedStorage(8 << 30) is 8 GiB). Shared memory the payload
+    maps is capped at `max_bytes`. The pure-Python unpickler: the C one cannot check what REDUCE calls."""
 
     _allowed: dict | None = None
+    dispatch = dict(pickle._Unpickler.dispatch)
 
-    def find_class(self, module, name):
+    def __init__(self, file, max_bytes: int | None = None):
+        super().__init__(file)
+        self.max_bytes, self.left = max_bytes, max_bytes  # None: no cap (a trusted local caller)
+
+    @staticmethod
+    def _globals() -> dict:
         if _SafeUnpickler._allowed is None:
             _SafeUnpickler._allowed = _allowed_globals()
-        if (module, name) in _SafeUnpickler._allowed:
-            return _SafeUnpickler._allowed[(module, name)]
+        return _SafeUnpickler._allowed
+
+    def find_class(self, module, name):
+        if (module, name) in self._globals():
+            return self._globals()[(module, name)]
         hint = _HINTS.get(name, "only torch tensors, storages, dtypes and SGLang bucket metadata are allowed")
         raise BucketError(f"refused to unpickle global {module}.{name} in a weight payload: {hint}")
 
+    def _is_metadata_class(self, cls) -> bool:
+        return isinstance(cls, type) and cls in (FlattenedTensorMetadata, self._globals()[SGLANG_META])
 
-def deserialize_bucket(payload: str | bytes):
-    """Unpickle one payload (base64 str or raw pickle bytes) through the allow-list."""
+    def _metadata_class(self, cls) -> type:
+        if not self._is_metadata_class(cls):
+            raise BucketError(f"a weight payload may only build bucket metadata objects, not {cls!r}")
+        return cls
+
+    def _callable(self, func):
+        """`func`, or its bounded stand-in; anything else may not be called."""
+        if func is torch.multiprocessing.reductions.rebuild_storage_filename:
+            return self._rebuild_storage_filename
+        if func is copyreg.__newobj__:
+            return lambda cls, *args: self._metadata_class(cls).__new__(cls, *args)
+        if func in _CALLABLE or self._is_metadata_class(func):
+            return func
+        raise BucketError(f"a weight payload may not call {getattr(func, '__qualname__', func)!r}: only torch's "
+                          f"rebuild functions, torch.Size, plain containers and bucket metadata may be called")
+
+    def _rebuild_storage_filename(self, cls, manager, handle, size, dtype=None):
+        nbytes = size * (1 if dtype is None else torch._utils._element_size(dtype))
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise BucketError(f"a shared-memory storage of {size!r} elements makes no sense")
+        if self.left is not None:
+            if nbytes > self.left:
+                raise BucketError(f"the weight payload maps more than the {self.max_bytes}-byte limit of this "
+                                  f"engine (its parameters once, in float32)")
+            self.left -= nbytes
+        return torch.multiprocessing.reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+    def load_reduce(self):
+        args = self.stack.pop()
+        self.stack[-1] = self._callable(self.stack[-1])(*args)
+
+    def load_newobj(self):
+        args = self.stack.pop()
+        cls = self._metadata_class(self.stack.pop())
+        self.append(cls.__new__(cls, *args))
+
+    def load_newobj_ex(self):
+        kwargs, args = self.stack.pop(), self.stack.pop()
+        cls = self._metadata_class(self.stack.pop())
+        self.append(cls.__new__(cls, *args, **kwargs))
+
+    def load_build(self):
+        self._metadata_class(type(self.stack[-2]))  # only metadata objects get state set on them
+        pickle._Unpickler.load_build(self)
+
+    dispatch[pickle.REDUCE[0]] = load_reduce
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+    dispatch[pickle.BUILD[0]] = load_build
+
+
+# What REDUCE may call besides the bounded rebuild_storage_filename: none allocates more than its
+# arguments (a view of a mapped storage, a Size, a container of what the payload already holds).
+_CALLABLE = {torch.Size, dict, list, tuple, set, frozenset, int, float, str, bool,
+             torch.multiprocessing.reductions.rebuild_tensor, torch.multiprocessing.reductions.rebuild_typed_storage,
+             torch.multiprocessing.reductions.rebuild_storage_empty}
+
+
+def deserialize_bucket(payload: str | bytes, max_bytes: int | None = None):
+    """Unpickle one payload (base64 str or raw pickle bytes) through the allow-list, mapping at most
+    `max_bytes` of shared memory."""
     try:
         data = base64.b64decode(payload, validate=True) if isinstance(payload, str) else bytes(payload)
     except (binascii.Error, ValueError) as e:
         raise BucketError(f"weight payload is not valid base64: {e}") from e
     try:
-        return _SafeUnpickler(io.BytesIO(data)).load()
+        return _SafeUnpickler(io.BytesIO(data), max_bytes).load()
     except BucketError:
         raise
-    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError) as e:
+    except (pickle.UnpicklingError, EOFError, RuntimeError, OSError, TypeError, ValueError, AttributeError,
+            IndexError) as e:  # deliberate: whatever a malformed payload raises is the sender's error
         raise BucketError(f"could not rebuild the weight payload ({type(e).__name__}: {e}); the sender must "
                           f"keep its shared buffers alive until this call returns") from e
 
 
-def load_payload(payload: str | bytes, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
-    """Named tensors from a payload of the given load_format (None, "direct", "flattened_bucket")."""
-    obj = deserialize_bucket(payload)
+def load_payload(payload: str | bytes, load_format: str | None,
+                 max_bytes: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors from a payload of the given load_format (None, "direct", "flattened_bucket");
+    `max_bytes` caps the shared memory it may map (the receiving engine's own size)."""
+    obj = deserialize_bucket(payload, max_bytes)
     if load_format == "flattened_bucket":
         if not isinstance(obj, dict) or "flattened_tensor" not in obj or "metadata" not in obj:
             raise BucketError("a flattened_bucket payload must be a dict with 'flattened_tensor' and 'metadata'")

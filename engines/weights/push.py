@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.storage_access import StorageAccess, is_local
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import release, serialize_bucket
 from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
@@ -185,24 +186,22 @@ PUSH_SUBDIR = "reflow-weight-push"  # the only folder of weight_sync.disk_dir th
 PUSH_MARKER = ".reflow-push"  # in every version folder reflow wrote: only those are ever deleted
 
 
-def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str) -> str:
+def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str,
+                   storage: StorageAccess | None = None) -> str:
     """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/reflow-weight-push/v<version>`;
-    returns what engines load. A storage URL (s3://...) gets the folder uploaded; a fresh name per
-    version also keeps URL-keyed engine caches (reflow.engines.hf_io) from serving stale weights.
+    returns what engines load. A storage URL (s3://...) gets the folder uploaded through `storage` (the
+    run's endpoint and retries; default: the environment's), one retried upload per file.
 
     Locally, earlier versions are removed (one folder's worth of disk), but only folders that carry
     reflow's marker: anything else in `disk_dir`, or in the subfolder, is never touched, and a
     version folder reflow did not write is refused rather than overwritten."""
     root = disk_dir or str(Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}")
     name = f"v{version}"
-    if "://" in root and not root.startswith("file://"):
-        import fsspec
-
+    if not is_local(root):
         with tempfile.TemporaryDirectory(prefix="reflow-push-") as tmp:
             write(Path(tmp))
             url = f"{root.rstrip('/')}/{PUSH_SUBDIR}/{name}"
-            fs, path = fsspec.core.url_to_fs(url)
-            fs.put(f"{tmp}/", path, recursive=True)
+            (storage or StorageAccess()).put_tree(tmp, url)
         return url
     base = Path(root.removeprefix("file://")).expanduser().resolve() / PUSH_SUBDIR
     target = base / name
@@ -295,7 +294,7 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
     seconds = time.perf_counter() - t0
     verified = verify_weights(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol,
                               s.verify_rows)
-    return {"bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
+    return {"mode": s.mode, "bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
             "buckets": buckets, "engines": len(clients), "verified_tensors": verified,
             "verify_seconds": time.perf_counter() - t0 - seconds}
 

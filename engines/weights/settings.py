@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from reflow.engines.storage_access import StorageAccess
+
 
 @dataclass(frozen=True)
 class PushSettings:
@@ -19,6 +21,7 @@ class PushSettings:
     backend: Literal["gloo", "nccl"] = "gloo"  # mode=distributed: the broadcast group's backend
     disk_dir: str | None = None  # mode=disk: where the versioned HF folders go (default: a local temp dir)
     pause_mode: str = "abort"  # what engines do with in-flight requests during the update
+    storage: StorageAccess | None = None  # mode=disk: how disk_dir in object storage is reached (None: defaults)
 
 
 DEFAULT_PUSH = PushSettings()
