@@ -6,8 +6,9 @@ padding; every reduction here ignores masked positions, even when they hold inf 
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
@@ -63,38 +64,115 @@ def _effective_temperature(temperature: float) -> float:
     return 1.0 if temperature <= 1e-6 else float(temperature)
 
 
+# Logits of this many elements (fp32) are processed at a time: ~64 MiB of temporaries per chunk,
+# whatever the vocabulary (a 152k vocabulary: ~110 positions per chunk).
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def _chunks(logits: Tensor) -> Iterator[tuple[int, int, int]]:
+    """(b, s, e) row/position ranges covering logits [B, T, V], each at most _CHUNK_ELEMENTS."""
+    B, T, V = logits.shape
+    step = max(1, _CHUNK_ELEMENTS // max(V, 1))
+    for b in range(B):
+        for s in range(0, T, step):
+            yield b, s, min(T, s + step)
+
+
+def _shifted(chunk: Tensor, t: float) -> Tensor:
+    """fp32 chunk / t minus its row maximum: [c, V]."""
+    x = chunk.float()
+    if t != 1.0:
+        x = x / t
+    return x - x.max(dim=-1, keepdim=True).values
+
+
+class _LogprobEntropy(torch.autograd.Function):
+    """log softmax(logits/t)[labels] and the entropy of softmax(logits/t) in one read of the logits.
+
+    Forward, per chunk of positions: x = fp32(logits)/t, y = x - max(x), z = log sum exp(y),
+    logp = y[label] - z, H = z - sum softmax(y) * y (log_softmax's own order of operations, so the
+    values match it to the last bits). Saved for backward: the logits themselves (no copy, in their
+    own dtype), z and H ([B, T] fp32). Backward recomputes log p = y - z per chunk and writes
+      d logits = (g_logp * (onehot(label) - p) - g_H * p * (log p + H)) / t
+    into one gradient tensor of the logits' dtype (dH/dx_j = -p_j (log p_j + H)). No [B, T, V]
+    fp32 copy is kept, and no second tempered logits tensor is ever built.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, logits: Tensor, labels: Tensor, t: float,  # type: ignore[override]
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
+        B, T, _ = logits.shape
+        logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logp)
+        ent = torch.empty_like(logp) if with_entropy else None
+        for b, s, e in _chunks(logits):
+            y = _shifted(logits[b, s:e], t)  # [c, V]: x - max(x), as log_softmax computes it
+            z = torch.log(torch.exp(y).sum(-1))  # [c]: logsumexp(x) - max(x)
+            lse[b, s:e] = z
+            logp[b, s:e] = y.gather(-1, labels[b, s:e].long().unsqueeze(-1)).squeeze(-1) - z
+            if ent is not None:
+                p = torch.exp(y - z.unsqueeze(-1))  # [c, V]
+                ent[b, s:e] = z - (p * y).sum(-1)  # sum p = 1, so the shift cancels
+        ctx.t = t
+        ctx.save_for_backward(logits, labels, lse, ent if ent is not None else lse.new_empty(0))
+        ctx.with_entropy = with_entropy
+        ctx.set_materialize_grads(False)
+        return logp, (ent if ent is not None else lse.new_empty(0))
+
+    @staticmethod
+    def backward(ctx: Any, g_logp: Tensor | None,  # type: ignore[override]
+                 g_ent: Tensor | None) -> tuple[Tensor | None, None, None, None]:
+        logits, labels, lse, ent = ctx.saved_tensors
+        if g_logp is None and (g_ent is None or not ctx.with_entropy):
+            return None, None, None, None
+        t = ctx.t
+        grad = torch.empty_like(logits)  # [B, T, V], the logits' dtype
+        for b, s, e in _chunks(logits):
+            y = _shifted(logits[b, s:e], t)  # [c, V]
+            log_p = y - lse[b, s:e].unsqueeze(-1)  # [c, V]
+            p = torch.exp(log_p)
+            g = torch.zeros_like(p)
+            if g_logp is not None:
+                gl = g_logp[b, s:e].unsqueeze(-1)  # [c, 1]
+                g -= gl * p
+                g.scatter_add_(-1, labels[b, s:e].long().unsqueeze(-1), gl)
+            if g_ent is not None and ctx.with_entropy:
+                g -= g_ent[b, s:e].unsqueeze(-1) * p * (log_p + ent[b, s:e].unsqueeze(-1))
+            if t != 1.0:
+                g /= t
+            grad[b, s:e] = g.to(grad.dtype)
+        return grad, None, None, None
+
+
+def logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.0,
+                         entropy: bool = False) -> tuple[Tensor, Tensor | None]:
+    """(log softmax(logits / T)[labels], entropy of softmax(logits / T) or None), per position, in
+    one chunked pass over the logits with its own backward (`_LogprobEntropy`).
+
+    logits [B, T, V] (any float dtype; read, never copied whole), labels [B, T] -> two [B, T]
+    float32 tensors. Temperature ~0 means untempered (`_effective_temperature`), as engines report.
+    """
+    if logits.shape[0] == 0 or logits.shape[1] == 0:
+        empty = logits.new_zeros(labels.shape, dtype=torch.float32)
+        return empty, (empty.clone() if entropy else None)
+    logp, ent = _LogprobEntropy.apply(logits, labels, _effective_temperature(temperature),  # type: ignore[no-untyped-call]
+                                      entropy)
+    return logp, (ent if entropy else None)
+
+
 def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature)[labels], per position.
-
-    logits [B, T, V], labels [B, T] -> [B, T] float32. Computed one sequence at a time (upcast to
-    fp32 per row), so the only full-size intermediate kept is the log-softmax autograd saves.
-    """
-    t = _effective_temperature(temperature)
-    rows = []
-    for b in range(logits.shape[0]):
-        row = logits[b].float()  # [T, V]
-        if t != 1.0:
-            row = row / t
-        lp = torch.log_softmax(row, dim=-1)  # [T, V]
-        rows.append(lp.gather(-1, labels[b].long().unsqueeze(-1)).squeeze(-1))  # [T]
-    if not rows:
-        return logits.new_zeros(labels.shape, dtype=torch.float32)
-    return torch.stack(rows, dim=0)  # [B, T]
+    """log softmax(logits / temperature)[labels], per position: logits [B, T, V], labels [B, T] ->
+    [B, T] float32 (`logprobs_and_entropy` without the entropy)."""
+    return logprobs_and_entropy(logits, labels, temperature)[0]
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of softmax(logits) per position: H = logsumexp(l) - sum_v p_v * l_v.
-
-    logits [B, T, V] -> [B, T] float32, one sequence at a time (fp32).
-    """
-    rows = []
-    for b in range(logits.shape[0]):
-        row = logits[b].float()  # [T, V]
-        p = torch.softmax(row, dim=-1)  # [T, V]
-        rows.append(torch.logsumexp(row, dim=-1) - (p * row).sum(-1))  # [T]
-    if not rows:
-        return logits.new_zeros(logits.shape[:2], dtype=torch.float32)
-    return torch.stack(rows, dim=0)  # [B, T]
+def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
+    """Entropy of softmax(logits / temperature) per position, H = logsumexp(x) - sum_v p_v x_v:
+    logits [B, T, V] -> [B, T] float32."""
+    labels = torch.zeros(logits.shape[:2], dtype=torch.long, device=logits.device)
+    ent = logprobs_and_entropy(logits, labels, temperature, entropy=True)[1]
+    assert ent is not None
+    return ent
 
 
 def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, kind: KLKind) -> Tensor:

@@ -48,8 +48,8 @@ from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.losses import (
     LossSettings,
     aggregate,
-    entropy_from_logits,
     kl_estimate,
+    logprobs_and_entropy,
     policy_loss,
     tis_weights,
     token_logprobs,
@@ -185,7 +185,9 @@ class TrainerRank(DeepSpeedRank):
         agg, norm_len = hp.loss_agg, hp.loss_norm_len
         logits = self._logits(self.engine, mb)  # [b, L-1, V]
         labels, mask = mb["input_ids"][:, 1:], mb["loss_mask"]  # [b, L-1]
-        logp = token_logprobs(logits, labels, hp.temperature)  # [b, L-1]
+        # One pass over the logits for both; the entropy is a metric unless there is a bonus.
+        logp, ent_tok = logprobs_and_entropy(logits, labels, hp.temperature, entropy=True)  # [b, L-1] each
+        assert ent_tok is not None
         isw = tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, hp.tis_cap) \
             if hp.tis_cap is not None else None  # [b, L-1]
         pg, pm = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp.clip_eps_low,
@@ -193,11 +195,9 @@ class TrainerRank(DeepSpeedRank):
                              is_weights=isw, ratio_level=hp.ratio_level)
         kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp.kl_estimator), mask, agg, norm_len) \
             if hp.kl_coef > 0 else torch.zeros(())
-        # The entropy of the distribution actually trained on: logits / T (T ~ 0 means untempered,
-        # as token_logprobs does). Without a bonus it is only a metric, so no graph is kept.
-        t = hp.temperature if hp.temperature > 1e-6 else 1.0
-        with torch.set_grad_enabled(hp.entropy_coef > 0):
-            ent = aggregate(entropy_from_logits(logits / t), mask, agg, norm_len)
+        # The entropy of the distribution actually trained on (logits / T); without a bonus it is
+        # only a metric, so its gradient is never asked for.
+        ent = aggregate(ent_tok if hp.entropy_coef > 0 else ent_tok.detach(), mask, agg, norm_len)
         total = pg + hp.kl_coef * kl - hp.entropy_coef * ent
         # This micro-batch's share of the global mini-batch aggregate (see the module docstring).
         share = float(_units(mask, agg)) / max(units_global, 1.0)
