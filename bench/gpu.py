@@ -101,8 +101,9 @@ def make_trainer(folder: Path, args):
 
 def bench_trainer(trainer, cfg, args) -> dict:
     batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
-    kw = dict(minibatches=1, temperature=1.0, clip_eps_low=0.2, clip_eps_high=0.2, kl_coef=0.0, kl_estimator="k1",
-              entropy_coef=0.0, loss_agg="token-mean", pad_id=0)
+    from reflow.rl.losses import LossSettings
+
+    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))  # plain PPO-clip
     trainer.train_iteration(batch, **kw)  # warm-up
     gpu_peak_gib()
     sync()

@@ -6,6 +6,7 @@ padding; every reduction here ignores masked positions, even when they hold inf 
 """
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
@@ -64,9 +65,10 @@ def _effective_temperature(temperature: float) -> float:
     return 1.0 if temperature <= 1e-6 else float(temperature)
 
 
-# Logits of this many elements (fp32) are processed at a time: ~64 MiB of temporaries per chunk,
-# whatever the vocabulary (a 152k vocabulary: ~110 positions per chunk).
-_CHUNK_ELEMENTS = 1 << 24
+# Logits of this many elements are processed at a time (~512 MiB of fp32 temporaries when eager;
+# a 152k vocabulary: ~880 positions per chunk): few enough chunks that kernel launches do not
+# dominate, small enough that no [T, V] fp32 copy of a whole sequence is ever alive.
+_CHUNK_ELEMENTS = 1 << 27
 
 
 def _chunks(logits: Tensor) -> Iterator[tuple[int, int, int]]:
@@ -86,6 +88,46 @@ def _shifted(chunk: Tensor, t: float) -> Tensor:
     return x - x.max(dim=-1, keepdim=True).values
 
 
+def _forward_chunk(chunk: Tensor, labels: Tensor, t: float, with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """chunk [c, V], labels [c] -> (log p[label], z = logsumexp(x) - max(x), entropy or z), all [c]."""
+    y = _shifted(chunk, t)  # [c, V]: x - max(x), as log_softmax computes it
+    z = torch.log(torch.exp(y).sum(-1))  # [c]
+    logp = y.gather(-1, labels.long().unsqueeze(-1)).squeeze(-1) - z
+    if not with_entropy:
+        return logp, z, z
+    p = torch.exp(y - z.unsqueeze(-1))  # [c, V]
+    return logp, z, z - (p * y).sum(-1)  # sum p = 1, so the shift cancels
+
+
+def _backward_chunk(chunk: Tensor, labels: Tensor, z: Tensor, ent: Tensor, g_logp: Tensor, g_ent: Tensor,
+                    t: float, with_entropy: bool) -> Tensor:
+    """d loss / d chunk [c, V] (the chunk's dtype) from the gradients of log p and entropy ([c])."""
+    y = _shifted(chunk, t)  # [c, V]
+    log_p = y - z.unsqueeze(-1)
+    p = torch.exp(log_p)
+    gl = g_logp.unsqueeze(-1)  # [c, 1]
+    g = (-gl * p).scatter_add(-1, labels.long().unsqueeze(-1), gl)
+    if with_entropy:  # dH/dx_j = -p_j (log p_j + H)
+        g = g - g_ent.unsqueeze(-1) * p * (log_p + ent.unsqueeze(-1))
+    if t != 1.0:
+        g = g / t
+    return g.to(chunk.dtype)
+
+
+_COMPILED: dict[str, Any] = {}
+
+
+def _kernels(device: torch.device) -> tuple[Any, Any]:
+    """The chunk functions, compiled by torch.compile on CUDA (one fused kernel or two per pass
+    instead of ~12 memory-bound ones; `REFLOW_COMPILE_LOSS=0` turns it off), eager elsewhere."""
+    if device.type != "cuda" or os.environ.get("REFLOW_COMPILE_LOSS", "1") == "0":
+        return _forward_chunk, _backward_chunk
+    if not _COMPILED:
+        _COMPILED["fwd"] = torch.compile(_forward_chunk, dynamic=True)
+        _COMPILED["bwd"] = torch.compile(_backward_chunk, dynamic=True)
+    return _COMPILED["fwd"], _COMPILED["bwd"]
+
+
 class _LogprobEntropy(torch.autograd.Function):
     """log softmax(logits/t)[labels] and the entropy of softmax(logits/t) in one read of the logits.
 
@@ -102,45 +144,31 @@ class _LogprobEntropy(torch.autograd.Function):
     def forward(ctx: Any, logits: Tensor, labels: Tensor, t: float,  # type: ignore[override]
                 with_entropy: bool) -> tuple[Tensor, Tensor]:
         B, T, _ = logits.shape
+        fwd, _ = _kernels(logits.device)
         logp = torch.empty((B, T), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logp)
-        ent = torch.empty_like(logp) if with_entropy else None
+        ent = torch.empty_like(logp)
         for b, s, e in _chunks(logits):
-            y = _shifted(logits[b, s:e], t)  # [c, V]: x - max(x), as log_softmax computes it
-            z = torch.log(torch.exp(y).sum(-1))  # [c]: logsumexp(x) - max(x)
-            lse[b, s:e] = z
-            logp[b, s:e] = y.gather(-1, labels[b, s:e].long().unsqueeze(-1)).squeeze(-1) - z
-            if ent is not None:
-                p = torch.exp(y - z.unsqueeze(-1))  # [c, V]
-                ent[b, s:e] = z - (p * y).sum(-1)  # sum p = 1, so the shift cancels
-        ctx.t = t
-        ctx.save_for_backward(logits, labels, lse, ent if ent is not None else lse.new_empty(0))
-        ctx.with_entropy = with_entropy
+            logp[b, s:e], lse[b, s:e], ent[b, s:e] = fwd(logits[b, s:e], labels[b, s:e], t, with_entropy)
+        ctx.t, ctx.with_entropy = t, with_entropy
+        ctx.save_for_backward(logits, labels, lse, ent)
         ctx.set_materialize_grads(False)
-        return logp, (ent if ent is not None else lse.new_empty(0))
+        return logp, ent
 
     @staticmethod
     def backward(ctx: Any, g_logp: Tensor | None,  # type: ignore[override]
                  g_ent: Tensor | None) -> tuple[Tensor | None, None, None, None]:
         logits, labels, lse, ent = ctx.saved_tensors
-        if g_logp is None and (g_ent is None or not ctx.with_entropy):
+        with_entropy = ctx.with_entropy and g_ent is not None
+        if g_logp is None and not with_entropy:
             return None, None, None, None
-        t = ctx.t
+        _, bwd = _kernels(logits.device)
+        gl = g_logp if g_logp is not None else torch.zeros_like(lse)
+        ge = g_ent if g_ent is not None and with_entropy else gl  # unused when with_entropy is False
         grad = torch.empty_like(logits)  # [B, T, V], the logits' dtype
         for b, s, e in _chunks(logits):
-            y = _shifted(logits[b, s:e], t)  # [c, V]
-            log_p = y - lse[b, s:e].unsqueeze(-1)  # [c, V]
-            p = torch.exp(log_p)
-            g = torch.zeros_like(p)
-            if g_logp is not None:
-                gl = g_logp[b, s:e].unsqueeze(-1)  # [c, 1]
-                g -= gl * p
-                g.scatter_add_(-1, labels[b, s:e].long().unsqueeze(-1), gl)
-            if g_ent is not None and ctx.with_entropy:
-                g -= g_ent[b, s:e].unsqueeze(-1) * p * (log_p + ent[b, s:e].unsqueeze(-1))
-            if t != 1.0:
-                g /= t
-            grad[b, s:e] = g.to(grad.dtype)
+            grad[b, s:e] = bwd(logits[b, s:e], labels[b, s:e], lse[b, s:e], ent[b, s:e], gl[b, s:e], ge[b, s:e],
+                               ctx.t, with_entropy)
         return grad, None, None, None
 
 
@@ -157,7 +185,7 @@ def logprobs_and_entropy(logits: Tensor, labels: Tensor, temperature: float = 1.
         return empty, (empty.clone() if entropy else None)
     logp, ent = _LogprobEntropy.apply(logits, labels, _effective_temperature(temperature),  # type: ignore[no-untyped-call]
                                       entropy)
-    return logp, (ent if entropy else None)
+    return logp, (ent if entropy else None)  # without `entropy` the second output is a placeholder
 
 
 def token_logprobs(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
