@@ -9,7 +9,7 @@ is pickled into a Ray task, and never shows in a repr or an error.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -119,11 +119,11 @@ class EngineClient:
     def end_weight_update(self) -> dict:
         return self._call("POST", "/end_weight_update", {})
 
-    def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
+    def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str], load_format: str | None = None,
                                    flush_cache: bool = True, weight_version: str | None = None) -> dict:
         """`serialized_named_tensors`: one payload per TP rank (reflow.engines.weights.buckets makes them)."""
         return self._call("POST", "/update_weights_from_tensor", {
-            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version})
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
@@ -148,6 +148,11 @@ class EngineClient:
 
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
+        """Relabel the loaded weights (no weights move); SGLang aborts running requests unless told not to."""
+        return self._call("POST", "/update_weight_version", {
+            "new_version": new_version, "abort_all_requests": abort_all_requests})
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The parameter as float32 nested lists, its first `truncate_size` rows (SGLang's shape)."""

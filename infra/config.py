@@ -72,7 +72,7 @@ class RolloutConfig(_Strict):
     max_batch_size: int = Field(256, ge=1, description="Largest batch an engine decodes at once.")
     engine_threads: int = Field(1, ge=1, description="torch threads of each engine process.")
     request_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one generate request.")
-    router: bool = Field(False, description="Serve /generate through one router over all engines (sglang-router when installed, else reflow's least-loaded proxy) that retries a request on another engine when one dies.")
+    router: bool = Field(False, description="Serve /generate through one router over all engines (backend=sglang: sglang-router when installed; otherwise reflow's least-loaded proxy) that retries a request on another engine when one dies.")
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
@@ -246,6 +246,20 @@ class RunConfig(_Strict):
             raise ValueError("cluster.colocate with SGLang engines (GPUs) needs trainer.zero_stage 1, 2 or 3: DeepSpeed "
                              "offloads only ZeRO optimizer states, so with stage 0 the trainer's memory would stay "
                              "on the GPUs the engines need")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sglang_disk_dir(self) -> RunConfig:
+        """SGLang's update_weights_from_disk loads a local folder (or a hub id), never a storage URL; the
+        embedded engine downloads one, so only the SGLang backend is refused."""
+        w = self.weight_sync
+        if (self.rollout.backend == "sglang" and w.mode == "disk" and w.disk_dir
+                and "://" in w.disk_dir and not w.disk_dir.startswith("file://")):
+            raise ValueError(
+                f"weight_sync.disk_dir={w.disk_dir!r}: with rollout.backend=sglang, weight_sync.mode=disk reloads "
+                f"through SGLang's update_weights_from_disk, which reads only local folders (or hub ids), not "
+                f"storage URLs. Set weight_sync.disk_dir to a folder every engine node can read (a local path or a "
+                f"shared filesystem mount, e.g. /mnt/shared/weights), or use weight_sync.mode=tensor or distributed")
         return self
 
     @model_validator(mode="after")

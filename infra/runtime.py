@@ -23,7 +23,7 @@ import ray
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
 from reflow.engines.http_serve import new_api_key
-from reflow.engines.sglang.launcher import SGLangEngine
+from reflow.engines.sglang.launcher import SGLangEngine, sglang_dtype
 from reflow.engines.sglang.router import Router, SGLangRouter, sglang_router_available
 from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.critic import CriticGroup
@@ -119,7 +119,7 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s,
-                      api_key=api_key)
+                      api_key=api_key, dtype=sglang_dtype(cfg.trainer.precision))
     if detached:
         options["lifetime"] = "detached"
     if pg is not None:  # colocated: in the bundle (GPU) of trainer rank i mod bundles
@@ -150,7 +150,10 @@ def _start_router(cfg: RunConfig, namespace: str, urls: list[str], api_key: str)
     """(router actor or None, the URLs /generate requests go to)."""
     if not cfg.rollout.router:
         return None, list(urls)
-    actor_cls = ray.remote(SGLangRouter if sglang_router_available() else Router)
+    # sglang-router fronts real SGLang servers; the embedded engines keep reflow's proxy, whose dead-worker
+    # handling (drop and re-send; a 503 "no live engine" once none is left) the rollout's retries rely on.
+    real = cfg.rollout.backend == "sglang" and sglang_router_available()
+    actor_cls = ray.remote(SGLangRouter if real else Router)
     router = actor_cls.options(name="router", namespace=namespace, num_cpus=0, get_if_exists=True).remote(
         urls, host=cfg.cluster.bind_host, api_key=api_key)
     ray.get(router.ready.remote())

@@ -97,3 +97,15 @@ def test_example_configs_load_and_name_no_hub_model():
     for f in sorted(Path(__file__).resolve().parents[1].glob("configs/*.yaml")):
         path = load_config(f).model.path
         assert path.startswith((".", "/", "s3://", "file://", "models/")), f"{f.name}: model.path {path!r} looks like a hub id"
+
+
+def test_sglang_disk_mode_refuses_a_storage_url_and_names_the_fix():
+    sglang_disk = ["rollout.backend=sglang", "weight_sync.mode=disk"]
+    with pytest.raises(ConfigError, match=r"weight_sync.disk_dir='s3://bucket/push'(.|\n)*reads only local "
+                                          r"folders(.|\n)*a shared filesystem mount(.|\n)*mode=tensor or distributed"):
+        load_config(None, [*sglang_disk, "weight_sync.disk_dir=s3://bucket/push"])
+    for ok in ("/mnt/shared/weights", "file:///mnt/shared/weights"):
+        assert load_config(None, [*sglang_disk, f"weight_sync.disk_dir={ok}"]).weight_sync.disk_dir == ok
+    assert load_config(None, sglang_disk).weight_sync.disk_dir is None  # the default local temp folder
+    # the embedded engine downloads a pushed folder from storage itself
+    assert load_config(None, ["weight_sync.mode=disk", "weight_sync.disk_dir=s3://bucket/push"])

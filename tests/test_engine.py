@@ -5,6 +5,8 @@ engine and a pusher as two Ray actors to prove the shared-memory handles cross p
 """
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -290,6 +292,104 @@ def test_concurrent_requests_merge_without_mixing(engine, model, tok):
         assert r["output_ids"] == _argmax_loop(model, prompts[i], 4 + 3 * i, set())
 
 
+# ---------------------------------------------------------------- SGLang's routes (issue 14, point 7)
+
+
+def _sglang_routes() -> dict[str, set[str]]:
+    """path -> HTTP methods of SGLang 0.5.23's HTTP server, read from the wheel's own sources."""
+    import ast
+    from pathlib import Path
+
+    from reflow.engines.sglang import contract as sglang_contract
+
+    root = sglang_contract.installed_root()
+    if root is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    routes: dict[str, set[str]] = {}
+    for name, owner in (("http_server.py", "app"), ("v1_loads.py", "router")):
+        for node in ast.walk(ast.parse((Path(root) / "srt" / "entrypoints" / name).read_text())):
+            for d in getattr(node, "decorator_list", []):
+                if not (isinstance(d, ast.Call) and isinstance(d.func, ast.Attribute) and d.args
+                        and getattr(d.func.value, "id", None) == owner and isinstance(d.args[0], ast.Constant)):
+                    continue
+                if d.func.attr == "api_route":
+                    listed = next(k.value for k in d.keywords if k.arg == "methods")
+                    methods = {e.value for e in listed.elts}
+                else:
+                    methods = {d.func.attr.upper()}
+                routes.setdefault(d.args[0].value, set()).update(methods)
+    return routes
+
+
+def test_every_embedded_route_is_sglangs_with_its_methods(engine):
+    from fastapi.routing import APIRoute
+
+    sglang = _sglang_routes()
+    assert len(sglang) > 60  # the whole app was read
+    ours = {r.path: set(r.methods) for r in engine.app.routes if isinstance(r, APIRoute)}
+    for path in ("/get_model_info", "/get_server_info", "/update_weight_version", "/model_info", "/server_info"):
+        assert path in ours, f"the embedded engine does not serve {path}"
+    for path, methods in ours.items():
+        assert path in sglang, f"{path} is not an endpoint of SGLang 0.5.23"
+        assert methods == sglang[path], (path, methods, sglang[path])
+
+
+def test_update_weight_version_fields_match_sglangs_request():
+    """The embedded engine's table against the wheel's UpdateWeightVersionReqInput (io_struct needs
+    the GPU runtime to import, so its source is read)."""
+    import ast
+    from pathlib import Path
+
+    from reflow.engines.embedded.server import REQUIRED, WEIGHT_VERSION_FIELDS
+    from reflow.engines.sglang import contract as sglang_contract
+
+    root = sglang_contract.installed_root()
+    if root is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    tree = ast.parse((Path(root) / "srt" / "managers" / "io_struct.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "UpdateWeightVersionReqInput")
+    fields = {n.target.id: (ast.unparse(n.annotation), None if n.value is None else ast.literal_eval(n.value))
+              for n in cls.body if isinstance(n, ast.AnnAssign)}
+    ours = {k: (kind.__name__, None if default is REQUIRED else default)
+            for k, (kind, default) in WEIGHT_VERSION_FIELDS.items()}
+    assert fields == ours
+
+
+def test_info_aliases_and_update_weight_version(fresh_engine, tok):
+    url, c = fresh_engine.url(), EngineClient(fresh_engine.url(), api_key=KEY)
+    for old, new in (("/get_model_info", "/model_info"), ("/get_server_info", "/server_info")):
+        assert httpx.get(url + old).status_code == 401  # behind the API key like the rest
+        assert httpx.get(url + old, headers=AUTH).json() == httpx.get(url + new, headers=AUTH).json()
+    assert httpx.post(url + "/update_weight_version", json={"new_version": "x"}).status_code == 401
+    assert c.update_weight_version("v7") == {"success": True, "message": "Weight version updated to v7",
+                                             "new_version": "v7"}
+    assert c.model_info()["weight_version"] == "v7"
+    out = c.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 1})
+    assert out["meta_info"]["weight_version"] == "v7"
+    for body, message in (({}, "new_version: field required"), ({"new_version": 7}, "new_version: expected str"),
+                          ({"new_version": "v8", "abort_all_requests": "no"}, "abort_all_requests: expected bool")):
+        r = httpx.post(url + "/update_weight_version", json=body, headers=AUTH)
+        assert r.status_code == 400 and r.json()["object"] == "error" and r.json()["code"] == 400
+        assert message in r.json()["message"]
+    assert c.model_info()["weight_version"] == "v7"  # a refused body changes nothing
+
+
+@pytest.mark.parametrize("abort_all", [True, False])
+def test_update_weight_version_aborts_running_requests_by_default(fresh_engine, abort_all):
+    c, result = EngineClient(fresh_engine.url(), api_key=KEY), {}
+    worker = threading.Thread(target=lambda: result.update(out=c.generate(
+        input_ids=[[5, 6]] * 128, sampling_params={"max_new_tokens": 100, "ignore_eos": True})))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while c._call("GET", "/v1/loads")["loads"][0]["num_running_reqs"] == 0:
+        assert time.monotonic() < deadline
+    c.update_weight_version("relabelled", abort_all_requests=abort_all)
+    worker.join(30)
+    reasons = {o["meta_info"]["finish_reason"]["type"] for o in result["out"]}
+    assert reasons == ({"abort"} if abort_all else {"length"})
+    assert c.model_info()["weight_version"] == "relabelled"
+
+
 # ---------------------------------------------------------------- tensor buckets and weight push
 
 
@@ -311,28 +411,37 @@ def test_bucket_roundtrip_and_unsafe_pickle_refused():
         load_payload(base64.b64encode(pickle.dumps(os.system)).decode(), "flattened_bucket")
 
 
-def test_bucket_sent_to_two_receivers_then_next_bucket(tmp_path):
-    """One pickle of a bucket goes to every engine; each receiver opens and frees the shared buffer.
-    Two receivers, then the next bucket: every load must see its own bytes (a pooled buffer whose
-    shared-memory file the receivers had unlinked failed here with 2 engines)."""
-    import subprocess
-    import sys
+def _rebuild_in_turn(tmp_path, payloads: list[str]) -> subprocess.CompletedProcess:
+    """One receiver process loads each payload in turn and frees it before the next: for the shared
+    segment's reference count, what as many long-lived receivers (engines, TP ranks) do."""
+    files = []
+    for i, payload in enumerate(payloads):
+        files.append(tmp_path / f"payload-{i}.txt")
+        files[-1].write_text(str(payload))
+    code = ("import sys\nfrom reflow.engines.weights.buckets import load_payload\nfor f in sys.argv[1:]:\n"
+            "    print(float(load_payload(open(f).read(), 'flattened_bucket')[0][1].sum()), flush=True)")
+    return subprocess.run([sys.executable, "-c", code, *map(str, files)], capture_output=True, text=True, timeout=120)
 
-    from reflow.engines.weights.buckets import release
 
-    code = ("import sys; from reflow.engines.weights.buckets import load_payload; "
-            "print(float(load_payload(open(sys.argv[1]).read(), 'flattened_bucket')[0][1].sum()))")
-    for k in range(3):
-        payload = serialize_bucket([("a", torch.full((4096,), float(k + 1)))])
-        (tmp_path / "p.txt").write_text(str(payload))
-        procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "p.txt")], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]  # concurrently
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, err[-2000:]
-            assert float(out) == 4096.0 * (k + 1)
-        release(payload)
-        assert payload.buffers == []
+def test_each_receiver_gets_its_own_payload_of_one_buffer(tmp_path):
+    """A pickle adds one reference to the shared segment and a rebuild takes one: four payloads of one
+    bucket (one buffer, no copy) serve four receivers, then the next bucket; one payload rebuilt three
+    times loses its file at the third (the flaw of sending one payload to every engine and TP rank)."""
+    from reflow.engines.weights.buckets import SharedBucket
+
+    for k in range(2):
+        shared = SharedBucket([("a", torch.full((4096,), float(k + 1)))])
+        payloads = shared.payloads(4)
+        assert len(set(payloads)) == 1 and all(p.buffers[0] is shared.flat for p in payloads)  # same handle
+        done = _rebuild_in_turn(tmp_path, payloads)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert [float(x) for x in done.stdout.split()] == [4096.0 * (k + 1)] * 4
+        shared.release()
+        assert shared.flat is None and all(p.buffers == [] for p in payloads)
+    once = serialize_bucket([("a", torch.ones(4096))])
+    done = _rebuild_in_turn(tmp_path, [once] * 3)
+    assert done.stdout.split() == ["4096.0", "4096.0"] and done.returncode != 0
+    assert "unable to open shared memory object" in done.stderr
 
 
 # The subset of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (sglang/srt/utils/common.py) that

@@ -146,12 +146,12 @@ def router(engine):
 
 def test_router_refuses_an_unauthenticated_worker_and_forwards_the_key(router, engine):
     for headers in ({}, _auth(WRONG)):
-        r = httpx.post(router.url() + "/add_worker", params={"url": "http://attacker.invalid:1"}, headers=headers)
+        r = httpx.post(router.url() + "/workers", json={"url": "http://attacker.invalid:1"}, headers=headers)
         assert r.status_code == 401
-        assert httpx.post(router.url() + "/remove_worker", params={"url": engine.url()},
-                          headers=headers).status_code == 401
+        wid = router.workers()["workers"][0]["id"]
+        assert httpx.delete(f"{router.url()}/workers/{wid}", headers=headers).status_code == 401
         assert httpx.post(router.url() + "/generate", json={"input_ids": [5]}, headers=headers).status_code == 401
-        assert httpx.get(router.url() + "/list_workers", headers=headers).status_code == 401
+        assert httpx.get(router.url() + "/workers", headers=headers).status_code == 401
     assert router.workers()["urls"] == [engine.url()]
     assert httpx.get(router.url() + "/health").status_code == 200  # a probe
     # the router adds its key when it forwards: the engine behind it refuses anything without one
@@ -159,8 +159,8 @@ def test_router_refuses_an_unauthenticated_worker_and_forwards_the_key(router, e
     assert out["meta_info"]["completion_tokens"] == 3
     router.add_worker("http://127.0.0.1:1")  # the trusted side (a Ray call into the router actor)
     assert "http://127.0.0.1:1" in router.workers()["urls"]
-    r = httpx.post(router.url() + "/add_worker", params={"url": "http://127.0.0.1:2"}, headers=_auth())
-    assert r.status_code == 200 and "http://127.0.0.1:2" in router.workers()["urls"]
+    r = httpx.post(router.url() + "/workers", json={"url": "http://127.0.0.1:2"}, headers=_auth())
+    assert r.status_code == 202 and "http://127.0.0.1:2" in router.workers()["urls"]
 
 
 def test_every_router_endpoint_but_the_probes_needs_the_key(router):

@@ -14,7 +14,7 @@ import pytest
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
-from reflow.engines.sglang.router import Router
+from reflow.engines.sglang.router import Router, RouterError
 
 KEY = new_api_key()  # shared by the router and its engines, as a runtime's key is
 
@@ -76,7 +76,7 @@ def test_least_loaded_spreads_requests_and_workers_register(router, two_engines)
     assert router.workers()["urls"] == [urls[1]]
     router.add_worker(urls[0])
     assert sorted(router.workers()["urls"]) == sorted(urls)
-    with pytest.raises(httpx.HTTPStatusError):
+    with pytest.raises(RouterError, match="is not registered"):
         router.remove_worker("http://127.0.0.1:1")
 
 

@@ -201,3 +201,124 @@ def test_health_timeout_is_a_clear_error(tmp_path):
     finally:
         e.shutdown()
     assert sys.executable in e.cmd[0]
+
+
+# ---------------------------------------------------------------- the engine dtype: pinned, and checked in
+
+
+def _sglang_dtype_resolver():
+    """SGLang's own `_get_and_verify_dtype` (configs/model_config.py, which does not import on CPU),
+    compiled alone from the wheel's source: what dtype a server started with `--dtype X` holds."""
+    import logging
+    from typing import Union
+
+    import torch
+    from transformers import PretrainedConfig
+
+    path = Path(sglang_contract.installed_root()) / "srt" / "configs" / "model_config.py"
+    tree = ast.parse(path.read_text())
+    keep = [n for n in tree.body if (isinstance(n, ast.FunctionDef) and n.name == "_get_and_verify_dtype")
+            or (isinstance(n, ast.Assign) and ast.unparse(n.targets[0]) == "_STR_DTYPE_TO_TORCH_DTYPE")]
+    assert len(keep) == 2, "sglang moved _get_and_verify_dtype or its dtype table"
+    scope = {"torch": torch, "Union": Union, "PretrainedConfig": PretrainedConfig,
+             "logger": logging.getLogger("sglang-dtype")}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), str(path), "exec"), scope)
+    return scope["_get_and_verify_dtype"]
+
+
+def _wheel_dtype_choices() -> list[str]:
+    src = (Path(sglang_contract.installed_root()) / "srt" / "arg_groups" / "fields" / "model.py").read_text()
+    field = next(n for n in ast.walk(ast.parse(src)) if isinstance(n, ast.AnnAssign)
+                 and getattr(n.target, "id", "") == "dtype")
+    call = next(n for n in ast.walk(field) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "Arg")
+    return ast.literal_eval(next(k.value for k in call.keywords if k.arg == "choices"))
+
+
+@needs_wheel
+def test_engine_dtype_is_pinned_from_the_trainer_precision():
+    import torch
+
+    from reflow.engines.sglang.launcher import PINNED_DTYPES, sglang_dtype
+
+    resolve = _sglang_dtype_resolver()
+    fp32_llama = {"model_type": "llama", "torch_dtype": "float32"}
+    assert resolve(fp32_llama, "auto") == torch.float16  # the defect: a float32 checkpoint held as float16
+    assert set(PINNED_DTYPES) == set(_wheel_dtype_choices()) - {"auto"}
+    for precision, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        cmd = command_line(_args(dtype=sglang_dtype(precision)), python="py")
+        assert resolve(fp32_llama, cmd[cmd.index("--dtype") + 1]) == want  # what SGLang then holds
+    assert "--dtype" in command_line(server_args("/m", host="h", port=1, nccl_port=2))  # never left to auto
+    with pytest.raises(ValueError, match=r"dtype 'auto': pin one of .*float32 checkpoints as float16"):
+        server_args("/m", host="h", port=1, nccl_port=2, dtype="auto")
+    with pytest.raises(ValueError, match="trainer precision 'fp16'"):
+        sglang_dtype("fp16")
+
+
+DTYPE_KEY = "dtype-test-key-" + "k" * 32
+
+
+@pytest.fixture(scope="module")
+def fp16_engine(tiny_policy):
+    """An engine that holds float16, as SGLang does for a float32 checkpoint under --dtype auto."""
+    from reflow.engines.embedded.engine import EmbeddedEngine
+
+    e = EmbeddedEngine(str(tiny_policy), "dtype-fp16", threads=1, dtype="fp16", api_key=DTYPE_KEY)
+    e.ready()
+    yield e
+    e.shutdown()
+
+
+def _pushed_fp32(engine, version: str) -> list:
+    """float32 weights pushed (tensor mode, unchecked) to `engine`, which casts them to what it holds."""
+    from reflow.engines.rollout_client import EngineClient
+    from reflow.engines.weights.push import push_weights
+    from reflow.engines.weights.settings import PushSettings
+    from reflow.rl.demo_policy import build_model, build_tokenizer
+
+    named = list(build_model(build_tokenizer(), hidden=32, layers=2, heads=2, mlp=64, seed=41).state_dict().items())
+    assert {t.dtype for _, t in named} == {__import__("torch").float32}
+    push_weights([EngineClient(engine.url(), timeout=60, api_key=DTYPE_KEY)], named, version,
+                 PushSettings(verify="off", bucket_bytes=1 << 20))
+    return named
+
+
+def _auto_client(url: str):
+    """A client of an engine that answers as SGLang does under --dtype auto: /server_info says "auto",
+    whatever it loaded (the only part faked: the engine really holds float16)."""
+    from reflow.engines.rollout_client import EngineClient
+
+    class AutoClient(EngineClient):
+        def server_info(self) -> dict:
+            return {**super().server_info(), "dtype": "auto"}
+
+    return AutoClient(url, timeout=60, api_key=DTYPE_KEY)
+
+
+def _tampered(named: list, name: str) -> list:
+    return [(n, t + 0.01 if n == name else t) for n, t in named]
+
+
+def test_verify_compares_in_the_dtype_the_engine_reports(fp16_engine):
+    from reflow.engines.rollout_client import EngineClient
+    from reflow.engines.weights.push import WeightSyncError, verify_weights
+
+    named = _pushed_fp32(fp16_engine, "pinned-v1")
+    c = EngineClient(fp16_engine.url(), timeout=60, api_key=DTYPE_KEY)
+    assert c.server_info()["dtype"] == "float16"  # pinned: it says what it holds
+    assert verify_weights([c], named, "pinned-v1", "full") == len(named)
+    name = "model.norm.weight"
+    with pytest.raises(WeightSyncError, match=rf"{name}.*cast to the engine dtype: float16: max abs diff"):
+        verify_weights([c], _tampered(named, name), "pinned-v1", "full")
+
+
+def test_verify_against_an_engine_reporting_auto_accepts_what_auto_can_load(fp16_engine):
+    """Before: an "auto" engine was compared in the pushed float32 and failed on every push."""
+    from reflow.engines.weights.push import WeightSyncError, verify_weights
+
+    named = _pushed_fp32(fp16_engine, "auto-v1")
+    c = _auto_client(fp16_engine.url())
+    assert verify_weights([c], named, "auto-v1", "full") == len(named)
+    name = "model.norm.weight"
+    with pytest.raises(WeightSyncError, match=rf"{name}.*engine dtype 'auto', so any of these: float32: .*; "
+                                              r"float16: .*; bfloat16: max abs diff"):
+        verify_weights([c], _tampered(named, name), "auto-v1", "full")

@@ -13,6 +13,7 @@ Departure: flush_cache has no prefix cache to drop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -40,6 +41,7 @@ from reflow.engines.weights.buckets import BucketError, load_payload
 
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 HEALTH_TIMEOUT_S = 20.0
+log = logging.getLogger(__name__)
 
 
 # ---------------------------------------------------------------- the app
@@ -161,6 +163,17 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),
                 "memory_events": state.memory_events}
 
+    # SGLang 0.5.23 still serves the old names (deprecated, with a warning each call): same answers.
+    @app.get("/get_model_info")
+    async def get_model_info():
+        log.warning("Endpoint '/get_model_info' is deprecated; use '/model_info'")
+        return await model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info():
+        log.warning("Endpoint '/get_server_info' is deprecated; use '/server_info'")
+        return await server_info()
+
     @app.get("/v1/loads")
     async def loads():
         return {"timestamp": time.time(), "version": state.info.get("version"), "accelerator": None,
@@ -239,6 +252,19 @@ def _weight_routes(app: FastAPI, state: EngineState, max_weight_bytes: int) -> N
                      ("/destroy_weights_update_group", _destroy_group)):
         app.add_api_route(path, _weight_endpoint(state, fn), methods=["POST"], name=path.strip("/"))
 
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        try:
+            version, abort_all = _weight_version_request(await _body(request))
+        except ValueError as e:  # a body SGLang's request model refuses: its 400 ErrorResponse shape
+            return JSONResponse({"object": "error", "message": str(e), "type": "Bad Request", "param": None,
+                                 "code": 400}, status_code=400)
+        if abort_all:
+            state.abort(abort_all=True, message="Abort by update_weight_version")
+        with state.cond:
+            state.gen.weight_version = version
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(request: Request):
         try:
@@ -246,6 +272,25 @@ def _weight_routes(app: FastAPI, state: EngineState, max_weight_bytes: int) -> N
             return JSONResponse(await run_in_threadpool(_weights_by_name, state, body))
         except (ValueError, KeyError) as e:
             return _error(e)
+
+
+# SGLang 0.5.23's UpdateWeightVersionReqInput (managers/io_struct.py, which needs the GPU runtime to
+# import): field -> (type, default); REQUIRED has none. Unknown fields are ignored, as there.
+REQUIRED = object()
+WEIGHT_VERSION_FIELDS = {"new_version": (str, REQUIRED), "abort_all_requests": (bool, True)}
+
+
+def _weight_version_request(body: dict) -> tuple[str, bool]:
+    """(new_version, abort_all_requests) of an /update_weight_version body, or ContractError."""
+    out: dict[str, object] = {}
+    for name, (kind, default) in WEIGHT_VERSION_FIELDS.items():
+        value = body.get(name, default)
+        if value is REQUIRED:
+            raise ContractError(f"{name}: field required (UpdateWeightVersionReqInput)")
+        if not isinstance(value, kind):
+            raise ContractError(f"{name}: expected {kind.__name__}, got {_unexpected(value)}")
+        out[name] = value
+    return str(out["new_version"]), bool(out["abort_all_requests"])
 
 
 def _update_from_tensor(state: EngineState, body: dict, max_bytes: int) -> str:

@@ -43,6 +43,11 @@ SERVER_ARG_TYPES: dict[str, type] = {
     "trust_remote_code": bool, "api_key": str,
 }
 _PORT_LEASE_S = 600.0  # a port handed out stays reserved this long (covers a slow server start)
+# trainer.precision -> the --dtype the engine is pinned to. Never SGLang's "auto": it loads a float32
+# checkpoint as float16 (bfloat16 for Gemma) while /server_info still says "auto", so nobody outside
+# could tell what the engine holds; pinned, /server_info names the dtype the weight check casts to.
+SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+PINNED_DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # ServerArgs.dtype's choices but "auto"
 
 
 class SGLangUnavailable(RuntimeError):
@@ -53,11 +58,23 @@ class EngineStartError(RuntimeError):
     """The SGLang server exited or did not become healthy in time."""
 
 
+def sglang_dtype(precision: str) -> str:
+    """The SGLang --dtype that holds what a trainer of `precision` (trainer.precision) pushes, bit for bit."""
+    if precision not in SGLANG_DTYPES:
+        raise ValueError(f"trainer precision {precision!r} has no SGLang --dtype here; known: {sorted(SGLANG_DTYPES)}")
+    return SGLANG_DTYPES[precision]
+
+
 def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_size: int = 1,
                 mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
-                dist_init_addr: str | None = None, dtype: str = "auto", random_seed: int | None = None,
+                dist_init_addr: str | None = None, dtype: str = "float32", random_seed: int | None = None,
                 skip_server_warmup: bool = True, log_level: str = "warning", api_key: str | None = None) -> dict:
-    """ServerArgs field values for one engine (the builder passes explicit values; no config here)."""
+    """ServerArgs field values for one engine (the builder passes explicit values; no config here).
+    `dtype` is pinned (see SGLANG_DTYPES): "auto" is refused."""
+    if dtype not in PINNED_DTYPES:
+        raise ValueError(f"SGLang engine dtype {dtype!r}: pin one of {list(PINNED_DTYPES)} (the runtime passes "
+                         f"sglang_dtype(trainer.precision)); under 'auto' SGLang loads float32 checkpoints as float16 "
+                         f"and still reports 'auto', so the pushed weights could not be checked")
     return {"model_path": model_path, "tokenizer_path": model_path, "host": host, "port": port, "api_key": api_key,
             "tp_size": tp_size, "mem_fraction_static": mem_fraction_static,
             "enable_memory_saver": enable_memory_saver, "nccl_port": nccl_port, "dist_init_addr": dist_init_addr,
@@ -130,7 +147,7 @@ class SGLangEngine:
 
     def __init__(self, model_path: str, engine_id: str, *, host: str = "127.0.0.1", tp_size: int = 1,
                  mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
-                 multi_node: bool = False, dtype: str = "auto", seed: int | None = None,
+                 multi_node: bool = False, dtype: str = "float32", seed: int | None = None,
                  startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None,
                  api_key: str | None = None):
         self.engine_id, self.startup_timeout_s = engine_id, startup_timeout_s

@@ -11,6 +11,10 @@ Two details make the handles and the pickle usable by the receiver:
   actors, a trainer and an HTTP server) do not share. A named /dev/shm file works for any process
   on the host. It lives while the sender holds the tensor, so a payload is a `Payload` (a str
   that also holds its buffers): keep that object alive until the receiving call has returned.
+- one pickle per receiver: torch counts references to a file_system segment inside the segment;
+  a pickle adds one, a receiver's rebuild takes one, the file is unlinked at zero. So a payload
+  pays for exactly one rebuild: `SharedBucket.payloads(k)` pickles one shared buffer k times
+  (every engine, and every TP rank of one, gets its own), never the same payload twice.
 - metadata entries pickle as `sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`
   (a class on SGLang's unpickling allow-list, read by attribute), written by name so sglang need
   not be installed here. The receiving side below maps that name back to a local stand-in.
@@ -99,12 +103,7 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False)
 
 
 def _shared_uint8(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 [nbytes] tensor allocated in shared memory.
-
-    Buffers are not pooled across buckets: one pickle of a payload is sent to every engine, each
-    receiver's rebuild drops a reference torch's file_system strategy counts in the segment, so
-    after k > 1 receivers the segment is unlinked while this process still holds it; a reused
-    buffer then fails to open ("unable to open shared memory object", seen with 2 engines)."""
+    """A fresh uint8 [nbytes] tensor allocated in shared memory (one per bucket, freed by `release`)."""
     try:
         storage = torch.UntypedStorage._new_shared(nbytes)
     except RuntimeError as e:  # "Broken pipe": the manager is gone; or /dev/shm is full
@@ -186,15 +185,59 @@ def _dumps(obj, buffers: list) -> Payload:
     return payload
 
 
+class SharedBucket:
+    """One bucket packed once into shared memory, handed out as one payload per receiver.
+
+    torch's file_system strategy keeps a reference count inside the segment: each pickle of the
+    buffer adds one (`reduce_storage`); a receiver's rebuild maps the segment (its mapping counts
+    one, given back when it frees the tensor) and takes the pickle's one back
+    (`rebuild_storage_filename`); the file is unlinked when the count reaches zero. One payload sent
+    to k receivers takes back k references for the one it added: once two long-lived receivers have
+    freed their copy the file is gone, and the third fails with "unable to open shared memory
+    object". `payloads(k)` pickles the one buffer k times instead (no copy): the segment then
+    outlives every receiver that has not read its payload yet, even this sender's `release()`.
+    A payload never unpickled (its call refused before reading it) leaves its reference behind;
+    that segment lives until this process's torch_shm_manager exits.
+    """
+
+    def __init__(self, named_tensors: list[tuple[str, torch.Tensor]]):
+        flat, meta = flatten(named_tensors, shared=True)
+        self.flat: torch.Tensor | None = flat  # [N] uint8 in shared memory; None once released
+        self.metadata = [FlattenedTensorMetadata(n, torch.Size(s), _parse_dtype(d), a, b, k)
+                         for n, s, d, a, b, k in meta]
+        self.handed_out: list[Payload] = []
+
+    def payload(self) -> Payload:
+        """A payload for ONE receiver (load_format="flattened_bucket"); never send it twice."""
+        if self.flat is None:
+            raise BucketError("this bucket was released: build a new SharedBucket for another push")
+        p = _dumps({"flattened_tensor": self.flat, "metadata": self.metadata}, [self.flat])
+        self.handed_out.append(p)
+        return p
+
+    def payloads(self, count: int) -> list[Payload]:
+        """`count` payloads of the one buffer: what one engine gets, entry i for its TP rank i."""
+        if count < 1:
+            raise ValueError(f"a bucket goes to at least one receiver, got count={count}")
+        return [self.payload() for _ in range(count)]
+
+    def release(self) -> None:
+        """Every call that carried a payload of this bucket has returned: drop the buffer now (before
+        the next bucket is allocated, so at most one bucket's shared memory is held at a time)."""
+        for p in self.handed_out:
+            release(p)
+        self.flat, self.handed_out = None, []
+
+
 def serialize_bucket(named_tensors: list[tuple[str, torch.Tensor]]) -> Payload:
-    """Payload (a str) for load_format="flattened_bucket": one shared uint8 buffer + metadata."""
-    flat, meta = flatten(named_tensors, shared=True)
-    wire_meta = [FlattenedTensorMetadata(n, torch.Size(s), _parse_dtype(d), a, b, k) for n, s, d, a, b, k in meta]
-    return _dumps({"flattened_tensor": flat, "metadata": wire_meta}, [flat])
+    """Payload (a str) for ONE receiver, load_format="flattened_bucket": one shared uint8 buffer +
+    metadata. Several receivers: `SharedBucket(named_tensors).payloads(k)`."""
+    return SharedBucket(named_tensors).payload()
 
 
 def serialize_named_tensors(named_tensors: list[tuple[str, torch.Tensor]]) -> Payload:
-    """Payload (a str) for load_format None/"direct": a pickled list of (name, tensor) handles."""
+    """Payload (a str) for ONE receiver, load_format None/"direct": a pickled list of (name, tensor)
+    handles (each rebuild takes a reference, as for `SharedBucket`)."""
     _use_file_system_sharing()
     shared = [(n, t.detach().to("cpu").contiguous().clone().share_memory_()) for n, t in named_tensors]
     return _dumps(shared, [t for _, t in shared])

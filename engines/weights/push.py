@@ -3,9 +3,9 @@
 Per SGLANG_API.md (and slime/miles), every push is pause -> flush -> begin session -> updates ->
 end session -> continue (`update_window`; the disk mode needs no session in SGLang). Modes:
 - tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
-  <= bucket_bytes; each bucket is serialized once (a shared-memory / CUDA IPC handle) and sent to
-  every engine; its buffer stays alive until all those calls have returned, then is reused for
-  the next bucket and the next push (fresh shared memory pays page faults; tensor_bucket.release).
+  <= bucket_bytes; each bucket is packed once into one shared buffer and pickled once per receiver
+  (every engine, and every TP rank of an engine: a handle pays for one rebuild, see
+  buckets.SharedBucket); the buffer is freed when all those calls have returned.
 - distributed: init_weights_update_group (this process is rank 0), then per bucket
   update_weights_from_distributed + one broadcast of the flattened buffer; group destroyed after.
 - disk: update_weights_from_disk of an HF folder / storage URL the caller wrote.
@@ -36,7 +36,7 @@ import torch
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.storage_access import StorageAccess, is_local
 from reflow.engines.weights import group as weight_group
-from reflow.engines.weights.buckets import release, serialize_bucket
+from reflow.engines.weights.buckets import SharedBucket
 from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
 
 log = logging.getLogger(__name__)
@@ -87,17 +87,18 @@ def _check(client: EngineClient, out: dict, what: str) -> None:
 
 
 def _send_buckets(clients: list[EngineClient], named_tensors: Named, bucket_bytes: int, version: str) -> int:
-    """mode=tensor: one update_weights_from_tensor(flattened_bucket) per bucket; returns the bucket count."""
+    """mode=tensor: one update_weights_from_tensor(flattened_bucket) per bucket, each engine getting
+    one payload per TP rank (entry i is rank i's, as SGLang's TP workers read it); returns the bucket count."""
     tp = [_tp_size(c) for c in clients]
     buckets = make_buckets(named_tensors, bucket_bytes)
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         for bucket in buckets:
-            payload = serialize_bucket(bucket)  # holds the shared buffer until every engine has loaded it
-            calls = [pool.submit(c.update_weights_from_tensor, [payload] * k, "flattened_bucket", True, version)
+            shared = SharedBucket(bucket)  # one buffer, held until every engine has loaded it
+            calls = [pool.submit(c.update_weights_from_tensor, shared.payloads(k), "flattened_bucket", True, version)
                      for c, k in zip(clients, tp)]
             for c, f in zip(clients, calls):
                 _check(c, f.result(), "a weight bucket")
-            release(payload)  # every engine has copied it: the next bucket (or push) reuses the buffer
+            shared.release()  # every engine has copied it: free it before the next bucket is packed
     return len(buckets)
 
 
@@ -299,11 +300,25 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
             "verify_seconds": time.perf_counter() - t0 - seconds}
 
 
+# /server_info's "dtype" -> what the engine holds: SGLang's --dtype choices and torch's names (the embedded
+# engine reports its own dtype, e.g. "float32").
+_ENGINE_DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32,
+                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# Under SGLang's --dtype auto the engine holds the checkpoint's dtype, except float32, which it loads as
+# float16 (bfloat16 for Gemma), and /server_info still says "auto": the check accepts any of these.
+_AUTO_CANDIDATES = (torch.float16, torch.bfloat16)
+
+
 def _engine_dtype(client: EngineClient) -> torch.dtype | None:
-    """The dtype the engine stores weights in; None for SGLang's "auto" (then the pushed dtype)."""
+    """The dtype the engine holds weights in, from /server_info; None for SGLang's "auto" (unknown:
+    reflow's launcher pins it, an engine launched otherwise may not)."""
     name = str(client.server_info().get("dtype", "auto")).removeprefix("torch.")
-    dt = getattr(torch, name, None) if name != "auto" else None
-    return dt if isinstance(dt, torch.dtype) else None
+    if name == "auto":
+        return None
+    if name not in _ENGINE_DTYPES:
+        raise WeightSyncError(f"engine {client.url} reports dtype {name!r}, which the weight check cannot compare "
+                              f"in (known: {sorted(_ENGINE_DTYPES)}); launch it with one of those or verify=off")
+    return _ENGINE_DTYPES[name]
 
 
 def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, torch.Tensor]], version: str,
@@ -313,8 +328,10 @@ def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, t
     mode="sample" with `rows` compares the first `rows` rows of each sampled tensor (SGLang's
     `truncate_size`): the answer is JSON, so whole embedding matrices cost seconds per push.
 
-    atol=0 demands bit-equality after casting to the engine's dtype; a quantised engine (fp8, int4)
-    cannot reproduce the pushed values exactly, so give it the tolerance its format needs."""
+    atol=0 demands bit-equality after casting to the dtype the engine reports in /server_info; a
+    quantised engine (fp8, int4) cannot reproduce the pushed values exactly, so give it the tolerance its
+    format needs. An engine that reports SGLang's "auto" passes when it holds the pushed values cast to
+    the pushed dtype, float16 or bfloat16 (what "auto" can load them as); the launcher pins --dtype."""
     if mode == "off":
         return 0
     names = [n for n, _ in named_tensors]
@@ -328,26 +345,32 @@ def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, t
             raise WeightSyncError(f"engine {c.url} reports weight_version {got_version!r}, expected {version!r}")
         dtype = _engine_dtype(c)
         for name in names:
-            _compare(c, name, pushed[name], dtype, atol, rows if mode == "sample" else None)
+            candidates = (dtype,) if dtype is not None else (pushed[name].dtype, *_AUTO_CANDIDATES)
+            _compare(c, name, pushed[name], candidates, atol, rows if mode == "sample" else None)
             count += 1
     return count
 
 
-def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtype: torch.dtype | None,
+def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtypes: tuple[torch.dtype, ...],
              atol: float = 0.0, rows: int | None = None) -> None:
-    want = pushed.detach().to("cpu").to(dtype or pushed.dtype).float()  # what the engine must hold
-    if rows is not None and want.dim() and want.shape[0] > rows:
-        want = want[:rows]  # the engine truncates along dim 0 the same way
+    """Pass when the engine's values equal `pushed` cast to one of `dtypes` (what the engine may hold)."""
+    src = pushed.detach().to("cpu")
+    if rows is not None and src.dim() and src.shape[0] > rows:
+        src = src[:rows]  # the engine truncates along dim 0 the same way
         size = rows
     else:
-        size = max(want.shape[0] if want.dim() else 1, want.numel())
+        size = max(src.shape[0] if src.dim() else 1, src.numel())
     got = torch.tensor(client.get_weights_by_name(name, truncate_size=size), dtype=torch.float32)
-    want = want.reshape(1) if want.dim() == 0 else want
-    if tuple(got.shape) != tuple(want.shape):
+    src = src.reshape(1) if src.dim() == 0 else src
+    if tuple(got.shape) != tuple(src.shape):
         raise WeightSyncError(f"engine {client.url} tensor {name!r}: shape {tuple(got.shape)} "
-                              f"!= pushed {tuple(want.shape)}")
-    same = torch.equal(got, want) if atol == 0 else torch.allclose(got, want, rtol=0.0, atol=atol)
-    if not same:  # NaN never passes either way
-        diff = (got - want).abs().max().item()
-        raise WeightSyncError(f"engine {client.url} tensor {name!r} differs from the pushed weights: "
-                              f"max abs diff {diff:.3g} (tolerance {atol:g})")
+                              f"!= pushed {tuple(src.shape)}")
+    diffs = []
+    for dt in dtypes:
+        want = src.to(dt).float()  # what an engine holding `dt` must answer
+        if torch.equal(got, want) if atol == 0 else torch.allclose(got, want, rtol=0.0, atol=atol):
+            return  # NaN never passes either way
+        diffs.append(f"{str(dt).removeprefix('torch.')}: max abs diff {(got - want).abs().max().item():.3g}")
+    held = ("engine dtype 'auto', so any of these" if len(dtypes) > 1 else "engine dtype")
+    raise WeightSyncError(f"engine {client.url} tensor {name!r} differs from the pushed weights cast to the "
+                          f"{held}: {'; '.join(diffs)} (tolerance {atol:g})")

@@ -1,0 +1,472 @@
+"""SGLang 0.5.23's real HTTP server, run on CPU over a tiny HF model (issue 14's contract harness).
+
+Run as `python -m tests.sglang_app --serve '["--model-path", DIR, "--port", P, ...]' [--serve ...]`
+(each the flags reflow's launcher gives `sglang.launch_server`): one forked process per server, each serving `sglang.srt.entrypoints.http_server.app` through SGLang's
+own start-up code (`prepare_server_args`, `publish`, `_setup_and_run_http_server`: uvicorn, its api-key middleware,
+its lifespan). What is SGLang's and what stands in:
+
+- Real: the FastAPI app and every route handler, the request structs (`io_struct`, parsed by
+  FastAPI from the body), the /generate schema gate, `SamplingParams` normalize/verify,
+  /server_info (`build_server_info`), /model_info; weight sessions and tensor updates run through
+  the scheduler's `SchedulerWeightUpdaterManager` (session checks, messages, weight-version
+  record) and the model runner's `WeightUpdater.update_weights_from_tensor` (flattened-bucket
+  rebuild with `FlattenedTensorBucket`), payloads unpickled as `TpModelWorker.deserialize_own_rank`
+  does (`MultiprocessingSerializer` + `SafeUnpickler`; that module imports the scheduler, so its
+  two lines are restated over the same calls); `get_weights_by_name` goes through the runner's
+  `WeightExporter.get_weights_by_name`, which calls the model's method where it has one.
+- Stand-in, and why: the tokenizer manager (`StandInTokenizerManager`: the real one talks to
+  scheduler processes over ZMQ, which need the GPU runtime) runs generation with transformers on
+  the HF model; the model object (`StandInModel`: SGLang's model classes need its GPU layers)
+  loads HF-named tensors and has `get_weights_by_name` exactly when SGLang's own model class for
+  the architecture has it (resolved through SGLang's ModelRegistry: the model modules import on
+  CPU under the stand-ins, only running them needs the GPU layers).
+- Stand-in modules (`STAND_IN_MODULES`): third-party packages the import graph of http_server
+  reaches but that are GPU-only (triton, tvm_ffi) or not installed by `pip install --no-deps
+  sglang` here. Each is used only when the real package is not importable.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import importlib
+import importlib.abc
+import importlib.machinery
+import json
+import sys
+import time
+import types
+
+# Third-party modules http_server's import graph reaches that cannot import here. A stand-in
+# module answers any attribute with an inert placeholder class; none of them is on a path the
+# tests exercise (they serve kernels, ZMQ transport, multimodal and OpenAI-protocol routes).
+STAND_IN_MODULES = {
+    "triton": "GPU-only kernel compiler",
+    "tvm_ffi": "GPU kernel FFI",
+    "zmq": "scheduler transport (not installed; the stand-in tokenizer manager needs none)",
+    "pybase64": "not installed; replaced by the stdlib base64 (same b64decode(validate=True))",
+    "torchvision": "multimodal processors (not installed)",
+    "IPython": "notebook helpers (not installed)",
+    "sentencepiece": "tokenizer backend (not installed; the tiny models use a fast tokenizer)",
+    "compressed_tensors": "quantization configs (not installed)",
+    "gguf": "GGUF loader (not installed)",
+    "openai": "OpenAI protocol types for /v1 routes (not installed)",
+    "partial_json_parser": "tool-call parsing (not installed)",
+    "xgrammar": "grammar backend (not installed)",
+    "soundfile": "audio (not installed)",
+    "setproctitle": "process titles (not installed)",
+    "dill": "custom logit processors (not installed; pickle stands in)",
+    "uvloop": "not installed; asyncio's own loop stands in",
+    "python_multipart": "form routes (not installed)",
+}
+
+
+class _PlaceholderMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _PlaceholderMeta(name, (_Placeholder,), {})
+
+    def __getitem__(cls, key):
+        return cls
+
+    def __or__(cls, other):
+        return cls
+
+    def __ror__(cls, other):
+        return cls
+
+    def __iter__(cls):
+        return iter(())
+
+
+class _Placeholder(metaclass=_PlaceholderMeta):
+    """What a stand-in module hands out: subclassable, callable, usable in pydantic annotations."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __init_subclass__(cls, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Placeholder()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _Placeholder()
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source, handler):
+        from pydantic_core import core_schema
+
+        return core_schema.any_schema()
+
+
+class _StandInModule(types.ModuleType):
+    __version__ = "3.4.0"  # read by version checks (triton >= 3)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _PlaceholderMeta(name, (_Placeholder,), {})
+
+
+def _special(name: str) -> types.ModuleType | None:
+    """Stand-ins that must behave, not just exist."""
+    import pickle
+
+    mod = _StandInModule(name)
+    mod.__path__ = []
+    if name == "uvloop":
+        mod.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
+        mod.new_event_loop = asyncio.new_event_loop
+        mod.install = lambda: None
+    elif name == "pybase64":
+        mod.b64decode, mod.b64encode = base64.b64decode, base64.b64encode
+    elif name == "dill":
+        mod.dumps, mod.loads = pickle.dumps, pickle.loads
+    elif name == "python_multipart":
+        mod.__version__ = "0.0.99"
+    else:
+        return None
+    return mod
+
+
+class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Last on sys.meta_path: only names no real finder found, only under STAND_IN_MODULES."""
+
+    used: set[str] = set()
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname.split(".")[0] not in STAND_IN_MODULES:
+            return None
+        self.used.add(fullname.split(".")[0])
+        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        mod = _special(spec.name) or _StandInModule(spec.name)
+        mod.__path__ = []
+        return mod
+
+    def exec_module(self, module):
+        pass
+
+
+def load_http_server():
+    """Import SGLang's http_server with the stand-ins; returns the module."""
+    from reflow.engines.sglang import contract
+
+    if contract.load() is None:
+        raise RuntimeError("sglang is not installed")
+    # torch and transformers probe for triton once and cache the answer: let them see none.
+    import torch._dynamo  # noqa: F401
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.utils.flop_counter  # noqa: F401
+    import transformers.modeling_utils  # noqa: F401
+    from transformers import AutoModelForCausalLM, AutoProcessor  # noqa: F401
+
+    sys.meta_path.append(_StandInFinder())
+    # The engine module launches scheduler/detokenizer processes (GPU runtime); http_server only
+    # imports names from it for launch_server, which is not used here.
+    engine = _StandInModule("sglang.srt.entrypoints.engine")
+    sys.modules["sglang.srt.entrypoints.engine"] = engine
+    return importlib.import_module("sglang.srt.entrypoints.http_server")
+
+
+def sglang_model_class(architectures: list[str]):
+    """SGLang's own model class for an HF config's architectures (its registry, as its loader
+    resolves it). Its modules import here, but instantiating it needs the GPU runtime."""
+    from sglang.srt.models.registry import ModelRegistry
+
+    return ModelRegistry.resolve_model_cls(architectures)[0]
+
+
+def _model_class():
+    import torch
+
+    class StandInModel(torch.nn.Module):
+        """The served model as SGLang's runner sees it: an nn.Module with `load_weights(named)` and,
+        only where SGLang's own class for the architecture has one, `get_weights_by_name` (SGLang's
+        Llama has it; its Qwen2 does not: issue 14 point 1)."""
+
+        def __init__(self, hf_model):
+            super().__init__()
+            self.hf = hf_model
+            self.config = hf_model.config
+            self.sglang_class = sglang_model_class(hf_model.config.architectures)
+            if hasattr(self.sglang_class, "get_weights_by_name"):
+                self.get_weights_by_name = self._get_weights_by_name
+
+        def load_weights(self, named_tensors):
+            params = dict(self.hf.named_parameters())
+            with torch.no_grad():
+                for name, tensor in named_tensors:
+                    params[name].copy_(tensor)
+
+        def _get_weights_by_name(self, name: str, truncate_size: int = 100, tp_size: int = 1):
+            # SGLang's Llama answers float32 lists of the first truncate_size rows (llama.py).
+            param = dict(self.hf.named_parameters())[name]
+            return param.detach().to(torch.float32).numpy().tolist()[:truncate_size]
+
+    return StandInModel
+
+
+def _scheduler_side(model):
+    """SGLang's scheduler-side weight code over one stand-in runner: the real
+    SchedulerWeightUpdaterManager (sessions), TpModelWorker payload decoding, the model runner's
+    WeightUpdater/WeightExporter methods. Only the objects holding them are stand-ins."""
+    import torch.distributed as dist
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.runtime_context import get_parallel
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
+
+    class RunnerWeights:  # ModelRunner.weight_updater
+        update_weights_from_tensor = WeightUpdater.update_weights_from_tensor
+        _update_weights_from_flattened_bucket = WeightUpdater._update_weights_from_flattened_bucket
+        _assert_weight_cache_inactive = WeightUpdater._assert_weight_cache_inactive
+        custom_weight_loaders: list = []
+
+        def get_model(self):
+            return model
+
+        def begin_weight_update(self):  # real: unpacks in-place-quantized GPU weights; none here
+            pass
+
+        def end_weight_update(self, run_post_load: bool = False):
+            pass
+
+    class RunnerExport:  # ModelRunner.weight_exporter
+        get_weights_by_name = WeightExporter.get_weights_by_name
+        _weight_export_unsupported_reason = WeightExporter._weight_export_unsupported_reason
+        tp_size = 1
+
+        def get_model(self):
+            return model
+
+    class Runner:
+        weight_updater, weight_exporter = RunnerWeights(), RunnerExport()
+
+    class Worker:  # TpModelWorker; its module imports the scheduler (CUDA kernels), so its two
+        model_runner = Runner()  # one-line methods are restated over the same SGLang calls
+
+        def deserialize_own_rank(self, serialized_named_tensors):  # tp_worker.py: deserialize_own_rank
+            monkey_patch_torch_reductions()
+            return MultiprocessingSerializer.deserialize(serialized_named_tensors[get_parallel().tp_rank])
+
+        def get_weights_by_name(self, recv_req):
+            return self.model_runner.weight_exporter.get_weights_by_name(recv_req.name, recv_req.truncate_size)
+
+        def weight_update_runners(self):
+            return [("target", self.model_runner)]
+
+    class Scheduler:
+        def record_weight_version_change(self, new_version=None):  # the scheduler's metrics only
+            pass
+
+    mgr = object.__new__(SchedulerWeightUpdaterManager)  # __post_init__ reads the GPU TP group
+    for k, v in dict(tp_worker=Worker(), draft_worker=None, memory_saver_adapter=None, scheduler=Scheduler(),
+                     metrics_collector=None, offload_tags=set(), stashed_model_static_state=None, _session=None,
+                     tp_cpu_group=dist.group.WORLD, flush_cache=lambda empty_cache=False: True,
+                     is_fully_idle=lambda: True).items():
+        setattr(mgr, k, v)
+    return mgr
+
+
+def _generate_one(hf, input_ids: list[int], sp, eos: int | None, return_logprob: bool, seed: int | None):
+    """Token-by-token generation on the HF model; logprobs are log_softmax(logits / T) of the
+    chosen token, before top-p/top-k (SGLang's semantics; greedy: plain logprobs). A minimal
+    sampler (temperature and top-k only; SGLang's normalize() turns temperature 0 into top_k=1):
+    sampler numerics are not the contract under test and CPU could not prove them anyway."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed if seed is not None else int(time.time_ns() % (1 << 31)))
+    ids, out, lps, finish = list(input_ids), [], [], None
+    for _ in range(sp.max_new_tokens):
+        with torch.no_grad():
+            logits = hf(torch.tensor([ids])).logits[0, -1].float()
+        greedy = sp.temperature < 1e-6
+        logp = torch.log_softmax(logits if greedy else logits / sp.temperature, -1)
+        if greedy:
+            tok = int(logits.argmax())
+        else:
+            probs = logp.exp()
+            if sp.top_k not in (-1, None) and sp.top_k < probs.numel():
+                probs[probs < probs.topk(sp.top_k).values[-1]] = 0
+            tok = int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+        ids.append(tok)
+        out.append(tok)
+        lps.append([float(logp[tok]), tok, None])
+        stops = set(sp.stop_token_ids or ())
+        if (tok == eos and not sp.ignore_eos) or tok in stops:
+            finish = {"type": "stop", "matched": tok}
+            break
+    if finish is None:
+        finish = {"type": "length", "length": len(out)}
+    return out, lps if return_logprob else None, finish
+
+
+def _tokenizer_manager_class():
+    """The stand-in tokenizer manager: SGLang's TokenizerManager with its ZMQ transport replaced.
+
+    It subclasses the real class, so the control-plane methods the routes call are SGLang's own
+    (pause/continue, begin/end_weight_update, update_weights_from_tensor, get_weights_by_name,
+    flush_cache, get_internal_state, config_value, the weight-version record). Its communicators
+    call the scheduler-side code in-process (`_scheduler_side`) instead of sending over ZMQ;
+    generate_request runs the HF model (the scheduler and its CUDA kernels do not exist on CPU)."""
+    from sglang.srt.managers import io_struct
+    from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.utils.aio_rwlock import RWLock
+
+    class StandInTokenizerManager(TokenizerManager):
+        def __init__(self, server_args, model_config, hf, tokenizer, model_path: str):  # no super(): it opens ZMQ
+            self.server_args, self.model_config, self.hf, self.tokenizer = server_args, model_config, hf, tokenizer
+            self.model_path = self.served_model_name = model_path
+            self.is_generation, self.gracefully_exit = True, False
+            self.server_status, self.startup_time = ServerStatus.Up, time.time()
+            self.last_receive_tstamp, self.rid_to_state = 0.0, {}
+            self.is_pause, self.is_pause_cond = False, asyncio.Condition()
+            self.model_update_lock = RWLock()
+            self.event_loop = object()  # auto_create_handle_loop: no ZMQ handle loop to start
+            self.mm_processor, self.enable_metrics = None, False
+            self.scheduler = _scheduler_side(_model_class()(hf))
+            s = self.scheduler
+            self.update_weights_from_tensor_communicator = self._direct(s.update_weights_from_tensor)
+            self.begin_weight_update_communicator = self._direct(s.begin_weight_update)
+            self.end_weight_update_communicator = self._direct(s.end_weight_update)
+            self.get_weights_by_name_communicator = self._direct(s.get_weights_by_name)
+            self.flush_cache_communicator = self._direct(lambda req: io_struct.FlushCacheReqOutput(success=True))
+            self.update_weight_version_communicator = self._direct(lambda req: None)  # scheduler: metrics only
+            self.get_internal_state_communicator = self._direct(
+                lambda req: io_struct.GetInternalStateReqOutput(internal_state={"stand_in": "reflow tests/sglang_app"}))
+
+        @staticmethod
+        def _direct(handler):
+            async def communicate(obj):  # what FanOutCommunicator returns: one output per DP rank
+                return [handler(obj)]
+            return communicate
+
+        def set_server_stop_hook(self, hook):
+            self._stop_hook = hook
+
+        def is_ready(self) -> bool:
+            return True
+
+        def _dispatch_to_scheduler(self, obj):  # the ZMQ send: no scheduler process here
+            pass
+
+        async def _async_dispatch_to_scheduler(self, obj):
+            pass
+
+        async def generate_request(self, obj, request=None):
+            obj.normalize_batch_and_arguments()
+            async with self.is_pause_cond:
+                await self.is_pause_cond.wait_for(lambda: not self.is_pause)
+            async with self.model_update_lock.reader_lock:
+                out = await asyncio.to_thread(self._generate_all, obj)
+            self.last_receive_tstamp = time.time()
+            yield out[0] if obj.is_single else out
+
+        def _generate_all(self, obj):
+            """One sample per entry of SGLang's normalized request (normalize_batch_and_arguments
+            expands n > 1 into n copies, copy j of prompt i at j * batch_size + i, each with its
+            own rid); answered prompt-major, as the real manager answers."""
+            if obj.is_single:
+                entries = [(obj.input_ids, obj.text, obj.sampling_params, obj.return_logprob, obj.rid)]
+            else:
+                per = [obj.input_ids or [None] * len(obj.rid), obj.text or [None] * len(obj.rid),
+                       obj.sampling_params, obj.return_logprob, obj.rid]
+                order = [j * obj.batch_size + i for i in range(obj.batch_size) for j in range(obj.parallel_sample_num)]
+                entries = [tuple(field[k] for field in per) for k in order]
+            return [self._sample(*entry) for entry in entries]
+
+        def _sample(self, input_ids, text, spd, return_logprob, rid):
+            prompt = input_ids if input_ids is not None else self.tokenizer(text)["input_ids"]
+            sp = SamplingParams(**{**spd, "n": 1})
+            sp.normalize(self.tokenizer)
+            sp.verify(self.hf.config.vocab_size)
+            out, lps, finish = _generate_one(self.hf, prompt, sp, self.tokenizer.eos_token_id, bool(return_logprob),
+                                             sp.sampling_seed)
+            meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": len(out),
+                    "cached_tokens": 0, "weight_version": self.config_value("weight_version")}
+            if return_logprob:
+                meta["output_token_logprobs"] = lps
+            return {"text": self.tokenizer.decode(out), "output_ids": out, "meta_info": meta}
+
+    return StandInTokenizerManager
+
+
+def serve(hs, argv: list[str]) -> None:
+    """Start SGLang's own HTTP server (blocking) for launch flags `argv` (those reflow's launcher
+    passes to `sglang.launch_server`); `hs` is the imported http_server module."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.parser.template_manager import TemplateManager
+    from sglang.srt.runtime_context import SpawnRanks, get_model, publish
+    from sglang.srt.server_args import prepare_server_args
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    server_args = prepare_server_args([*argv, "--device", "cpu"])
+    publish(server_args, role="tokenizer", ranks=SpawnRanks(world_rank=0))
+    # A one-rank gloo group: the scheduler's weight code ends each call with a TP barrier.
+    dist.init_process_group("gloo", init_method=f"file://{tempfile.mktemp(prefix='sglang_app_')}", rank=0,
+                            world_size=1)
+    path = get_model().model_path
+    model_config = ModelConfig.from_server_args(server_args)  # SGLang's own: resolves --dtype as its loader does
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=model_config.dtype).eval()
+    tm = _tokenizer_manager_class()(server_args, model_config, hf, AutoTokenizer.from_pretrained(path), path)
+    scheduler_info = {"max_total_num_tokens": 4096, "max_req_input_len": 2048}
+    print(f"sglang_app {path}: stand-in modules used: {sorted(_StandInFinder.used)}; SGLang model class "
+          f"{tm.scheduler.tp_worker.model_runner.weight_updater.get_model().sglang_class.__name__}, "
+          f"dtype {model_config.dtype}", flush=True)
+    hs._setup_and_run_http_server(server_args, tm, TemplateManager(), None, [scheduler_info], None)
+
+
+def serve_many(launches: list[list[str]]) -> None:
+    """One server process per list of launch flags, forked after the one slow import (~10 s of CPU
+    each otherwise). SIGTERM to this process stops them all; each child also gets SIGTERM if
+    this process dies (PR_SET_PDEATHSIG)."""
+    import ctypes
+    import os
+    import signal
+    from pathlib import Path
+
+    hs = load_http_server()
+    for argv in launches:  # SGLang's model registry resolves lazily: do it once, before forking
+        path = argv[argv.index("--model-path") + 1]
+        sglang_model_class(json.loads((Path(path) / "config.json").read_text())["architectures"])
+    children = []
+    for argv in launches:
+        pid = os.fork()
+        if pid == 0:
+            ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            try:
+                serve(hs, argv)
+            finally:
+                os._exit(0)
+        children.append(pid)
+
+    def stop(signum, frame):
+        for child in children:
+            os.kill(child, signal.SIGTERM)
+
+    signal.signal(signal.SIGTERM, stop)
+    for child in children:
+        os.waitpid(child, 0)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--serve", action="append", required=True, metavar="JSON",
+                    help="one SGLang server: its launch flags as a JSON list (repeatable)")
+    serve_many([json.loads(spec) for spec in ap.parse_args().serve])

@@ -1,0 +1,167 @@
+"""One weight payload per receiver: pushes to 1, 2 and 4 long-lived receivers (issue 14, point 2).
+
+A shared-memory handle pays for one rebuild (reflow.engines.weights.buckets.SharedBucket): the
+same payload sent to every engine and TP rank broke the third receiver that opened it after two
+others had freed theirs ("unable to open shared memory object"). Receivers here are what the
+trainer meets: embedded engines in their own processes (each keeps running and frees its copy
+after loading), and stand-ins for SGLang TP ranks that rebuild their entry with SGLang's own
+SafeUnpickler and FlattenedTensorBucket (tests/payload_rank.py).
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+import select
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from reflow.engines.http_serve import new_api_key
+from reflow.engines.rollout_client import EngineClient
+from reflow.engines.sglang import contract as sglang_contract
+from reflow.engines.weights import push as weight_push
+from reflow.engines.weights.push import push_weights
+from reflow.engines.weights.settings import PushSettings
+from reflow.rl.demo_policy import build_model, build_tokenizer
+from tests.payload_rank import digest, serve_rank
+
+pytestmark = pytest.mark.slow  # up to 8 receiver processes for the module
+KEY = new_api_key()
+MAX_RECEIVERS = 4
+BUCKET_BYTES = 8 << 10  # the tiny policy (~80 kB in float32) in about ten buckets per push
+
+_ENGINE_MAIN = """
+import sys
+from reflow.engines.embedded.engine import EmbeddedEngine
+engine = EmbeddedEngine(sys.argv[1], sys.argv[2], threads=1, api_key=sys.stdin.readline().strip())
+engine.ready()
+print(engine.url(), flush=True)
+sys.stdin.read()  # serve until the test closes stdin
+engine.shutdown()
+"""
+
+
+def _read_url(proc: subprocess.Popen, log: Path, deadline: float) -> str:
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready and (line := proc.stdout.readline().strip()):
+            return line
+        if proc.poll() is not None:
+            break
+    raise RuntimeError(f"engine process {proc.pid} gave no URL (exit code {proc.poll()}); its log {log}: "
+                       f"{log.read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="module")
+def engine_processes(tiny_policy, tmp_path_factory):
+    """MAX_RECEIVERS embedded engines, each in its own process, started together (logs to files: a
+    full stderr pipe would stall a server)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    logs = [tmp_path_factory.mktemp("receivers") / f"receiver-{i}.log" for i in range(MAX_RECEIVERS)]
+    procs = []
+    for i, log in enumerate(logs):
+        with log.open("w") as err:  # the child keeps its own descriptor
+            procs.append(subprocess.Popen([sys.executable, "-c", _ENGINE_MAIN, str(tiny_policy), f"receiver-{i}"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, text=True,
+                                          env=env))
+    try:
+        for p in procs:
+            p.stdin.write(KEY + "\n")
+            p.stdin.flush()
+        deadline = time.monotonic() + 180
+        urls = [_read_url(p, log, deadline) for p, log in zip(procs, logs)]
+        yield [EngineClient(u, timeout=60, api_key=KEY) for u in urls]
+    finally:
+        for p in procs:
+            p.stdin.close()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=10)
+
+
+def _named(seed: int):
+    """A fresh policy's weights, shaped like the engines' tiny policy."""
+    model = build_model(build_tokenizer(), hidden=32, layers=2, heads=2, mlp=64, seed=seed)
+    return list(model.state_dict().items())
+
+
+@pytest.mark.parametrize("receivers", [1, 2, 4])
+def test_push_to_long_lived_embedded_engines(engine_processes, receivers):
+    """Every engine, each in its own process, loads every bucket of two pushes bit-exactly."""
+    clients = engine_processes[:receivers]
+    for push in range(2):
+        named = _named(100 * receivers + push)
+        version = f"r{receivers}-p{push}"
+        stats = push_weights(clients, named, version, PushSettings(bucket_bytes=BUCKET_BYTES, verify="full"))
+        assert stats["buckets"] >= 8 and stats["engines"] == receivers
+        assert stats["verified_tensors"] == receivers * len(named)
+        assert [c.model_info()["weight_version"] for c in clients] == [version] * receivers
+
+
+# ---------------------------------------------------------------- SGLang's own receiving code
+
+
+class SGLangServerRanks:
+    """One SGLang server at TP=k as `_send_buckets` calls it: `/server_info`'s tp_size, and
+    `/update_weights_from_tensor` handing entry i to rank i only (TpModelWorker.deserialize_own_rank).
+    Each rank is a long-lived process running SGLang's code (tests/payload_rank.py). Ranks load one
+    after the other: a legal schedule of SGLang's concurrent ranks, and the one where a rank has
+    freed its copy before the next one opens it."""
+
+    def __init__(self, name: str, ranks: list):
+        self.url, self.ranks, self.loaded = f"sglang-standin://{name}", ranks, [{} for _ in ranks]
+
+    def server_info(self) -> dict:
+        return {"tp_size": len(self.ranks)}
+
+    def update_weights_from_tensor(self, payloads, load_format, flush_cache, weight_version) -> dict:
+        if load_format != "flattened_bucket" or len(payloads) != len(self.ranks):
+            return {"success": False, "message": f"{len(payloads)} {load_format} payloads for tp_size {len(self.ranks)}"}
+        for rank, (conn, payload) in enumerate(zip(self.ranks, payloads)):
+            conn.send(str(payload))
+            if not conn.poll(60):
+                raise RuntimeError(f"TP rank {rank} of {self.url} gave no answer in 60 s: did its process die?")
+            status, out = conn.recv()
+            if status != "ok":
+                return {"success": False, "message": f"TP rank {rank}: {out}"}
+            self.loaded[rank].update(out)
+        return {"success": True, "message": "Success"}
+
+
+@pytest.fixture(scope="module")
+def rank_processes():
+    if sglang_contract.load() is None:
+        pytest.skip("sglang==0.5.23 is not installed (make setup installs it --no-deps)")
+    ctx = multiprocessing.get_context("spawn")
+    pipes = [ctx.Pipe() for _ in range(MAX_RECEIVERS)]
+    procs = [ctx.Process(target=serve_rank, args=(child,), daemon=True) for _, child in pipes]
+    for p in procs:
+        p.start()
+    try:
+        yield [parent for parent, _ in pipes]
+    finally:
+        for parent, _ in pipes:
+            parent.send(None)
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+
+
+@pytest.mark.parametrize("engines, tp", [(1, 1), (2, 1), (4, 1), (1, 2), (2, 2)])
+def test_sglangs_code_rebuilds_every_receivers_payload(rank_processes, engines, tp):
+    """Every TP rank of every engine rebuilds every bucket through SGLang's SafeUnpickler and
+    FlattenedTensorBucket, bit-exactly: 4 engines at TP 1 and 2 engines at TP 2 included."""
+    servers = [SGLangServerRanks(f"e{e}", rank_processes[e * tp:(e + 1) * tp]) for e in range(engines)]
+    named = _named(7 + 10 * engines + tp)
+    buckets = weight_push._send_buckets(servers, named, BUCKET_BYTES, f"e{engines}-tp{tp}")
+    assert buckets >= 8
+    want = {n: digest(t) for n, t in named}
+    for s in servers:
+        assert s.loaded == [want] * tp
