@@ -1,0 +1,26 @@
+"""The GPU benchmark's own code path on CPU with a tiny model (`bench/gpu.py --device cpu --tiny`):
+the trainer, the plain loop, the engine and the push as bench/gpu.py drives them. CI has no GPU,
+so without this a refactor can break the script unnoticed until a paid device run (it did once:
+`train_iteration`'s keywords changed under it)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow  # ~15 s: DeepSpeed (gloo), an engine, a push
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_benchmark_runs_on_cpu_tiny(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path)}
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gpu.py"), "--device", "cpu", "--tiny"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "gpu: trainer MFU" in out and "engine/generate" in out and "push" in out, out[-2000:]
+    assert (tmp_path / "gpu.json").is_file()
