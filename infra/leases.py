@@ -119,6 +119,7 @@ def record(experiment: str) -> None:
     if lease is None or (lease.pid, lease.pid_started) != _me():
         return
     known = {(p, t) for p, t, _ in lease.processes}
+    before = len(lease.processes)
     for c in psutil.Process().children(recursive=True):
         try:
             key = (c.pid, c.create_time())
@@ -127,7 +128,8 @@ def record(experiment: str) -> None:
                 known.add(key)
         except psutil.Error:
             continue
-    _write(lease)
+    if len(lease.processes) > before:  # called every iteration: rewrite only when a process is new
+        _write(lease)
 
 
 def release(experiment: str) -> None:
