@@ -9,13 +9,15 @@ ZeRO-1, bf16; a plain torch loop with the same loss if DeepSpeed cannot be impor
 `reflow.engines.embedded.engine.EmbeddedEngine` (its HTTP server in a thread; the model moved to the
 GPU). Wheels for DeepSpeed and the HTTP server are carried along (see bench/RESULTS.md).
 
-- trainer: `train_iteration` on a synthetic batch of B x T tokens (old-logprob pass, then one
-  PPO-clip step). MFU = model FLOPs it executes / seconds / peak (989 TFLOP/s dense bf16, the
-  H200's datasheet figure). Model FLOPs per sequence: forward 2*N*T + 2*L*d*T^2 (causal attention),
-  N = parameters of the matrix products (the tied embedding counted once, as the LM head);
-  the iteration runs 1 forward (old logprobs) + 1 forward/backward (3 forwards) = 4 forwards.
-  Next to it, a plain torch loop: same model, SDPA, fused AdamW on bf16 weights, cross-entropy,
-  1 forward/backward per step (3 forwards).
+- trainer (bench/gpu_trainer.py): `train_iteration` on a synthetic batch of B x T tokens (one
+  PPO-clip step) under several settings (ZeRO-1/2/3, compiled layers or not, old log-probs from the
+  training forward or a separate pass, gradient accumulation dtype, micro-batch), next to a plain
+  torch loop (same model, SDPA, fused AdamW on bf16 weights, HF cross-entropy) uncompiled and with
+  compiled layers, plus a profile of one default step. MFU = model FLOPs executed / seconds / peak
+  (989 TFLOP/s dense bf16, the H200's datasheet figure). Model FLOPs per sequence: forward
+  2*N*T + 2*L*d*T^2 (causal attention), N = parameters of the matrix products (the tied embedding
+  counted once, as the LM head); a forward/backward counts 3 forwards, a separate old-logprob
+  pass 1 more. Results also go to $OUT/gpu-trainer.json (-> bench/results/gpu-trainer.json).
 - engine: response tokens/s of our engine (in process, and over HTTP) and of transformers
   `generate` on the same model, batch 64, equal and varying lengths (bench/engine_throughput.py).
 - push: trainer -> engine through `reflow.engines.weights.push.push_weights` (what `TrainerRank.push_weights`
@@ -38,6 +40,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import engine_throughput as ET  # noqa: E402
+import gpu_trainer as GT  # noqa: E402
 
 PEAK_BF16 = {"cuda": 989e12, "cpu": float("nan")}
 TINY = dict(hidden=64, layers=2, heads=4, mlp=256, vocab=512)
@@ -97,62 +100,6 @@ def make_trainer(folder: Path, args):
     settings = RankSettings(zero_stage=1, precision="bf16", lr=1e-6, total_steps=1000, micro_batch_size=args.micro,
                             threads=4, backend="nccl" if cuda else "gloo")
     return TrainerRank(0, 1, "127.0.0.1", _free_port(), str(folder), settings)
-
-
-def bench_trainer(trainer, cfg, args) -> dict:
-    batch = synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
-    from reflow.rl.losses import LossSettings
-
-    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))  # plain PPO-clip
-    trainer.train_iteration(batch, **kw)  # warm-up
-    gpu_peak_gib()
-    sync()
-    t0, old = time.perf_counter(), 0.0
-    for _ in range(args.steps):
-        old += trainer.train_iteration(batch, **kw)["old_logprob_time_s"]
-    sync()
-    sec, old = (time.perf_counter() - t0) / args.steps, old / args.steps
-    tokens = args.batch * args.seq
-    fl, fl_update = model_flops(cfg, args.batch, args.seq, forwards=4), model_flops(cfg, args.batch, args.seq, 3)
-    peak = PEAK_BF16[args.device]
-    print(f"  trainer: old-logprob pass {old:.3f}s ({model_flops(cfg, args.batch, args.seq, 1) / old / peak:.1%} MFU), "
-          f"update {sec - old:.3f}s ({fl_update / (sec - old) / peak:.1%} MFU)", flush=True)
-    return {"what": "TrainerRank.train_iteration (DeepSpeed ZeRO-1 bf16)", "s": sec, "tok_s": tokens / sec,
-            "tflops": fl / sec / 1e12, "mfu": fl / sec / peak, "gpu_gib": gpu_peak_gib(),
-            "old_s": old, "update_mfu": fl_update / (sec - old) / peak}
-
-
-def bench_plain(folder: Path, cfg, args) -> dict:
-    """The plain way: bf16 weights, SDPA, fused AdamW, cross-entropy; micro-batches accumulate to B."""
-    from transformers import AutoModelForCausalLM
-
-    dev = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=args.device == "cuda")
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, cfg.vocab_size, (args.batch, args.seq), generator=g).to(dev)
-
-    def step():
-        for s in range(0, args.batch, args.micro):
-            mb = ids[s:s + args.micro]
-            (model(input_ids=mb, labels=mb).loss * mb.shape[0] / args.batch).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()
-    gpu_peak_gib()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    sync()
-    sec = (time.perf_counter() - t0) / args.steps
-    fl = model_flops(cfg, args.batch, args.seq, forwards=3)
-    out = {"what": "plain torch loop (fused AdamW, bf16 weights)", "s": sec, "tok_s": args.batch * args.seq / sec,
-           "tflops": fl / sec / 1e12, "mfu": fl / sec / PEAK_BF16[args.device], "gpu_gib": gpu_peak_gib()}
-    return out
 
 
 def start_engine(folder: Path, args):
@@ -247,10 +194,22 @@ def main() -> None:
     p.add_argument("--gen-batch", type=int, default=64)
     p.add_argument("--gen-len", type=int, default=256)
     p.add_argument("--repeat", type=int, default=2)
-    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer, plain, engine, push")
+    p.add_argument("--skip", default="", help="comma list of parts to skip: trainer, engine, push")
+    p.add_argument("--variants", default=None,
+                   help=f"comma list of trainer variants: {', '.join([*GT.VARIANTS, *GT.PLAINS])} "
+                        f"(default: all on cuda; default,old-pass,plain with --tiny)")
+    p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled trainer step")
+    p.add_argument("--commit", default=None, help="the commit measured, for the JSON results (default: git's, "
+                                                   "which a copy without .git does not have)")
     args = p.parse_args()
     if args.tiny:
         args.batch, args.seq, args.micro, args.steps, args.gen_batch, args.gen_len = 4, 64, 2, 1, 8, 16
+    default_variants = "default,old-pass,plain" if args.tiny else ",".join([*GT.VARIANTS, *GT.PLAINS])
+    args.variants = (args.variants or default_variants).split(",")
+    args.commit = args.commit or C.git_commit()
+    unknown = set(args.variants) - set(GT.VARIANTS) - set(GT.PLAINS)
+    if unknown:
+        p.error(f"unknown variants {sorted(unknown)}")
     C.set_bench_env()
     import logging
 
@@ -266,13 +225,13 @@ def main() -> None:
     print(f"# model: {kind}, {n_total / 1e6:.0f}M parameters, bf16; trainer batch {args.batch} x {args.seq} "
           f"(micro {args.micro}); engine batch {args.gen_batch} x up to {args.gen_len} tokens", flush=True)
     skip, res = set(args.skip.split(",")), {"train": [], "engine": [], "push": None}
-    trainer = make_trainer(folder, args) if "trainer" not in skip or "push" not in skip else None
-    if trainer is not None and "trainer" not in skip:
-        res["train"].append(bench_trainer(trainer, cfg, args))
-        print(f"  trainer: {res['train'][-1]['tok_s']:.0f} tok/s", flush=True)
-    if "plain" not in skip:
-        res["train"].append(bench_plain(folder, cfg, args))
-        print(f"  plain: {res['train'][-1]['tok_s']:.0f} tok/s", flush=True)
+    if "trainer" not in skip:
+        res["train"], prof = GT.bench_all(sys.modules[__name__], folder, cfg, args)
+        res["trainer_summary"] = GT.summary(res["train"], prof, args, f"{kind} {args.batch}x{args.seq} bf16")
+        GT.write(res["trainer_summary"], os.environ.get("OUT"))
+    trainer = make_trainer(folder, args) if "push" not in skip else None
+    if {"engine", "push"} <= skip:
+        return report(res, args)
     server, gen, client = start_engine(folder, args)
     if "engine" not in skip:
         res["engine"] = bench_engine(gen, client, args)
@@ -293,7 +252,12 @@ def report(res: dict, args) -> None:
     if res["train"]:
         print(C.table(res["train"], [("what", "trainer", ""), ("s", "s/step", ".3f"), ("tok_s", "tokens/s", ".0f"),
                                      ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
-                                     ("gpu_gib", "GPU peak GiB", ".1f")]))
+                                     ("gpu_gib", "GPU peak GiB", ".1f"), ("warmup_s", "warm-up s", ".1f")]))
+        prof = res["trainer_summary"]["profile"]
+        if prof:
+            print(f"profile of one default step: {prof['wall_ms']:.0f} ms, GPU busy {prof['gpu_busy_ms']:.0f} ms, "
+                  f"idle {prof['gpu_idle_share']:.1%}; top kernels:")
+            print(C.table(prof["top"], [("kernel", "kernel", ""), ("ms", "ms", ".1f"), ("calls", "calls", "d")]))
     if res["engine"]:
         print(C.table(res["engine"], [("mode", "lengths", ""), ("batch", "batch", "d"), ("tokens", "tokens", "d"),
                                       ("ours_tps", "ours tok/s", ".0f"), ("ours/http_tps", "ours/http tok/s", ".0f"),
@@ -308,11 +272,13 @@ def report(res: dict, args) -> None:
     print(f"peak RSS: this process {C.self_peak_mib():.0f} MiB")
     if os.environ.get("OUT"):
         Path(os.environ["OUT"], "gpu.json").write_text(json.dumps(res, indent=1, default=str))
-    tr = next((r for r in res["train"] if r["what"].startswith("Trainer")), None)
+    tr = next((r for r in res["train"] if r["variant"] == "default"), None)
+    ratio = res.get("trainer_summary", {}).get("reflow_over_plain_compiled")
     eng = next((r for r in res["engine"] if r["mode"] == "varying"), None)
     parts = []
     if tr:
-        parts.append(f"trainer MFU {tr['mfu']:.1%} (target 40%)")
+        parts.append(f"trainer MFU {tr['mfu']:.1%} (target 40%)"
+                     + (f", {ratio:.2f}x the compiled plain loop's tokens/s (target 0.95)" if ratio else ""))
     if eng:
         parts.append(f"engine/generate {eng['ratio']:.2f} at batch {eng['batch']} varying (target 3)")
     if res["push"]:

@@ -101,6 +101,10 @@ class TrainerConfig(_Strict):
     minibatches_per_iteration: int = Field(1, ge=1, description="Optimizer steps per iteration (the batch is split into this many mini-batches).")
     threads_per_rank: int = Field(1, ge=1, description="torch threads per trainer rank.")
     total_steps_hint: int | None = Field(None, ge=1, description="Steps for decaying schedules; defaults to num_iterations * minibatches_per_iteration.")
+    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each decoder layer (static shapes; micro-batch lengths padded to 4 buckets per octave). auto: on when the trainer runs on CUDA, off on CPU. The compile_graphs metric counts what was compiled.")
+    old_logprob_pass: Literal["auto", "always"] = Field("auto", description="auto: with one mini-batch per iteration (and no advantages finished in the trainer), old log-probs come from the training forward itself, saving a full forward; always: a separate no-grad pass first.")
+    grad_accum_dtype: Literal["fp32", "bf16"] = Field("fp32", description="precision=bf16: dtype micro-batch gradients are summed in (bf16 is cheaper but rounds away small gradients over many micro-batches).")
+    immediate_grad_update: bool = Field(False, description="precision=bf16, ZeRO-1, grad_accum_dtype=fp32: fold each gradient into fp32 as backward produces it (DeepSpeed's BF16_Optimizer option).")
 
 
 class WeightSyncConfig(_Strict):

@@ -85,7 +85,7 @@ class CriticRank(DeepSpeedRank):
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
-                        s.zero3_param_persistence_threshold)
+                        s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         self._build_engine(load_value_model(model_path, s.precision, s.seed, s.storage), cfg, s.lr, s.weight_decay, lambda _: 1.0)
         self.init_time_s = time.perf_counter() - t0
 

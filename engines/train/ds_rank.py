@@ -63,8 +63,13 @@ class _VetoableAdamW(torch.optim.AdamW):
 
 
 def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_size: int, world_size: int,
-              zero3_param_persistence_threshold: int) -> dict:
-    """The DeepSpeed config dict (see the module docstring for why accumulation steps is 1)."""
+              zero3_param_persistence_threshold: int, grad_accum_dtype: str = "fp32",
+              immediate_grad_update: bool = False) -> dict:
+    """The DeepSpeed config dict (see the module docstring for why accumulation steps is 1).
+
+    bf16: `grad_accum_dtype` fp32 sums micro-batch gradients in fp32 (at ZeRO-1 DeepSpeed then uses
+    its BF16_Optimizer, where `immediate_grad_update` folds each gradient in as backward makes it);
+    bf16 sums them in bf16 (ZeRO's own optimizer), cheaper but lossy over many micro-batches."""
     zero: dict = {"stage": zero_stage}
     if zero_stage == 3:
         # Parameters smaller than this stay whole on every rank. DeepSpeed's 1e5 default is right for
@@ -86,8 +91,10 @@ def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_siz
             # DeepSpeed's stage-0 bf16 path lets AdamW update the bf16 weights directly (no fp32 master
             # copy), so small updates round away; stage 1 keeps fp32 master weights at little cost.
             raise ValueError("precision=bf16 needs zero_stage >= 1 (stage 0 has no fp32 master weights)")
-        cfg["bf16"] = {"enabled": True}
-        cfg["data_types"] = {"grad_accum_dtype": "fp32"}  # bf16 sums drop small micro-batch gradients
+        if grad_accum_dtype not in ("fp32", "bf16"):
+            raise ValueError(f"grad_accum_dtype must be fp32 or bf16, got {grad_accum_dtype!r}")
+        cfg["bf16"] = {"enabled": True, "immediate_grad_update": immediate_grad_update}
+        cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     elif precision != "fp32":
         raise ValueError(f"precision must be fp32 or bf16, got {precision!r} (fp16 does not run on CPU)")
     return cfg
@@ -121,10 +128,13 @@ def _hf_name(name: str) -> str:
         name = name[len("module."):]
     return name
 
-def _rows(t: dict[str, torch.Tensor], start: int, end: int) -> dict[str, torch.Tensor]:
-    """Rows [start, end) cut to the longest sequence among them (padding shared by all is dropped)."""
+def _rows(t: dict[str, torch.Tensor], start: int, end: int, round_up=None) -> dict[str, torch.Tensor]:
+    """Rows [start, end) cut to the longest sequence among them (padding shared by all is dropped),
+    or to `round_up(longest)` (a compiled model's length bucket; `t` must be padded that far)."""
     out = {k: v[start:end] for k, v in t.items()}
     L = max(int(out["attention_mask"].sum(dim=1).max()), 2)
+    if round_up is not None:
+        L = min(round_up(L), out["attention_mask"].shape[1])
     return {k: v if v.dim() == 1 else v[:, :L] if k in ("input_ids", "attention_mask") else v[:, : L - 1]
             for k, v in out.items()}
 

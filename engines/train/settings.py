@@ -25,4 +25,11 @@ class RankSettings:
     seed: int = 0
     backend: Literal["gloo", "nccl"] = "gloo"  # torch.distributed backend of the ranks' group
     zero3_param_persistence_threshold: int = 100_000  # ZeRO-3: parameters this small stay unpartitioned
+    compile: Literal["auto", "on", "off"] = "off"  # compiled decoder layers (engines/train/compiled.py); auto: on CUDA
+    compile_backend: str = "inductor"  # torch.compile backend (tests use aot_eager: same wiring, no codegen)
+    # "auto": when the policy cannot have changed since the rollout (one mini-batch, no advantage
+    # finishing), old log-probs are the training forward's own, detached; "always": a separate pass.
+    old_logprob_pass: Literal["auto", "always"] = "auto"
+    grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: micro-batch gradients summed in bf16
+    immediate_grad_update: bool = False  # bf16, ZeRO-1: fold each gradient into fp32 as backward produces it
     storage: StorageAccess | None = None  # how model folders in object storage are reached (None: defaults)

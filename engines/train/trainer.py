@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.train.compiled import compile_layers, compiled_graphs, length_bucket, use_compile
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
 from reflow.engines.train.settings import RankSettings
 from reflow.engines.weights.settings import PushSettings
@@ -73,6 +74,24 @@ def _units(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
     return (mask != 0).any(dim=-1).sum().to(mask.dtype)
 
 
+def _mismatch(acc: dict, rollout: torch.Tensor, old: torch.Tensor, loss_mask: torch.Tensor) -> None:
+    """Engine-vs-trainer log-prob gap over response tokens, summed into acc."""
+    diff = (rollout - old).abs()[loss_mask != 0]  # [N]
+    acc["mismatch_sum"] += float(diff.sum())
+    acc["mismatch_tokens"] += float(diff.numel())
+    acc["logprob_mismatch_max"] = max(acc["logprob_mismatch_max"], float(diff.max()) if diff.numel() else 0.0)
+
+
+def _pad_length(t: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad [B, L] tensors to `length` and [B, L-1] ones to `length - 1` (pad_id / zeros)."""
+    L = t["input_ids"].shape[1]
+    if length <= L:
+        return t
+    fill = {"input_ids": pad_id}
+    return {k: v if v.dim() == 1 else torch.nn.functional.pad(v, (0, length - L), value=fill.get(k, 0))
+            for k, v in t.items()}
+
+
 class TrainerRank(DeepSpeedRank):
     """One policy rank (PPO-clip updates, weight pushes). Collective methods must be called on every
     rank together; the DeepSpeed plumbing shared with the critic is in `reflow.engines.train.ds_rank`."""
@@ -87,9 +106,14 @@ class TrainerRank(DeepSpeedRank):
         self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
-                        s.zero3_param_persistence_threshold)
+                        s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         self._build_engine(load_causal_lm(model_path, dtype=s.precision, storage=s.storage), cfg, s.lr, s.weight_decay,
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
+        self.old_logprob_pass = s.old_logprob_pass
+        self._round_up = None  # compiled layers: micro-batch lengths padded to a bucket (compiled.py)
+        if use_compile(s.compile, self.engine.device):
+            compile_layers(self.engine.module, s.compile_backend)
+            self._round_up = length_bucket
         self.ref_model = None
         if ref_model_path is not None:
             self.ref_model = load_causal_lm(ref_model_path, dtype=s.precision, storage=s.storage).to(self.engine.device)
@@ -119,7 +143,10 @@ class TrainerRank(DeepSpeedRank):
         shard = self._shard(batch, minibatches, pad_id)
         acc = dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0)
         acc["neg_ratio_min"] = -math.inf
-        self._old_logprobs(shard, loss.temperature, need_ref=need_ref, acc=acc)
+        # One mini-batch and nothing to finish before training: the policy that scores the batch is
+        # the one the training forward runs, so that forward's log-probs (detached) are the old ones.
+        reuse = self.old_logprob_pass == "auto" and minibatches == 1 and finish is None
+        self._old_logprobs(shard, loss.temperature, policy=not reuse, ref=need_ref, acc=acc)
         finished = finish(shard, algorithm, dist.all_reduce) if finish is not None else {}
         acc["old_logprob_time_s"] = time.perf_counter() - t0
         m = shard["input_ids"].shape[0] // minibatches
@@ -132,7 +159,8 @@ class TrainerRank(DeepSpeedRank):
             grad_norms.append(self._train_minibatch(mb, float(units[k]), k, minibatches, loss, acc))
         acc["step_time_s"] = time.perf_counter() - t0
         out = self._reduce_metrics(acc, minibatches)
-        out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)), **finished)
+        out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)),
+                   old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()), **finished)
         return out
 
     def _shard(self, batch: RolloutBatch, minibatches: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -149,6 +177,8 @@ class TrainerRank(DeepSpeedRank):
         if bad:
             raise ValueError(f"samples {bad[:5]}: rollout_logprobs and response_ids differ in length")
         tensors = to_train_tensors(batch.select(list(range(self.rank, n, W))), pad_id)
+        if self._round_up is not None:  # room for every micro-batch's bucket (see compiled.py)
+            tensors = _pad_length(tensors, self._round_up(tensors["input_ids"].shape[1]), pad_id)
         return {k: v.to(self.engine.device) for k, v in tensors.items()}
 
     def _logits(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -156,28 +186,28 @@ class TrainerRank(DeepSpeedRank):
         return out.logits[:, :-1]  # [b, L-1, V]: position t scores token t+1
 
     @torch.no_grad()
-    def _old_logprobs(self, shard: dict, temperature: float, need_ref: bool, acc: dict) -> None:
-        """Adds `old_logprobs` (and `ref_logprobs`) [B, T-1] to the shard; logprob mismatch stats to acc."""
+    def _old_logprobs(self, shard: dict, temperature: float, policy: bool, ref: bool, acc: dict) -> None:
+        """Adds `ref_logprobs` [B, T-1] to the shard and, if `policy`, `old_logprobs` (with the logprob
+        mismatch stats in acc); without it the training forward supplies them (`_micro_loss`)."""
         old = torch.zeros_like(shard["loss_mask"])  # [B, T-1]
-        ref = torch.zeros_like(old)  # [B, T-1]
-        for s, e in self._micro_slices(old.shape[0]):
-            mb = _rows(shard, s, e)
+        refs = torch.zeros_like(old)  # [B, T-1]
+        for s, e in self._micro_slices(old.shape[0]) if policy or ref else ():
+            mb = _rows(shard, s, e, self._round_up)
             labels = mb["input_ids"][:, 1:]  # [b, L-1]
             L1 = labels.shape[1]
-            old[s:e, :L1] = token_logprobs(self._logits(self.engine, mb), labels, temperature)
-            if need_ref:
-                ref[s:e, :L1] = token_logprobs(self._logits(self.ref_model, mb), labels, temperature)
-        shard["old_logprobs"], shard["ref_logprobs"] = old, ref
-        mask = shard["loss_mask"] != 0  # [B, T-1]
-        diff = (shard["rollout_logprobs"] - old).abs()[mask]  # [N]
-        acc["mismatch_sum"] += float(diff.sum())
-        acc["mismatch_tokens"] += float(diff.numel())
-        acc["logprob_mismatch_max"] = max(acc["logprob_mismatch_max"], float(diff.max()) if diff.numel() else 0.0)
+            if policy:
+                old[s:e, :L1] = token_logprobs(self._logits(self.engine, mb), labels, temperature)
+            if ref:
+                refs[s:e, :L1] = token_logprobs(self._logits(self.ref_model, mb), labels, temperature)
+        shard["ref_logprobs"] = refs
+        if policy:
+            shard["old_logprobs"] = old
+            _mismatch(acc, shard["rollout_logprobs"], old, shard["loss_mask"])
 
     def _train_minibatch(self, mb: dict, units_global: float, k: int, n_minis: int, loss: LossSettings,
                          acc: dict) -> float:
         """Accumulate gradients over the micro-batches of mini-batch k, then one step. Returns grad norm."""
-        micros = [_rows(mb, s, e) for s, e in self._micro_slices(mb["input_ids"].shape[0])]
+        micros = [_rows(mb, s, e, self._round_up) for s, e in self._micro_slices(mb["input_ids"].shape[0])]
         return self._accumulate_and_step(micros, lambda m: self._micro_loss(m, units_global, loss, acc), k, n_minis)
 
     def _micro_loss(self, mb: dict, units_global: float, hp: LossSettings, acc: dict) -> torch.Tensor:
@@ -188,9 +218,13 @@ class TrainerRank(DeepSpeedRank):
         # One pass over the logits for both; the entropy is a metric unless there is a bonus.
         logp, ent_tok = logprobs_and_entropy(logits, labels, hp.temperature, entropy=True)  # [b, L-1] each
         assert ent_tok is not None
-        isw = tis_weights(mb["old_logprobs"], mb["rollout_logprobs"], mask, hp.tis_cap) \
+        old = mb.get("old_logprobs")  # [b, L-1]; absent: this forward's own (train_iteration's reuse)
+        if old is None:
+            old = logp.detach()
+            _mismatch(acc, mb["rollout_logprobs"], old, mask)
+        isw = tis_weights(old, mb["rollout_logprobs"], mask, hp.tis_cap) \
             if hp.tis_cap is not None else None  # [b, L-1]
-        pg, pm = policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, hp.clip_eps_low,
+        pg, pm = policy_loss(logp, old, mb["advantages"], mask, hp.clip_eps_low,
                              hp.clip_eps_high, agg, norm_len=norm_len, dual_clip_c=hp.dual_clip_c,
                              is_weights=isw, ratio_level=hp.ratio_level)
         kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp.kl_estimator), mask, agg, norm_len) \

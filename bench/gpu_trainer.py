@@ -1,0 +1,199 @@
+"""The trainer half of bench/gpu.py (issue 15 point 5): reflow's `TrainerRank` under several settings
+next to a plain torch loop, uncompiled and compiled, in one process; a short profile of the default.
+
+Variants (each a fresh TrainerRank; compiled graphs are shared through the process, so only the
+first compiled variant pays the compile): the default settings (ZeRO-1, compiled layers, old
+log-probs from the training forward, fp32 gradient accumulation), then one change each: a separate
+old-logprob pass, no compile, bf16 gradient accumulation, immediate gradient updates, ZeRO-2, ZeRO-3,
+a larger micro-batch. MFU counts the model FLOPs each executes (bench/gpu.py `model_flops`): 3
+forwards per step when old log-probs come from the training forward, 4 with the separate pass.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import math
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+VARIANTS = {  # name: (RankSettings overrides, micro-batch multiplier)
+    "default": ({}, 1), "old-pass": ({"old_logprob_pass": "always"}, 1), "eager": ({"compile": "off"}, 1),
+    "accum-bf16": ({"grad_accum_dtype": "bf16"}, 1), "immediate": ({"immediate_grad_update": True}, 1),
+    "zero2": ({"zero_stage": 2}, 1), "zero3": ({"zero_stage": 3}, 1), "micro-x2": ({}, 2),
+}
+
+
+def _free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _trainer(folder: Path, args, overrides: dict, micro: int, port: int):
+    from reflow.engines.train.settings import RankSettings
+    from reflow.engines.train.trainer import TrainerRank
+
+    cuda = args.device == "cuda"
+    s = RankSettings(zero_stage=1, precision="bf16", lr=1e-6, total_steps=1000, micro_batch_size=micro, threads=4,
+                     backend="nccl" if cuda else "gloo", compile="auto")
+    return TrainerRank(0, 1, "127.0.0.1", port, str(folder), dataclasses.replace(s, **overrides))
+
+
+def run_variant(G, trainer, cfg, args, name: str) -> dict:
+    """Warm-up step (compiles), then args.steps timed steps of `train_iteration`."""
+    from reflow.rl.losses import LossSettings
+
+    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
+    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
+    t0 = time.perf_counter()
+    m = trainer.train_iteration(batch, **kw)
+    G.sync()
+    warm = time.perf_counter() - t0
+    G.gpu_peak_gib()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        m = trainer.train_iteration(batch, **kw)
+    G.sync()
+    sec = (time.perf_counter() - t0) / args.steps
+    forwards = 3 if m.get("old_logprobs_reused") else 4
+    fl = G.model_flops(cfg, args.batch, args.seq, forwards)
+    row = {"what": f"reflow {name}", "variant": name, "s": sec, "tok_s": args.batch * args.seq / sec,
+           "tflops": fl / sec / 1e12, "mfu": fl / sec / G.PEAK_BF16[args.device], "gpu_gib": G.gpu_peak_gib(),
+           "forwards": forwards, "warmup_s": warm, "compile_graphs": m.get("compile_graphs", 0.0),
+           "micro": trainer.micro_batch_size}
+    print(f"  {row['what']}: {sec:.3f} s/step, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%}, "
+          f"{row['gpu_gib']:.1f} GiB, warm-up {warm:.1f} s", flush=True)
+    return row
+
+
+def profile(G, trainer, cfg, args) -> dict:
+    """One profiled step: top kernels by GPU time and the share of the step the GPU had no kernel."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from reflow.rl.losses import LossSettings
+
+    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
+    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with torch_profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        trainer.train_iteration(batch, **kw)
+        G.sync()
+        wall_us = (time.perf_counter() - t0) * 1e6
+    from torch.autograd import DeviceType
+
+    # Kernels only: an aten op's own entry repeats the device time of the kernels it launched.
+    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    busy = sum(e.self_device_time_total for e in rows)
+    top = sorted(rows, key=lambda e: -e.self_device_time_total)[:10]
+    return {"wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3,
+            "gpu_idle_share": max(0.0, 1 - busy / wall_us) if busy else float("nan"),
+            "top": [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in top]}
+
+
+PLAINS = ("plain", "plain-compiled", "plain-x2", "plain-compiled-x2")
+
+
+def plain(G, folder: Path, cfg, args, compiled: bool, micro: int) -> dict:
+    """The plain way: bf16 weights, SDPA, fused AdamW, HF cross-entropy; micro-batches accumulate to B.
+    `compiled`: each decoder layer's forward under torch.compile, as reflow does it; `micro`: rows
+    per forward/backward."""
+    from transformers import AutoModelForCausalLM
+
+    dev = torch.device(args.device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
+    model.train()
+    if compiled:
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=args.device == "cuda")
+    ids = torch.randint(4, cfg.vocab_size, (args.batch, args.seq), generator=torch.Generator().manual_seed(0)).to(dev)
+
+    def step():
+        for s in range(0, args.batch, micro):
+            mb = ids[s:s + micro]
+            (model(input_ids=mb, labels=mb).loss * mb.shape[0] / args.batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    step()
+    G.sync()
+    warm = time.perf_counter() - t0
+    G.gpu_peak_gib()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    G.sync()
+    sec = (time.perf_counter() - t0) / args.steps
+    fl = G.model_flops(cfg, args.batch, args.seq, forwards=3)
+    row = {"what": "plain torch loop" + (" (compiled layers)" if compiled else "") + f" micro {micro}",
+           "variant": "plain" + "-compiled" * compiled + "-x2" * (micro != args.micro), "s": sec, "micro": micro, "tok_s": args.batch * args.seq / sec, "tflops": fl / sec / 1e12,
+           "mfu": fl / sec / G.PEAK_BF16[args.device], "gpu_gib": G.gpu_peak_gib(), "forwards": 3, "warmup_s": warm}
+    print(f"  {row['what']}: {sec:.3f} s/step, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%}", flush=True)
+    del model, opt
+    _free()
+    return row
+
+
+def bench_all(G, folder: Path, cfg, args) -> tuple[list[dict], dict | None]:
+    """Every variant in args.variants, the plain loops, and a profile of the default variant."""
+    rows, prof = [], None
+    for name in args.variants:
+        if name in PLAINS:
+            rows.append(_guarded(name, lambda n=name: plain(G, folder, cfg, args, compiled="compiled" in n,
+                                                            micro=args.micro * (2 if n.endswith("-x2") else 1))))
+            continue
+        overrides, mult = VARIANTS[name]
+
+        def one(name=name, overrides=overrides, mult=mult):
+            nonlocal prof
+            trainer = _trainer(folder, args, overrides, args.micro * mult, G._free_port())
+            try:
+                row = run_variant(G, trainer, cfg, args, name)
+                if name == "default" and args.profile:
+                    prof = profile(G, trainer, cfg, args)
+                return row
+            finally:
+                del trainer
+                _free()
+        rows.append(_guarded(name, one))
+    return [r for r in rows if r is not None], prof
+
+
+def _guarded(name: str, fn) -> dict | None:
+    """One variant's failure is reported and the others still run (a device call is expensive)."""
+    try:
+        return fn()
+    except Exception as e:  # deliberate: report and go on
+        print(f"  {name}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", flush=True)
+        _free()
+        return {"what": f"{name} (failed)", "variant": name, "error": f"{type(e).__name__}: {e}"[:500],
+                "s": math.nan, "tok_s": math.nan, "tflops": math.nan, "mfu": math.nan, "gpu_gib": math.nan}
+
+
+def summary(rows: list[dict], prof: dict | None, args, shape: str) -> dict:
+    """bench/results/gpu-trainer.json's content (issue 15 point 5 names the first keys)."""
+    by = {r["variant"]: r for r in rows}
+    get = lambda v, k: by[v][k] if v in by and not math.isnan(by[v][k]) else None  # noqa: E731
+    out = {"commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": shape,
+           "reflow_mfu": get("default", "mfu"), "reflow_tokens_per_s": get("default", "tok_s"),
+           "plain_tokens_per_s": get("plain", "tok_s"), "plain_compiled_tokens_per_s": get("plain-compiled", "tok_s"),
+           "plain_mfu": get("plain", "mfu"), "plain_compiled_mfu": get("plain-compiled", "mfu"),
+           "micro": args.micro}
+    if out["reflow_tokens_per_s"] and out["plain_compiled_tokens_per_s"]:
+        out["reflow_over_plain_compiled"] = out["reflow_tokens_per_s"] / out["plain_compiled_tokens_per_s"]
+    out.update(rows=rows, profile=prof)
+    return out
+
+
+def write(summary_: dict, out_dir: str | None) -> None:
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        Path(out_dir, "gpu-trainer.json").write_text(json.dumps(summary_, indent=1, default=str))
