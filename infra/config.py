@@ -108,12 +108,12 @@ class TrainerConfig(_Strict):
 
 
 class WeightSyncConfig(_Strict):
-    verify: Literal["full", "sample", "off"] = Field("sample", description="Check engine weights after each push: every tensor, a sample, or not at all.")
+    verify: Literal["full", "sample", "logprobs", "off"] = Field("sample", description="Check engines after each push (each also checks weight_version). full/sample: read every tensor, or a sample, back through /get_weights_by_name and compare (bit-exact at verify_atol=0: proves the values read); engines that cannot answer it whole (SGLang's Qwen2/Qwen3 classes, TP > 1) are checked by logprobs instead, reported in the push stats (verify_method, verify_fallback; metrics push_logprob_engines, push_logprob_max_diff). logprobs: every engine scores a fixed probe batch and its logprobs must match the trainer's at the pushed weights within the coarser dtype's noise (proves the engine computes with the pushed model, for any model and TP size; cannot see differences below that noise). off: no check.")
     verify_sample: int = Field(4, ge=1, description="Tensors compared when verify=sample.")
     verify_rows: int | None = Field(64, ge=1, description="verify=sample: compare the first this many rows of each sampled tensor (SGLang's truncate_size; the answer is JSON, so whole embedding matrices cost seconds); null compares them whole.")
     bucket_mb: int = Field(512, ge=1, description="Flattened bucket size of a tensor or distributed push.")
-    mode: Literal["tensor", "distributed", "disk"] = Field("tensor", description="tensor: update_weights_from_tensor with IPC buckets (engines on the trainer's node/GPUs); distributed: a broadcast group + update_weights_from_distributed (engines on other GPUs); disk: the trainer writes HF safetensors, engines reload them.")
-    backend: Literal["gloo", "nccl"] = Field("gloo", description="Process-group backend of mode=distributed: gloo on CPU, nccl between GPUs.")
+    mode: Literal["tensor", "distributed", "disk"] = Field("tensor", description="tensor: update_weights_from_tensor with buckets in shared memory (/dev/shm) of trainer rank 0's host, so engines must run on that host (a push to another host is refused; CUDA IPC is not used yet); distributed: a broadcast group + update_weights_from_distributed (engines on other GPUs); disk: the trainer writes HF safetensors, engines reload them.")
+    backend: Literal["gloo", "nccl"] = Field("gloo", description="Process-group backend of mode=distributed: gloo on CPU, nccl between GPUs (buckets are then packed on the trainer's CUDA device; a trainer without one is refused).")
     disk_dir: str | None = Field(None, description="mode=disk: folder or storage URL (file://, s3://) the engines can read. reflow writes only into its own subfolder `reflow-weight-push/` (one `v<version>` folder per push) and deletes only versions it wrote there. Default: a local temp folder (one node only).")
     verify_atol: float = Field(0.0, ge=0.0, description="Absolute tolerance of the weight check; 0 = bit-exact. Raise it for quantised engines (fp8/int4).")
 

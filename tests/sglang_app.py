@@ -1,9 +1,10 @@
 """SGLang 0.5.23's real HTTP server, run on CPU over a tiny HF model (issue 14's contract harness).
 
 Run as `python -m tests.sglang_app --serve '["--model-path", DIR, "--port", P, ...]' [--serve ...]`
-(each the flags reflow's launcher gives `sglang.launch_server`): one forked process per server, each serving `sglang.srt.entrypoints.http_server.app` through SGLang's
-own start-up code (`prepare_server_args`, `publish`, `_setup_and_run_http_server`: uvicorn, its api-key middleware,
-its lifespan). What is SGLang's and what stands in:
+(each the flags reflow's launcher gives `sglang.launch_server`): one forked process per server,
+each serving `sglang.srt.entrypoints.http_server.app` through SGLang's own start-up code
+(`prepare_server_args`, `publish`, `_setup_and_run_http_server`: uvicorn, its api-key
+middleware, its lifespan). What is SGLang's and what stands in:
 
 - Real: the FastAPI app and every route handler, the request structs (`io_struct`, parsed by
   FastAPI from the body), the /generate schema gate, `SamplingParams` normalize/verify,
@@ -14,166 +15,34 @@ its lifespan). What is SGLang's and what stands in:
   does (`MultiprocessingSerializer` + `SafeUnpickler`; that module imports the scheduler, so its
   two lines are restated over the same calls); `get_weights_by_name` goes through the runner's
   `WeightExporter.get_weights_by_name`, which calls the model's method where it has one.
+  Distributed updates: `WeightUpdater.init_weights_update_group` (`init_custom_process_group`,
+  gloo here), `receive_weights_from_distributed`, `load_weights_from_distributed`,
+  `destroy_weights_update_group`. Disk updates: the tokenizer manager's own request/answer path
+  and `WeightUpdater.update_weights_from_disk` (SGLang's `DefaultModelLoader` reading the
+  safetensors). Release/resume: the manager's `release_memory_occupation` /
+  `resume_memory_occupation` (tags, buffer stash, barriers). Input logprobs: the scheduler's
+  `SchedulerLogprobResultProcessor` post-processing and the manager's formatting.
 - Stand-in, and why: the tokenizer manager (`StandInTokenizerManager`: the real one talks to
   scheduler processes over ZMQ, which need the GPU runtime) runs generation with transformers on
-  the HF model; the model object (`StandInModel`: SGLang's model classes need its GPU layers)
-  loads HF-named tensors and has `get_weights_by_name` exactly when SGLang's own model class for
-  the architecture has it (resolved through SGLang's ModelRegistry: the model modules import on
-  CPU under the stand-ins, only running them needs the GPU layers).
-- Stand-in modules (`STAND_IN_MODULES`): third-party packages the import graph of http_server
-  reaches but that are GPU-only (triton, tvm_ffi) or not installed by `pip install --no-deps
-  sglang` here. Each is used only when the real package is not importable.
+  the HF model, and computes the per-position logprobs the GPU logits processor would; the model
+  object (`StandInModel`: SGLang's model classes need its GPU layers) loads HF-named tensors and
+  has `get_weights_by_name` exactly when SGLang's own model class for the architecture has it
+  (resolved through SGLang's ModelRegistry: the model modules import on CPU under the stand-ins,
+  only running them needs the GPU layers); the memory saver (`MemorySaver`: torch_memory_saver
+  unmaps CUDA memory) records what it is asked to release and resume.
+- Stand-in modules (tests/sglang_stand_ins.py): third-party packages the import graph of
+  http_server reaches but that are GPU-only (triton, tvm_ffi) or not installed by `pip install
+  --no-deps sglang` here. Each is used only when the real package is not importable.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
-import importlib
-import importlib.abc
-import importlib.machinery
 import json
-import sys
 import time
 import types
 
-# Third-party modules http_server's import graph reaches that cannot import here. A stand-in
-# module answers any attribute with an inert placeholder class; none of them is on a path the
-# tests exercise (they serve kernels, ZMQ transport, multimodal and OpenAI-protocol routes).
-STAND_IN_MODULES = {
-    "triton": "GPU-only kernel compiler",
-    "tvm_ffi": "GPU kernel FFI",
-    "zmq": "scheduler transport (not installed; the stand-in tokenizer manager needs none)",
-    "pybase64": "not installed; replaced by the stdlib base64 (same b64decode(validate=True))",
-    "torchvision": "multimodal processors (not installed)",
-    "IPython": "notebook helpers (not installed)",
-    "sentencepiece": "tokenizer backend (not installed; the tiny models use a fast tokenizer)",
-    "compressed_tensors": "quantization configs (not installed)",
-    "gguf": "GGUF loader (not installed)",
-    "openai": "OpenAI protocol types for /v1 routes (not installed)",
-    "partial_json_parser": "tool-call parsing (not installed)",
-    "xgrammar": "grammar backend (not installed)",
-    "soundfile": "audio (not installed)",
-    "setproctitle": "process titles (not installed)",
-    "dill": "custom logit processors (not installed; pickle stands in)",
-    "uvloop": "not installed; asyncio's own loop stands in",
-    "python_multipart": "form routes (not installed)",
-}
-
-
-class _PlaceholderMeta(type):
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _PlaceholderMeta(name, (_Placeholder,), {})
-
-    def __getitem__(cls, key):
-        return cls
-
-    def __or__(cls, other):
-        return cls
-
-    def __ror__(cls, other):
-        return cls
-
-    def __iter__(cls):
-        return iter(())
-
-
-class _Placeholder(metaclass=_PlaceholderMeta):
-    """What a stand-in module hands out: subclassable, callable, usable in pydantic annotations."""
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __init_subclass__(cls, **kwargs):
-        pass
-
-    def __call__(self, *args, **kwargs):
-        return _Placeholder()
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Placeholder()
-
-    @classmethod
-    def __get_pydantic_core_schema__(cls, source, handler):
-        from pydantic_core import core_schema
-
-        return core_schema.any_schema()
-
-
-class _StandInModule(types.ModuleType):
-    __version__ = "3.4.0"  # read by version checks (triton >= 3)
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _PlaceholderMeta(name, (_Placeholder,), {})
-
-
-def _special(name: str) -> types.ModuleType | None:
-    """Stand-ins that must behave, not just exist."""
-    import pickle
-
-    mod = _StandInModule(name)
-    mod.__path__ = []
-    if name == "uvloop":
-        mod.EventLoopPolicy = asyncio.DefaultEventLoopPolicy
-        mod.new_event_loop = asyncio.new_event_loop
-        mod.install = lambda: None
-    elif name == "pybase64":
-        mod.b64decode, mod.b64encode = base64.b64decode, base64.b64encode
-    elif name == "dill":
-        mod.dumps, mod.loads = pickle.dumps, pickle.loads
-    elif name == "python_multipart":
-        mod.__version__ = "0.0.99"
-    else:
-        return None
-    return mod
-
-
-class _StandInFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Last on sys.meta_path: only names no real finder found, only under STAND_IN_MODULES."""
-
-    used: set[str] = set()
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname.split(".")[0] not in STAND_IN_MODULES:
-            return None
-        self.used.add(fullname.split(".")[0])
-        return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-
-    def create_module(self, spec):
-        mod = _special(spec.name) or _StandInModule(spec.name)
-        mod.__path__ = []
-        return mod
-
-    def exec_module(self, module):
-        pass
-
-
-def load_http_server():
-    """Import SGLang's http_server with the stand-ins; returns the module."""
-    from reflow.engines.sglang import contract
-
-    if contract.load() is None:
-        raise RuntimeError("sglang is not installed")
-    # torch and transformers probe for triton once and cache the answer: let them see none.
-    import torch._dynamo  # noqa: F401
-    import torch._functorch.aot_autograd  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
-    import torch.utils.flop_counter  # noqa: F401
-    import transformers.modeling_utils  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoProcessor  # noqa: F401
-
-    sys.meta_path.append(_StandInFinder())
-    # The engine module launches scheduler/detokenizer processes (GPU runtime); http_server only
-    # imports names from it for launch_server, which is not used here.
-    engine = _StandInModule("sglang.srt.entrypoints.engine")
-    sys.modules["sglang.srt.entrypoints.engine"] = engine
-    return importlib.import_module("sglang.srt.entrypoints.http_server")
+from tests.sglang_stand_ins import StandInFinder, load_http_server
 
 
 def sglang_model_class(architectures: list[str]):
@@ -214,11 +83,12 @@ def _model_class():
     return StandInModel
 
 
-def _scheduler_side(model):
+def _scheduler_side(model, model_config):
     """SGLang's scheduler-side weight code over one stand-in runner: the real
     SchedulerWeightUpdaterManager (sessions), TpModelWorker payload decoding, the model runner's
     WeightUpdater/WeightExporter methods. Only the objects holding them are stand-ins."""
     import torch.distributed as dist
+    from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
     from sglang.srt.model_executor.model_runner_components.weight_exporter import WeightExporter
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
@@ -226,14 +96,44 @@ def _scheduler_side(model):
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
 
+    class MemorySaver:
+        """What SGLang's TorchMemorySaverAdapter is asked to do (it is GPU-only: torch_memory_saver
+        unmaps CUDA memory); the events are reported in /server_info's internal_states."""
+
+        def __init__(self):
+            self.events: list[tuple[str, str]] = []
+
+        def pause(self, tag):
+            self.events.append(("release", tag))
+
+        def resume(self, tag):
+            self.events.append(("resume", tag))
+
     class RunnerWeights:  # ModelRunner.weight_updater
         update_weights_from_tensor = WeightUpdater.update_weights_from_tensor
         _update_weights_from_flattened_bucket = WeightUpdater._update_weights_from_flattened_bucket
         _assert_weight_cache_inactive = WeightUpdater._assert_weight_cache_inactive
+        init_weights_update_group = WeightUpdater.init_weights_update_group  # init_custom_process_group
+        destroy_weights_update_group = WeightUpdater.destroy_weights_update_group
+        receive_weights_from_distributed = WeightUpdater.receive_weights_from_distributed
+        _receive_bucketed_weights_from_distributed = WeightUpdater._receive_bucketed_weights_from_distributed
+        load_weights_from_distributed = WeightUpdater.load_weights_from_distributed
+        update_weights_from_disk = WeightUpdater.update_weights_from_disk  # SGLang's DefaultModelLoader
         custom_weight_loaders: list = []
+        tp_rank, device, gpu_id = 0, "cpu", 0
+
+        @property
+        def model_config(self):
+            return model_config
+
+        def __init__(self):
+            self._model_update_group = {}
 
         def get_model(self):
             return model
+
+        def update_model_fields(self, model, **fields):  # the runner's bookkeeping of the loaded path
+            pass
 
         def begin_weight_update(self):  # real: unpacks in-place-quantized GPU weights; none here
             pass
@@ -252,6 +152,10 @@ def _scheduler_side(model):
     class Runner:
         weight_updater, weight_exporter = RunnerWeights(), RunnerExport()
 
+        @property
+        def model(self):  # release/resume stash and restore its buffers
+            return model
+
     class Worker:  # TpModelWorker; its module imports the scheduler (CUDA kernels), so its two
         model_runner = Runner()  # one-line methods are restated over the same SGLang calls
 
@@ -262,18 +166,28 @@ def _scheduler_side(model):
         def get_weights_by_name(self, recv_req):
             return self.model_runner.weight_exporter.get_weights_by_name(recv_req.name, recv_req.truncate_size)
 
+        def init_weights_update_group(self, recv_req):  # tp_worker.py, same calls
+            return self.model_runner.weight_updater.init_weights_update_group(
+                recv_req.master_address, recv_req.master_port, recv_req.rank_offset, recv_req.world_size,
+                recv_req.group_name, recv_req.backend)
+
+        def destroy_weights_update_group(self, recv_req):
+            return self.model_runner.weight_updater.destroy_weights_update_group(recv_req.group_name)
+
         def weight_update_runners(self):
             return [("target", self.model_runner)]
 
     class Scheduler:
+        _engine_paused, disaggregation_mode = False, DisaggregationMode.NULL
+
         def record_weight_version_change(self, new_version=None):  # the scheduler's metrics only
             pass
 
     mgr = object.__new__(SchedulerWeightUpdaterManager)  # __post_init__ reads the GPU TP group
-    for k, v in dict(tp_worker=Worker(), draft_worker=None, memory_saver_adapter=None, scheduler=Scheduler(),
+    for k, v in dict(tp_worker=Worker(), draft_worker=None, memory_saver_adapter=MemorySaver(), scheduler=Scheduler(),
                      metrics_collector=None, offload_tags=set(), stashed_model_static_state=None, _session=None,
                      tp_cpu_group=dist.group.WORLD, flush_cache=lambda empty_cache=False: True,
-                     is_fully_idle=lambda: True).items():
+                     is_fully_idle=lambda **kw: True).items():
         setattr(mgr, k, v)
     return mgr
 
@@ -335,21 +249,31 @@ def _tokenizer_manager_class():
             self.model_update_lock = RWLock()
             self.event_loop = object()  # auto_create_handle_loop: no ZMQ handle loop to start
             self.mm_processor, self.enable_metrics = None, False
-            self.scheduler = _scheduler_side(_model_class()(hf))
+            self.scheduler = _scheduler_side(_model_class()(hf), model_config)
             s = self.scheduler
             self.update_weights_from_tensor_communicator = self._direct(s.update_weights_from_tensor)
             self.begin_weight_update_communicator = self._direct(s.begin_weight_update)
             self.end_weight_update_communicator = self._direct(s.end_weight_update)
             self.get_weights_by_name_communicator = self._direct(s.get_weights_by_name)
+            # Blocking on the trainer (rendezvous, broadcast): run off the event loop, as the real
+            # scheduler runs in another process.
+            self.init_weights_update_group_communicator = self._direct(s.init_weights_update_group, thread=True)
+            self.update_weights_from_distributed_communicator = self._direct(s.update_weights_from_distributed,
+                                                                             thread=True)
+            self.destroy_weights_update_group_communicator = self._direct(s.destroy_weights_update_group, thread=True)
+            self.release_memory_occupation_communicator = self._direct(s.release_memory_occupation)
+            self.resume_memory_occupation_communicator = self._direct(s.resume_memory_occupation)
+            self.elastic_worker_count = 1  # one scheduler answers update_weights_from_disk
             self.flush_cache_communicator = self._direct(lambda req: io_struct.FlushCacheReqOutput(success=True))
             self.update_weight_version_communicator = self._direct(lambda req: None)  # scheduler: metrics only
             self.get_internal_state_communicator = self._direct(
-                lambda req: io_struct.GetInternalStateReqOutput(internal_state={"stand_in": "reflow tests/sglang_app"}))
+                lambda req: io_struct.GetInternalStateReqOutput(internal_state={
+                    "stand_in": "reflow tests/sglang_app", "memory_events": list(s.memory_saver_adapter.events)}))
 
         @staticmethod
-        def _direct(handler):
+        def _direct(handler, thread: bool = False):
             async def communicate(obj):  # what FanOutCommunicator returns: one output per DP rank
-                return [handler(obj)]
+                return [await asyncio.to_thread(handler, obj) if thread else handler(obj)]
             return communicate
 
         def set_server_stop_hook(self, hook):
@@ -359,7 +283,12 @@ def _tokenizer_manager_class():
             return True
 
         def _dispatch_to_scheduler(self, obj):  # the ZMQ send: no scheduler process here
-            pass
+            if isinstance(obj, io_struct.UpdateWeightFromDiskReqInput):  # answered through the output handler
+                asyncio.get_running_loop().create_task(self._disk_update(obj))
+
+        async def _disk_update(self, obj):
+            out = await asyncio.to_thread(self.scheduler.update_weights_from_disk, obj)
+            self._handle_update_weights_from_disk_req_output(out)
 
         async def _async_dispatch_to_scheduler(self, obj):
             pass
@@ -378,15 +307,37 @@ def _tokenizer_manager_class():
             expands n > 1 into n copies, copy j of prompt i at j * batch_size + i, each with its
             own rid); answered prompt-major, as the real manager answers."""
             if obj.is_single:
-                entries = [(obj.input_ids, obj.text, obj.sampling_params, obj.return_logprob, obj.rid)]
+                entries = [(obj.input_ids, obj.text, obj.sampling_params, obj.return_logprob, obj.rid,
+                            obj.logprob_start_len)]
             else:
                 per = [obj.input_ids or [None] * len(obj.rid), obj.text or [None] * len(obj.rid),
-                       obj.sampling_params, obj.return_logprob, obj.rid]
+                       obj.sampling_params, obj.return_logprob, obj.rid, obj.logprob_start_len]
                 order = [j * obj.batch_size + i for i in range(obj.batch_size) for j in range(obj.parallel_sample_num)]
                 entries = [tuple(field[k] for field in per) for k in order]
             return [self._sample(*entry) for entry in entries]
 
-        def _sample(self, input_ids, text, spd, return_logprob, rid):
+        def _input_logprobs(self, prompt: list[int], start: int) -> list:
+            """meta_info.input_token_logprobs as SGLang builds them: the scheduler's own post-processing
+            (SchedulerLogprobResultProcessor: None first, the sampling position dropped, ids clipped) and
+            the tokenizer manager's own formatting, over per-position next-token logprobs of the HF model
+            (what the GPU logits processor computes)."""
+            import torch
+            from sglang.srt.managers.scheduler_components.logprob_result_processor import (
+                SchedulerLogprobResultProcessor,
+            )
+
+            with torch.no_grad():
+                logits = self.hf(torch.tensor([prompt])).logits[0].float()  # [T, V]
+            logp = torch.log_softmax(logits, -1)  # [T, V]
+            raw = [float(logp[k, prompt[k + 1]]) for k in range(start, len(prompt) - 1)] + [0.0]  # last: sampled
+            req = types.SimpleNamespace(is_prefill_only=False, origin_input_ids=prompt, logprob_start_len=start,
+                                        logprob=types.SimpleNamespace(input_token_logprobs_val=None,
+                                                                      input_token_logprobs_idx=None))
+            SchedulerLogprobResultProcessor(model_config=self.model_config)._process_input_token_logprobs(req, raw)
+            return [list(e) for e in self.detokenize_logprob_tokens(req.logprob.input_token_logprobs_val,
+                                                                     req.logprob.input_token_logprobs_idx, False)]
+
+        def _sample(self, input_ids, text, spd, return_logprob, rid, logprob_start_len=-1):
             prompt = input_ids if input_ids is not None else self.tokenizer(text)["input_ids"]
             sp = SamplingParams(**{**spd, "n": 1})
             sp.normalize(self.tokenizer)
@@ -397,6 +348,8 @@ def _tokenizer_manager_class():
                     "cached_tokens": 0, "weight_version": self.config_value("weight_version")}
             if return_logprob:
                 meta["output_token_logprobs"] = lps
+                start = -1 if logprob_start_len is None else logprob_start_len
+                meta["input_token_logprobs"] = self._input_logprobs(prompt, start) if 0 <= start < len(prompt) else []
             return {"text": self.tokenizer.decode(out), "output_ids": out, "meta_info": meta}
 
     return StandInTokenizerManager
@@ -426,7 +379,7 @@ def serve(hs, argv: list[str]) -> None:
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=model_config.dtype).eval()
     tm = _tokenizer_manager_class()(server_args, model_config, hf, AutoTokenizer.from_pretrained(path), path)
     scheduler_info = {"max_total_num_tokens": 4096, "max_req_input_len": 2048}
-    print(f"sglang_app {path}: stand-in modules used: {sorted(_StandInFinder.used)}; SGLang model class "
+    print(f"sglang_app {path}: stand-in modules used: {sorted(StandInFinder.used)}; SGLang model class "
           f"{tm.scheduler.tp_worker.model_runner.weight_updater.get_model().sglang_class.__name__}, "
           f"dtype {model_config.dtype}", flush=True)
     hs._setup_and_run_http_server(server_args, tm, TemplateManager(), None, [scheduler_info], None)

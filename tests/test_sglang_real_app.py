@@ -2,136 +2,54 @@
 
 The SGLang side is the wheel's own FastAPI app and start-up code, served in a child process by
 tests/sglang_app.py (which says what is real and what stands in). Both backends are driven with
-reflow's own client, pusher and verifier, on tiny Llama- and Qwen2-shaped models. A check a known
-issue-14 defect breaks on one backend is marked xfail(strict=True) there, naming the defect, so
-the suite documents it and notices the fix.
+reflow's own client, pusher and verifier, on tiny Llama- and Qwen2-shaped models, with 1, 2 and 4
+receivers: generate (with input logprobs), pause/continue, weight sessions, the three push modes
+(tensor, distributed over gloo, disk), release/resume of memory, and the weight check (read back,
+or by logprobs where SGLang cannot read back: its Qwen2 class). Servers live for the module.
 """
 from __future__ import annotations
 
 import base64
-import json
-import os
 import pickle
-import socket
-import subprocess
-import sys
 import threading
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
 
-from reflow.engines.http_serve import new_api_key
-from reflow.engines.rollout_client import EngineClient, EngineError, poll_health
+from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.sglang import contract as sglang_contract
 from reflow.engines.weights.push import WeightSyncError, push_weights
 from reflow.engines.weights.settings import PushSettings
+from reflow.engines.weights.verify import verify_push
 from tests.reference import greedy_reference
+from tests.sglang_backends import ARCHS, AUTO, KEY, RECEIVERS, Backend, build, probe_of, pushed, start_sglang_apps, stop
 
 CONTRACT = sglang_contract.load()
-KEY = new_api_key()
-REPO = Path(__file__).resolve().parents[1]
-ARCHS = ("llama", "qwen2")
-RECEIVERS = {"llama": 4, "qwen2": 1}  # engines started per backend and model (Llama: 1, 2 and 4 receivers)
-AUTO, LOG = "llama-auto", "log"  # sglang_apps keys: a Llama server under SGLang's default --dtype auto; the log
+LOG = "log"  # sglang_apps key of the servers' log
 pytestmark = [pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not installed (make setup installs "
                                                           "it --no-deps): no real SGLang app to test against"),
               pytest.mark.slow]  # child processes (SGLang app servers) live for the module
 
 
-def _build(arch: str, out: Path | None, seed: int = 0):
-    """A tiny random model of `arch` with the demo's char tokenizer (hidden 32, 2 layers)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    from reflow.rl.demo_policy import build_tokenizer, save_policy
-
-    tok = build_tokenizer()
-    cfg_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    cfg = cfg_cls(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
-                  pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                  tie_word_embeddings=False)
-    torch.manual_seed(seed)
-    model = model_cls(cfg).eval()
-    if out is not None:
-        save_policy(model, tok, out)
-    return model, tok
-
-
 @pytest.fixture(scope="module")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
+def model_dirs(tmp_path_factory):
     dirs = {a: tmp_path_factory.mktemp(f"tiny_{a}") for a in ARCHS}
     for arch, d in dirs.items():
-        _build(arch, d)
+        build(arch, d)
     return dirs
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Backend:
-    """One backend's engines serving one model."""
-
-    name: str  # "sglang" (its real app) or "embedded"
-    arch: str
-    urls: list[str] = field(default_factory=list)
-
-    def clients(self, k: int | None = None) -> list[EngineClient]:
-        return [EngineClient(u, timeout=60, api_key=KEY) for u in self.urls[:k]]
-
-
-def _backend(request, name: str, arch: str) -> Backend:
-    urls = request.getfixturevalue("sglang_apps" if name == "sglang" else "embedded_engines")[arch]
-    return Backend(name, arch, urls)
 
 
 @pytest.fixture(scope="module")
 def sglang_apps(model_dirs, tmp_path_factory):
     """SGLang's real app servers: one process per server, forked by tests/sglang_app.py after its
     one import of the app (that import costs ~10 s of CPU)."""
-    from reflow.engines.sglang.launcher import command_line, server_args
-
-    ports = {a: [_free_port() for _ in range(RECEIVERS[a])] for a in ARCHS}
     log = tmp_path_factory.mktemp("sglang_app") / "servers.log"
-    serve = []
-    for a in ARCHS:
-        for p in ports[a]:  # the flags reflow's launcher gives sglang.launch_server, parsed by the wheel
-            flags = command_line(server_args(str(model_dirs[a]), host="127.0.0.1", port=p, nccl_port=_free_port(),
-                                             api_key=KEY, dtype="float32"))[3:]
-            serve += ["--serve", json.dumps(flags)]
-    # One more Llama server as SGLang runs by default (--dtype auto), which reflow's launcher refuses.
-    ports[AUTO] = [_free_port()]
-    flags = command_line(server_args(str(model_dirs["llama"]), host="127.0.0.1", port=ports[AUTO][0],
-                                     nccl_port=_free_port(), api_key=KEY))[3:]
-    i = flags.index("--dtype")
-    serve += ["--serve", json.dumps(flags[:i] + flags[i + 2:])]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_app", *serve], cwd=REPO,
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
-
-    def alive():
-        if proc.poll() is not None:
-            raise RuntimeError(f"tests.sglang_app exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-
-    urls = {a: [f"http://127.0.0.1:{p}" for p in ps] for a, ps in ports.items()}
+    proc, urls = start_sglang_apps(model_dirs, log)
     try:
-        for url in (u for us in urls.values() for u in us):
-            last = poll_health(url, 75.0, 0.2, alive)
-            assert last is None, f"SGLang app {url} not healthy: {last}\n{log.read_text()[-3000:]}"
         yield {**urls, LOG: log}
     finally:
-        proc.terminate()  # it stops its forked servers
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +57,7 @@ def embedded_engines(model_dirs):
     from reflow.engines.embedded.engine import EmbeddedEngine
 
     engines = {a: [EmbeddedEngine(str(model_dirs[a]), f"contract-{a}-{i}", threads=1, api_key=KEY)
-                   for i in range(RECEIVERS[a])] for a in ARCHS}
+                   for i in range(RECEIVERS)] for a in ARCHS}
     for es in engines.values():
         for e in es:
             e.ready()
@@ -147,6 +65,11 @@ def embedded_engines(model_dirs):
     for es in engines.values():
         for e in es:
             e.shutdown()
+
+
+def _backend(request, name: str, arch: str) -> Backend:
+    urls = request.getfixturevalue("sglang_apps" if name == "sglang" else "embedded_engines")[arch]
+    return Backend(name, arch, urls)
 
 
 BACKENDS = [(b, a) for b in ("sglang", "embedded") for a in ARCHS]
@@ -224,7 +147,7 @@ def test_weight_updates_need_a_session(backend):
     with pytest.raises(EngineError) as e:
         c.end_weight_update()
     assert e.value.status == 400
-    _, _, named = _pushed(backend.arch, seed=0)
+    _, _, named = pushed(backend.arch, seed=0)
     payload = serialize_bucket(named[:1])
     with pytest.raises(EngineError) as e:
         c.update_weights_from_tensor([payload], "flattened_bucket", True, "outside")
@@ -244,16 +167,10 @@ def test_weight_updates_need_a_session(backend):
 # ---------------------------------------------------------------- weight push
 
 
-def _pushed(arch: str, seed: int):
-    """A fresh model of the same shape (the 'trainer' after a step) and its HF-named tensors."""
-    model, tok = _build(arch, None, seed=seed)
-    return model, tok, [(n, t.detach().clone()) for n, t in model.state_dict().items()]
-
-
 def test_tensor_push_lands_and_generation_follows_it(backend):
     """Proof without get_weights_by_name (works for every model): after a tensor push, greedy
     tokens and their logprobs are the trainer model's at the pushed weights."""
-    model, tok, named = _pushed(backend.arch, seed=11)
+    model, tok, named = pushed(backend.arch, seed=11)
     clients = backend.clients(1)
     push_weights(clients, named, "v11", PushSettings(mode="tensor", verify="off"))
     prompt = [5, 6, 7, 8]
@@ -268,37 +185,148 @@ def test_tensor_push_lands_and_generation_follows_it(backend):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
-VERIFY_CASES = [pytest.param("sglang", "llama", id="sglang-llama"),
-                pytest.param("sglang", "qwen2", id="sglang-qwen2", marks=pytest.mark.xfail(
-                    strict=True, raises=(EngineError, WeightSyncError),
-                    reason="issue 14 point 1: SGLang's Qwen2ForCausalLM has no get_weights_by_name, the real "
-                           "server answers 400, so verify=full raises after every push")),
-                pytest.param("embedded", "llama", id="embedded-llama"),
-                pytest.param("embedded", "qwen2", id="embedded-qwen2")]
+def test_input_token_logprobs_in_sglangs_shape(backend):
+    """Teacher-forced logprobs (return_logprob, logprob_start_len): SGLang's entries, one per prompt
+    token from the start, the first null, each the current model's logprob of that token. The
+    logprob check of a push stands on this answer."""
+    model, _, named = pushed(backend.arch, seed=13)
+    c = backend.clients(1)[0]
+    push_weights([c], named, "v13", PushSettings(mode="tensor", verify="off"))
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    out = c.generate(input_ids=prompts, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                     return_logprob=True, logprob_start_len=0)
+    for p, item in zip(prompts, out):
+        entries = CONTRACT.GenerateResponse.from_json_value(item).meta_info.input_token_logprobs
+        assert [e.token_id for e in entries] == p and entries[0].logprob is None
+        with torch.no_grad():
+            want = torch.log_softmax(model(torch.tensor([p])).logits[0, :-1].float(), -1)  # [T-1, V]
+        want = want.gather(1, torch.tensor(p[1:])[:, None])[:, 0]  # [T-1]
+        torch.testing.assert_close(torch.tensor([e.logprob for e in entries[1:]]), want, rtol=0, atol=1e-5)
+    late = c.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 1, "temperature": 0},
+                      return_logprob=True, logprob_start_len=2)["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in late] == prompts[0][2:] and late[0][0] is None  # SGLang nulls the first one kept
+    plain = c.generate(input_ids=prompts[0], sampling_params={"max_new_tokens": 1}, return_logprob=True)
+    assert plain["meta_info"]["input_token_logprobs"] == []  # the default (-1): output logprobs only
 
 
-@pytest.mark.parametrize("name,arch", VERIFY_CASES)
+# What verify=full does per backend and model: read every tensor back, or, where SGLang's model class has
+# no get_weights_by_name (Qwen2: issue 14 point 1, which raised an EngineError 400 after every push
+# before), fall back to the logprob check.
+VERIFY_METHOD = {("sglang", "llama"): "weights", ("sglang", "qwen2"): "logprobs",
+                 ("embedded", "llama"): "weights", ("embedded", "qwen2"): "weights"}
+
+
+@pytest.mark.parametrize("name,arch", BACKENDS, ids=[f"{b}-{a}" for b, a in BACKENDS])
 def test_tensor_push_verifies(name, arch, request):
-    """verify=full reads every tensor back through /get_weights_by_name."""
+    """verify=full passes on every backend and model, and says how it checked."""
     clients = _backend(request, name, arch).clients(1)
-    _, _, named = _pushed(arch, seed=12)
-    stats = push_weights(clients, named, "v12", PushSettings(mode="tensor", verify="full"))
-    assert stats["verified_tensors"] == len(named)
+    model, _, named = pushed(arch, seed=12)
+    stats = push_weights(clients, named, "v12", PushSettings(mode="tensor", verify="full"), probe=probe_of(model))
+    assert stats["verify_method"] == VERIFY_METHOD[name, arch]
+    if stats["verify_method"] == "weights":
+        assert stats["verified_tensors"] == len(named) and "verify_fallback" not in stats
+    else:
+        assert stats["verified_tensors"] == 0 and stats["logprob_engines"] == 1 and stats["logprob_max_diff"] < 1e-5
+        assert "get_weights_by_name refused" in stats["verify_fallback"][clients[0].url]
 
 
-RECEIVER_CASES = [pytest.param(b, k, id=f"{b}-{k}") for b in ("sglang", "embedded") for k in (1, 2, 4)]
+def test_logprob_check_catches_other_weights(backend):
+    """The logprob check fails an engine that computes with other weights than the probe's model,
+    and is refused, not skipped, where no probe is given and the weights cannot be read back."""
+    model, _, named = pushed(backend.arch, seed=14)
+    other, _, _ = pushed(backend.arch, seed=15)
+    c = backend.clients(1)[0]
+    stats = push_weights([c], named, "v14", PushSettings(verify="logprobs"), probe=probe_of(model))
+    assert stats["verify_method"] == "logprobs" and stats["logprob_max_diff"] < 1e-5
+    with pytest.raises(WeightSyncError, match="logprobs of the probe batch differ from the trainer's"):
+        verify_push([c], named, "v14", "logprobs", probe=probe_of(other))
+    if VERIFY_METHOD[backend.name, backend.arch] == "logprobs":
+        with pytest.raises(WeightSyncError, match="no logprob probe was given"):
+            verify_push([c], named, "v14", "full")
 
 
-@pytest.mark.parametrize("name,receivers", RECEIVER_CASES)
-def test_tensor_push_to_several_receivers(name, receivers, request):
+RECEIVER_CASES = [pytest.param(b, a, k, id=f"{b}-{a}-{k}") for b in ("sglang", "embedded") for a in ARCHS
+                  for k in (1, 2, 4)]
+
+
+@pytest.mark.parametrize("name,arch,receivers", RECEIVER_CASES)
+def test_tensor_push_to_several_receivers(name, arch, receivers, request):
     """Every receiver rebuilds the bucket (issue 14 point 2: one shared payload used to survive
-    only two long-lived receivers; the fix in the working tree pickles one payload per receiver)."""
-    clients = _backend(request, name, "llama").clients(receivers)
+    only two long-lived receivers; each receiver now gets its own pickle)."""
+    clients = _backend(request, name, arch).clients(receivers)
     assert len(clients) == receivers
-    _, _, named = _pushed("llama", seed=20 + receivers)
+    model, _, named = pushed(arch, seed=20 + receivers)
     version = f"r{receivers}-{time.time_ns()}"
-    stats = push_weights(clients, named, version, PushSettings(mode="tensor", verify="full"))
-    assert stats["engines"] == receivers and stats["verified_tensors"] == receivers * len(named)
+    stats = push_weights(clients, named, version, PushSettings(mode="tensor", verify="full", bucket_bytes=16 << 10),
+                         probe=probe_of(model))
+    assert stats["engines"] == receivers and stats["buckets"] > 1
+    checked = receivers * len(named) if VERIFY_METHOD[name, arch] == "weights" else 0
+    assert stats["verified_tensors"] == checked and stats["verify_method"] == VERIFY_METHOD[name, arch]
+
+
+def _generation_follows(clients: list[EngineClient], model, version: str) -> None:
+    prompt = [5, 6, 7, 8]
+    for c in clients:
+        out = c.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0,
+                                                            "ignore_eos": True})
+        assert out["meta_info"]["weight_version"] == version
+        assert out["output_ids"] == greedy_reference(model, prompt, 4, eos=())
+
+
+@pytest.mark.parametrize("receivers", [1, 2, 4])
+def test_distributed_push(backend, receivers):
+    """mode=distributed: SGLang's own init_custom_process_group joins reflow's gloo group (trainer
+    rank 0, engine i rank 1 + i), and each bucket arrives through one broadcast."""
+    clients = backend.clients(receivers)
+    model, _, named = pushed(backend.arch, seed=40 + receivers)
+    version = f"d{receivers}-{time.time_ns()}"
+    stats = push_weights(clients, named, version, PushSettings(mode="distributed", backend="gloo", verify="full",
+                                                               bucket_bytes=16 << 10), probe=probe_of(model))
+    assert stats["mode"] == "distributed" and stats["buckets"] > 1 and stats["engines"] == receivers
+    assert stats["verify_method"] == VERIFY_METHOD[backend.name, backend.arch]
+    _generation_follows(clients, model, version)
+
+
+def test_disk_push(backend, tmp_path):
+    """mode=disk: every engine reloads the HF folder the trainer wrote (SGLang: its DefaultModelLoader
+    over the stand-in model's load_weights), without a session."""
+    from reflow.engines.weights.push import publish_folder
+    from reflow.rl.demo_policy import save_policy
+
+    clients = backend.clients(2)
+    model, tok, named = pushed(backend.arch, seed=50)
+    version = f"disk-{time.time_ns()}"
+    path = publish_folder(lambda out: save_policy(model, tok, out), str(tmp_path), version)
+    stats = push_weights(clients, named, version, PushSettings(mode="disk", verify="full"), model_path=path,
+                         probe=probe_of(model))
+    assert stats["mode"] == "disk" and stats["verify_method"] == VERIFY_METHOD[backend.name, backend.arch]
+    _generation_follows(clients, model, version)
+
+
+def _memory_events(c: EngineClient) -> list:
+    """What the engine released and resumed, in order: the embedded engine's record, or the calls
+    SGLang's scheduler made on its memory saver (the stand-in's record)."""
+    info = c.server_info()
+    if "memory_events" in info:
+        return [(kind, tag) for kind, tags in info["memory_events"] for tag in tags]
+    return [tuple(e) for e in info["internal_states"][0]["memory_events"]]
+
+
+def test_release_resume_around_a_push(backend):
+    """Colocated mode's order (tasks/colocate.py): release everything, resume the weights, push,
+    resume the rest; generation then follows the pushed weights."""
+    c = backend.clients(1)[0]
+    model, _, named = pushed(backend.arch, seed=60)
+    before = len(_memory_events(c))
+    c.release_memory_occupation(["weights", "kv_cache", "cuda_graph"])
+    c.resume_memory_occupation(["weights"])
+    push_weights([c], named, "v60", PushSettings(verify="full"), probe=probe_of(model))
+    c.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    events = _memory_events(c)[before:]
+    assert [k for k, _ in events] == ["release"] * 3 + ["resume"] * 3
+    assert {t for k, t in events[:3]} == {t for k, t in events[3:]} == {"weights", "kv_cache", "cuda_graph"}
+    assert events[3][1] == "weights"
+    _generation_follows([c], model, "v60")
 
 
 @pytest.mark.parametrize("name", ["sglang", "embedded"])
@@ -307,14 +335,14 @@ def test_server_info_names_the_dtype_the_engine_holds(name, request):
     /server_info says "auto". reflow's launcher now pins the dtype (these servers get its flags): the
     reported dtype must reproduce the values the engine holds, read back through get_weights_by_name."""
     c = _backend(request, name, "llama").clients(1)[0]
-    _, _, named = _pushed("llama", seed=30)
+    _, _, named = pushed("llama", seed=30)
     push_weights([c], named, "v30", PushSettings(mode="tensor", verify="off"))
     reported = str(c.server_info()["dtype"]).removeprefix("torch.")
     assert reported != "auto", "the engine does not say which dtype it holds"
     dtype = {"float": torch.float32, "half": torch.float16}.get(reported) or getattr(torch, reported)
-    pushed = dict(named)["model.layers.0.self_attn.q_proj.weight"]
+    sent = dict(named)["model.layers.0.self_attn.q_proj.weight"]
     got = torch.tensor(c.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", truncate_size=1000))
-    assert torch.equal(got, pushed.to(dtype).float())
+    assert torch.equal(got, sent.to(dtype).float())
 
 
 # ---------------------------------------------------------------- SGLang's own behaviour behind two fixes
@@ -324,12 +352,12 @@ def test_sglang_auto_dtype_holds_float32_checkpoints_as_float16(sglang_apps):
     """Why the launcher pins --dtype (issue 14 point 4): under "auto", SGLang's ModelConfig loads a
     float32 checkpoint as float16, and /server_info still says "auto"."""
     c = EngineClient(sglang_apps[AUTO][0], timeout=60, api_key=KEY)
-    _, _, named = _pushed("llama", seed=40)
+    _, _, named = pushed("llama", seed=70)
     push_weights([c], named, "v40", PushSettings(mode="tensor", verify="off"))
     assert c.server_info()["dtype"] == "auto"
-    pushed = dict(named)["model.layers.0.mlp.up_proj.weight"]
+    sent = dict(named)["model.layers.0.mlp.up_proj.weight"]
     got = torch.tensor(c.get_weights_by_name("model.layers.0.mlp.up_proj.weight", truncate_size=1000))
-    assert torch.equal(got, pushed.half().float()) and not torch.equal(got, pushed)
+    assert torch.equal(got, sent.half().float()) and not torch.equal(got, sent)
 
 
 def test_one_pickled_payload_serves_two_receipts_only(sglang_apps):
@@ -339,7 +367,7 @@ def test_one_pickled_payload_serves_two_receipts_only(sglang_apps):
     from reflow.engines.weights.buckets import serialize_bucket
 
     c = EngineClient(sglang_apps[AUTO][0], timeout=60, api_key=KEY)
-    _, _, named = _pushed("llama", seed=41)
+    _, _, named = pushed("llama", seed=71)
     payload = serialize_bucket(named[:2])
     c.begin_weight_update()
     try:

@@ -12,6 +12,7 @@ from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.http_serve import new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.sglang import contract as sglang_contract
+from reflow.engines.weights import push
 from reflow.engines.weights.buckets import serialize_bucket
 from reflow.engines.weights.group import bucket_order, pack
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
@@ -121,8 +122,10 @@ def test_updates_outside_a_session_are_refused_as_sglang_refuses(clients):
         c.destroy_weights_update_group("g")
 
 
-def test_refused_distributed_join_fails_fast_and_unwinds(clients, tok):
+def test_refused_distributed_join_fails_fast_and_unwinds(clients, tok, monkeypatch):
     _, named = _new_named(tok, 21)
+    # As on a GPU trainer (which packs on its CUDA device): here the engine's refusal is under test.
+    monkeypatch.setattr(push, "group_device", lambda backend: torch.device("cpu"))
     with pytest.raises(WeightSyncError, match="use backend 'gloo'"):
         push_weights(clients[:1], named, "never", PushSettings(mode="distributed", backend="nccl", verify="off"))
     clients[0].begin_weight_update()  # session closed and generation resumed despite the failure
@@ -232,3 +235,49 @@ def test_sampled_verify_compares_the_first_rows(clients, tok):
             verify_weights(clients, tampered, "rows-v1", "sample", sample=len(named), rows=2)
     with pytest.raises(WeightSyncError, match=name):  # rows=None compares whole tensors
         verify_weights(clients, tampered, "rows-v1", "sample", sample=len(named), rows=None)
+
+
+def test_nccl_buckets_are_packed_on_the_trainers_cuda_device(clients, tok, monkeypatch):
+    """Issue 14 point 5: a mode=distributed push over nccl used to pack and broadcast host buffers,
+    which NCCL cannot send. The sender now packs on the trainer's current CUDA device, and without
+    one refuses before any engine is paused."""
+    assert push.group_device("gloo") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # what a GPU trainer's CUDA runtime answers
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert push.group_device("nccl") == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    _, named = _new_named(tok, 22)
+    with pytest.raises(WeightSyncError, match="sees no CUDA device.*set weight_sync.backend=gloo"):
+        push_weights(clients[:1], named, "never", PushSettings(mode="distributed", backend="nccl", verify="off"))
+    clients[0].begin_weight_update()  # refused before pause or session: nothing to unwind
+    clients[0].end_weight_update()
+    assert clients[0].generate(input_ids=[5], sampling_params={"max_new_tokens": 1})["output_ids"]
+
+
+def test_tensor_mode_refuses_engines_on_another_host(clients, tok):
+    """Issue 14 point 6: mode=tensor passes handles to this host's shared memory; an engine on
+    another node cannot open them. Refused before anything is sent, naming the modes that work."""
+    from reflow.engines.rollout_client import EngineClient
+
+    _, named = _new_named(tok, 23)
+    far = EngineClient("http://10.255.255.1:30000", timeout=1, api_key=KEY)  # not this host (never contacted)
+    with pytest.raises(WeightSyncError, match=r"not on this trainer's host.*weight_sync\.mode=distributed.*disk"):
+        push_weights([clients[0], far], named, "far", PushSettings(mode="tensor", verify="off"),
+                     master_address="10.1.2.3")
+    clients[0].begin_weight_update()  # refused before clients[0] was paused or entered a session
+    clients[0].end_weight_update()
+    push.check_same_host([EngineClient("http://10.1.2.3:1"), EngineClient("http://localhost:1")], "10.1.2.3")
+
+
+def test_sharded_readback_is_recognised_and_bad_verify_modes_refused(clients, tok):
+    """At TP > 1 SGLang's get_weights_by_name answers rank 0's shard: /server_info's tp_size says so,
+    and verify_push then checks that engine by logprobs (no TP > 1 engine runs here: only the
+    recognition is tested). An unknown verify mode is refused before anything is sent."""
+    from reflow.engines.weights.verify import sharded_readback
+
+    assert sharded_readback({"tp_size": 1}) is None and sharded_readback({}) is None
+    assert "rank 0's shard" in sharded_readback({"tp_size": 2})
+    _, named = _new_named(tok, 24)
+    with pytest.raises(ValueError, match="verify must be one of"):
+        push_weights(clients[:1], named, "never", PushSettings(verify="bogus"))
+    assert clients[0].model_info()["weight_version"] != "never"

@@ -143,10 +143,7 @@ def parse_generate(body, gen: Generator) -> tuple[_Job, bool, list[bool]]:
            for sp in _per_prompt(body.get("sampling_params") or {}, len(prompts), "sampling_params")]
     _sglang_verify(sps, gen)
     lps = [bool(x) for x in _per_prompt(body.get("return_logprob") or False, len(prompts), "return_logprob")]
-    starts = _per_prompt(body.get("logprob_start_len", -1), len(prompts), "logprob_start_len")
-    if any(lp and s is not None and s >= 0 for lp, s in zip(lps, starts)):
-        raise ContractError("input token logprobs (logprob_start_len >= 0) are not supported by the embedded "
-                            "engine; use logprob_start_len=-1 (output logprobs only)")
+    starts = _input_logprob_starts(body, prompts, lps)
     rid = body.get("rid")
     if batch and isinstance(rid, str):
         raise ContractError("rid must be a list with one id per prompt for a batch request")
@@ -159,8 +156,23 @@ def parse_generate(body, gen: Generator) -> tuple[_Job, bool, list[bool]]:
     if ns[0] > 1 and isinstance(body.get("return_logprob"), list):
         raise ValueError("Cannot use list return_logprob with parallel_sample_num > 1")
     cfgs = [SamplingConfig.from_dict({k: v for k, v in sp.items() if k not in _NOT_CONFIG}) for sp in sps]
-    job = _Job(prompts=prompts, cfgs=cfgs, ns=ns, rids=rids)
+    job = _Job(prompts=prompts, cfgs=cfgs, ns=ns, rids=rids, logprob_starts=starts)
     return job, not batch and ns[0] == 1, [lp for lp, k in zip(lps, ns) for _ in range(k)]
+
+
+def _input_logprob_starts(body: dict, prompts: list[list[int]], lps: list[bool]) -> list[int | None]:
+    """Per prompt, where its input_token_logprobs start (None: not asked for). As in SGLang, only with
+    return_logprob; a start past the prompt is refused (SGLang aborts the request with this text)."""
+    starts = _per_prompt(body.get("logprob_start_len", -1), len(prompts), "logprob_start_len")
+    out: list[int | None] = []
+    for p, lp, s in zip(prompts, lps, starts):
+        if s is not None and not _is_int(s):
+            raise ContractError(f"invalid type: {_unexpected(s)}, expected i64 (logprob_start_len)")
+        if lp and s is not None and s > len(p):
+            raise ContractError(f"req.logprob_start_len={s} is higher than the number of input tokens "
+                                f"len(req.origin_input_ids)={len(p)}. Please use a smaller logprob_start_len.")
+        out.append(s if lp and s is not None and s >= 0 else None)
+    return out
 
 
 def make_response(rec: dict, with_logprobs: bool, version: str, latency: float) -> dict:
@@ -170,6 +182,7 @@ def make_response(rec: dict, with_logprobs: bool, version: str, latency: float) 
             "e2e_latency": latency}
     if with_logprobs:
         meta["output_token_logprobs"] = rec["output_token_logprobs"]
+        meta["input_token_logprobs"] = rec.get("input_token_logprobs", [])  # SGLang: [] unless asked for
     return {"text": rec["text"], "output_ids": rec["output_ids"], "meta_info": meta}
 
 

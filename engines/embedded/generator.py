@@ -14,6 +14,9 @@ the trainer depend on them:
 - output_ids keep the matched stop token; `text` drops it unless `no_stop_trim`.
 - `sampling_seed` makes a sample a function of (seed, position) only, so two samples of the
   same request with the same seed are identical (as in SGLang).
+- input_token_logprobs (logprob_start_len >= 0): plain log_softmax of each prompt token given
+  the tokens before it, the first entry null, as SGLang's scheduler reports them; computed by one
+  extra cache-free forward of the prompt (`input_logprobs`), since decoding keeps only the last logits.
 Departure: penalties, logit_bias, grammars and stop_regex are not implemented (the HTTP layer
 rejects them with a 400 instead of silently ignoring them).
 
@@ -282,6 +285,19 @@ class Generator:
         for i in running:
             if rows[i].rid in aborted:
                 rows[i].finish = {"type": "abort", "message": aborted[rows[i].rid]}
+
+    @torch.inference_mode()
+    def input_logprobs(self, prompt: list[int], start: int) -> list[float | None]:
+        """SGLang's input_token_logprobs values for logprob_start_len=`start`: one per prompt token from
+        `start` on, the logprob of that token given the ones before it (plain log_softmax), the first
+        entry null (SGLang's scheduler drops the last position's and puts None first)."""
+        if start >= len(prompt):
+            return []
+        ids = torch.tensor([prompt], device=self.device)  # [1, T]
+        with self.lock:
+            logits = self.model(input_ids=ids, use_cache=False).logits[0, :-1].float()  # [T-1, V]
+        lp = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]  # [T-1]: token t+1 given <= t
+        return [None, *lp[start:].tolist()]
 
     # ------------------------------------------------------------ weights
 

@@ -33,6 +33,7 @@ class _Job:
     cfgs: list[SamplingConfig]
     ns: list[int]
     rids: list[str]
+    logprob_starts: list[int | None] | None = None  # per prompt: input logprobs from this token (None: none)
     future: Future = field(default_factory=Future)
 
 
@@ -101,8 +102,28 @@ class EngineState:
             return
         for j in jobs:
             size = sum(j.ns)
-            j.future.set_result(recs[:size])
-            recs = recs[size:]
+            mine, recs = recs[:size], recs[size:]
+            try:
+                self._add_input_logprobs(j, mine)
+            except Exception as e:  # deliberate: this request gets the failure, the others their records
+                j.future.set_exception(e)
+                continue
+            j.future.set_result(mine)
+
+    def _add_input_logprobs(self, job: _Job, recs: list[dict]) -> None:
+        """Teacher-forced logprobs of the prompt (logprob_start_len >= 0), computed here in the worker so
+        they see the same weights as the samples; every sample of a prompt carries its prompt's."""
+        if not job.logprob_starts:
+            return
+        k = 0
+        for prompt, n, start in zip(job.prompts, job.ns, job.logprob_starts):
+            if start is not None and start >= 0:
+                values = self.gen.input_logprobs(prompt, start)
+                entries = [[v, t, None] for v, t in zip(values, prompt[start:])]
+                for rec in recs[k:k + n]:
+                    if rec["finish_reason"].get("type") != "abort":
+                        rec["input_token_logprobs"] = entries
+            k += n
 
     def _checkpoint(self, rids: list[str]) -> dict[str, str]:
         """Between decode steps: park while paused in place; report the rows to abort."""

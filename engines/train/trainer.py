@@ -272,6 +272,7 @@ class TrainerRank(DeepSpeedRank):
         """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, mode
         tensor|distributed|disk) with their `api_key`, and returns the report. Collective."""
         named = self._gathered(keep=self.rank == 0)
+        probe = self._logprob_probe() if settings.verify != "off" else None  # collective under ZeRO-3
         if self.rank != 0:
             return {}
         import ray
@@ -287,7 +288,7 @@ class TrainerRank(DeepSpeedRank):
             if s.mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
                 path = publish_folder(lambda out: self._write_hf(named, out), s.disk_dir, version, s.storage)
             return push_weights(clients, named, version, s, model_path=path,
-                                master_address=ray.util.get_node_ip_address())
+                                master_address=ray.util.get_node_ip_address(), probe=probe)
 
         if settings.mode == "tensor" and self._shm_lost is not None:
             return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
@@ -301,3 +302,22 @@ class TrainerRank(DeepSpeedRank):
     def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
         self.engine.module.save_pretrained(out, state_dict=dict(named))
         load_tokenizer(self.model_path, storage=self.storage).save_pretrained(out)
+
+    @torch.no_grad()
+    def _logprob_probe(self):
+        """The policy's logprobs of the fixed probe batch at the weights being pushed, for the logprob
+        check of engines that cannot read weights back (reflow.engines.weights.verify). Collective: a
+        forward under ZeRO-3."""
+        from reflow.engines.weights.verify import LogprobProbe, probe_prompts
+
+        module = self.engine.module
+        prompts = probe_prompts(int(module.config.vocab_size))
+        ids = torch.tensor(prompts, device=self.engine.device)  # [P, T]
+        training = module.training
+        module.eval()
+        try:
+            logits = self.engine(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [P, T-1, V]
+        finally:
+            module.train(training)
+        ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].cpu()  # [P, T-1]
+        return LogprobProbe(prompts, list(ref), next(module.parameters()).dtype)

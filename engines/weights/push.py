@@ -5,21 +5,24 @@ end session -> continue (`update_window`; the disk mode needs no session in SGLa
 - tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
   <= bucket_bytes; each bucket is packed once into one shared buffer and pickled once per receiver
   (every engine, and every TP rank of an engine: a handle pays for one rebuild, see
-  buckets.SharedBucket); the buffer is freed when all those calls have returned.
+  buckets.SharedBucket); the buffer is freed when all those calls have returned. The buffer lives
+  in this host's shared memory (/dev/shm), not CUDA IPC (issue 16), so every engine must run on
+  this host: `check_same_host` refuses others, naming mode=distributed or disk.
 - distributed: init_weights_update_group (this process is rank 0), then per bucket
-  update_weights_from_distributed + one broadcast of the flattened buffer; group destroyed after.
+  update_weights_from_distributed + one broadcast of the flattened buffer (on the CUDA device for
+  backend=nccl, `group_device`); group destroyed after.
 - disk: update_weights_from_disk of an HF folder / storage URL the caller wrote.
 try/finally makes sure no engine is left paused or inside a session, whatever fails.
 
-Verification reads tensors back through /get_weights_by_name and compares them with the pushed
-copy cast to the engine's dtype. Any difference raises `WeightSyncError`: a silent mismatch would
-make every later importance ratio wrong.
+Verification (reflow.engines.weights.verify, which says what each mode proves) reads tensors back
+through /get_weights_by_name, or, where an engine cannot answer that whole (SGLang's Qwen models,
+TP > 1), compares its logprobs of a probe batch with the trainer's; any difference raises
+`WeightSyncError`.
 """
 from __future__ import annotations
 
 import logging
 import os
-import random
 import shutil
 import socket
 import tempfile
@@ -30,6 +33,7 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import torch
 
@@ -38,16 +42,19 @@ from reflow.engines.storage_access import StorageAccess, is_local
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import SharedBucket
 from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
+from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, verify_weights: re-exported
+    VERIFY_MODES,
+    LogprobProbe,
+    Named,
+    WeightSyncError,
+    verify_push,
+    verify_weights,
+)
 
 log = logging.getLogger(__name__)
 _FLUSH_RETRIES = 20
 
 
-class WeightSyncError(RuntimeError):
-    """Weights on an engine are not the weights that were pushed (or the push failed)."""
-
-
-Named = list[tuple[str, torch.Tensor]]
 
 
 def make_buckets(named_tensors: Named, bucket_bytes: int) -> list[Named]:
@@ -103,7 +110,7 @@ def _send_buckets(clients: list[EngineClient], named_tensors: Named, bucket_byte
 
 
 def _send_distributed(clients: list[EngineClient], named_tensors: Named, bucket_bytes: int, version: str,
-                      master_address: str, backend: str) -> int:
+                      master_address: str, backend: str, device: torch.device | None = None) -> int:
     """mode=distributed: a fresh weight-update group (this process = rank 0), one broadcast per bucket,
     the group destroyed afterwards. Returns the bucket count."""
     tp = [_tp_size(c) for c in clients]
@@ -118,7 +125,7 @@ def _send_distributed(clients: list[EngineClient], named_tensors: Named, bucket_
         pg = _join(opening, inits, joined)
         buckets = make_buckets(weight_group.bucket_order(named_tensors), bucket_bytes)
         for bucket in buckets:
-            flat, names, dtypes, shapes = weight_group.pack(bucket)
+            flat, names, dtypes, shapes = weight_group.pack(bucket, device or group_device(backend))
             calls = [pool.submit(c.update_weights_from_distributed, names, dtypes, shapes, name, "flattened_bucket",
                                  version) for c in clients]
             weight_group.broadcast(pg, flat)
@@ -270,107 +277,71 @@ MODES = ("tensor", "distributed", "disk")
 
 def push_weights(clients: list[EngineClient], named_tensors: Named, version: str,
                  settings: PushSettings = DEFAULT_PUSH, *, model_path: str | None = None,
-                 master_address: str = "127.0.0.1") -> dict:
+                 master_address: str = "127.0.0.1", probe: LogprobProbe | None = None) -> dict:
     """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
 
-    settings.mode: "tensor" (shared-memory / CUDA IPC buckets), "distributed" (a broadcast group
-    with this process as rank 0 at `master_address`, backend gloo|nccl) or "disk" (engines reload
-    `model_path`, which the caller has written; SGLang needs no session for it).
+    settings.mode: "tensor" (buckets in this host's shared memory: engines on this host only),
+    "distributed" (a broadcast group with this process as rank 0 at `master_address`, backend
+    gloo|nccl) or "disk" (engines reload `model_path`, which the caller has written; SGLang needs
+    no session for it). `probe`: the trainer's logprobs of the probe batch at these weights, for
+    verify=logprobs and for engines whose weights cannot be read back (reflow.engines.weights.verify).
     """
     s = settings
-    if s.verify not in ("full", "sample", "off"):
-        raise ValueError(f"verify must be 'full', 'sample' or 'off', got {s.verify!r}")
+    if s.verify not in VERIFY_MODES:  # before anything is sent
+        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {s.verify!r}")
     if s.mode not in MODES:
         raise ValueError(f"weight push mode must be one of {MODES}, got {s.mode!r}")
     if s.mode == "disk" and not model_path:
         raise ValueError("mode='disk' needs model_path: the HF folder (or URL) the trainer saved")
+    if s.mode == "tensor":
+        check_same_host(clients, master_address)
+    device = group_device(s.backend) if s.mode == "distributed" else None  # before any engine is paused
     t0 = time.perf_counter()
     with update_window(clients, s.pause_mode, session=s.mode != "disk"):
         if s.mode == "tensor":
             buckets = _send_buckets(clients, named_tensors, s.bucket_bytes, version)
         elif s.mode == "distributed":
-            buckets = _send_distributed(clients, named_tensors, s.bucket_bytes, version, master_address, s.backend)
+            buckets = _send_distributed(clients, named_tensors, s.bucket_bytes, version, master_address, s.backend,
+                                        device)
         else:
             buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
-    verified = verify_weights(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol,
-                              s.verify_rows)
+    checked = verify_push(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol, s.verify_rows,
+                          probe, s.verify_logprob_tol)
     return {"mode": s.mode, "bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
-            "buckets": buckets, "engines": len(clients), "verified_tensors": verified,
+            "buckets": buckets, "engines": len(clients), **checked,
             "verify_seconds": time.perf_counter() - t0 - seconds}
 
 
-# /server_info's "dtype" -> what the engine holds: SGLang's --dtype choices and torch's names (the embedded
-# engine reports its own dtype, e.g. "float32").
-_ENGINE_DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32,
-                  "float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-# Under SGLang's --dtype auto the engine holds the checkpoint's dtype, except float32, which it loads as
-# float16 (bfloat16 for Gemma), and /server_info still says "auto": the check accepts any of these.
-_AUTO_CANDIDATES = (torch.float16, torch.bfloat16)
+def group_device(backend: str) -> torch.device:
+    """Where mode=distributed packs its buckets: the broadcast runs on `backend`'s device (gloo:
+    host memory; nccl: the current CUDA device, the one this trainer rank computes on)."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise WeightSyncError("weight_sync.backend=nccl broadcasts from a CUDA buffer, but this trainer process "
+                              "sees no CUDA device: run the trainer on GPUs or set weight_sync.backend=gloo")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
-def _engine_dtype(client: EngineClient) -> torch.dtype | None:
-    """The dtype the engine holds weights in, from /server_info; None for SGLang's "auto" (unknown:
-    reflow's launcher pins it, an engine launched otherwise may not)."""
-    name = str(client.server_info().get("dtype", "auto")).removeprefix("torch.")
-    if name == "auto":
-        return None
-    if name not in _ENGINE_DTYPES:
-        raise WeightSyncError(f"engine {client.url} reports dtype {name!r}, which the weight check cannot compare "
-                              f"in (known: {sorted(_ENGINE_DTYPES)}); launch it with one of those or verify=off")
-    return _ENGINE_DTYPES[name]
+_LOOPBACK = ("127.", "::1", "localhost")
 
 
-def verify_weights(clients: list[EngineClient], named_tensors: list[tuple[str, torch.Tensor]], version: str,
-                   mode: str = "full", sample: int = 4, atol: float = 0.0, rows: int | None = None) -> int:
-    """Check version and tensor values on every engine; returns how many tensors were compared.
-
-    mode="sample" with `rows` compares the first `rows` rows of each sampled tensor (SGLang's
-    `truncate_size`): the answer is JSON, so whole embedding matrices cost seconds per push.
-
-    atol=0 demands bit-equality after casting to the dtype the engine reports in /server_info; a
-    quantised engine (fp8, int4) cannot reproduce the pushed values exactly, so give it the tolerance its
-    format needs. An engine that reports SGLang's "auto" passes when it holds the pushed values cast to
-    the pushed dtype, float16 or bfloat16 (what "auto" can load them as); the launcher pins --dtype."""
-    if mode == "off":
-        return 0
-    names = [n for n, _ in named_tensors]
-    if mode == "sample":  # deterministic per version, so a rerun checks the same tensors
-        names = sorted(random.Random(version).sample(sorted(names), min(sample, len(names))))
-    pushed = dict(named_tensors)
-    count = 0
+def check_same_host(clients: list[EngineClient], node_address: str) -> None:
+    """mode=tensor hands engines handles to this host's shared memory (/dev/shm), which an engine on
+    another node cannot open: refuse, naming the modes that cross nodes. `node_address` is this
+    node's IP (the trainer passes Ray's); an engine URL naming it or loopback is local."""
+    local = {node_address, socket.gethostname()}
     for c in clients:
-        got_version = c.model_info().get("weight_version")
-        if str(got_version) != str(version):
-            raise WeightSyncError(f"engine {c.url} reports weight_version {got_version!r}, expected {version!r}")
-        dtype = _engine_dtype(c)
-        for name in names:
-            candidates = (dtype,) if dtype is not None else (pushed[name].dtype, *_AUTO_CANDIDATES)
-            _compare(c, name, pushed[name], candidates, atol, rows if mode == "sample" else None)
-            count += 1
-    return count
-
-
-def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtypes: tuple[torch.dtype, ...],
-             atol: float = 0.0, rows: int | None = None) -> None:
-    """Pass when the engine's values equal `pushed` cast to one of `dtypes` (what the engine may hold)."""
-    src = pushed.detach().to("cpu")
-    if rows is not None and src.dim() and src.shape[0] > rows:
-        src = src[:rows]  # the engine truncates along dim 0 the same way
-        size = rows
-    else:
-        size = max(src.shape[0] if src.dim() else 1, src.numel())
-    got = torch.tensor(client.get_weights_by_name(name, truncate_size=size), dtype=torch.float32)
-    src = src.reshape(1) if src.dim() == 0 else src
-    if tuple(got.shape) != tuple(src.shape):
-        raise WeightSyncError(f"engine {client.url} tensor {name!r}: shape {tuple(got.shape)} "
-                              f"!= pushed {tuple(src.shape)}")
-    diffs = []
-    for dt in dtypes:
-        want = src.to(dt).float()  # what an engine holding `dt` must answer
-        if torch.equal(got, want) if atol == 0 else torch.allclose(got, want, rtol=0.0, atol=atol):
-            return  # NaN never passes either way
-        diffs.append(f"{str(dt).removeprefix('torch.')}: max abs diff {(got - want).abs().max().item():.3g}")
-    held = ("engine dtype 'auto', so any of these" if len(dtypes) > 1 else "engine dtype")
-    raise WeightSyncError(f"engine {client.url} tensor {name!r} differs from the pushed weights cast to the "
-                          f"{held}: {'; '.join(diffs)} (tolerance {atol:g})")
+        host = urlsplit(c.url).hostname or ""
+        if host.startswith(_LOOPBACK) or host in local:
+            continue
+        try:
+            addr = socket.gethostbyname(host)
+        except OSError:
+            addr = None
+        if addr is None or not (addr.startswith("127.") or addr == node_address):
+            raise WeightSyncError(f"weight_sync.mode=tensor: engine {c.url} is not on this trainer's host "
+                                  f"({node_address}); tensor pushes pass shared-memory handles only a process on the "
+                                  f"same host can open. Set weight_sync.mode=distributed (a broadcast group across "
+                                  f"nodes) or disk (a folder every engine node can read)")

@@ -14,10 +14,11 @@ class PushSettings:
 
     mode: Literal["tensor", "distributed", "disk"] = "tensor"
     bucket_bytes: int = 512 << 20
-    verify: Literal["full", "sample", "off"] = "full"
+    verify: Literal["full", "sample", "logprobs", "off"] = "full"  # what each proves: reflow.engines.weights.verify
     verify_sample: int = 4  # tensors compared when verify=sample
     verify_rows: int | None = None  # first rows of each sampled tensor; None = whole tensors
     verify_atol: float = 0.0  # 0 = bit-exact
+    verify_logprob_tol: float | None = None  # mean |engine - trainer| logprob allowed; None: by dtype (verify.LOGPROB_TOLERANCE)
     backend: Literal["gloo", "nccl"] = "gloo"  # mode=distributed: the broadcast group's backend
     disk_dir: str | None = None  # mode=disk: where the versioned HF folders go (default: a local temp dir)
     pause_mode: str = "abort"  # what engines do with in-flight requests during the update
