@@ -252,12 +252,16 @@ def report(res: dict, args) -> None:
     if res["train"]:
         print(C.table(res["train"], [("what", "trainer", ""), ("s", "s/step", ".3f"), ("tok_s", "tokens/s", ".0f"),
                                      ("tflops", "TFLOP/s", ".1f"), ("mfu", "MFU", ".1%"),
-                                     ("gpu_gib", "GPU peak GiB", ".1f"), ("warmup_s", "warm-up s", ".1f")]))
+                                     ("mfu_executed", "MFU executed", ".1%"), ("gpu_gib", "GPU peak GiB", ".1f"),
+                                     ("warmup_s", "warm-up s", ".1f")]))
         prof = res["trainer_summary"]["profile"]
         if prof:
             print(f"profile of one default step: {prof['wall_ms']:.0f} ms, GPU busy {prof['gpu_busy_ms']:.0f} ms, "
                   f"idle {prof['gpu_idle_share']:.1%}; top kernels:")
             print(C.table(prof["top"], [("kernel", "kernel", ""), ("ms", "ms", ".1f"), ("calls", "calls", "d")]))
+            print(C.table([{"phase": k, **v} for k, v in prof["phases"].items()],
+                          [("phase", "phase", ""), ("cpu_ms", "host ms", ".1f"), ("gpu_ms", "kernels ms", ".1f"),
+                           ("calls", "calls", "d")]))
     if res["engine"]:
         print(C.table(res["engine"], [("mode", "lengths", ""), ("batch", "batch", "d"), ("tokens", "tokens", "d"),
                                       ("ours_tps", "ours tok/s", ".0f"), ("ours/http_tps", "ours/http tok/s", ".0f"),

@@ -24,6 +24,7 @@ VARIANTS = {  # name: (RankSettings overrides, micro-batch multiplier)
     "default": ({}, 1), "old-pass": ({"old_logprob_pass": "always"}, 1), "eager": ({"compile": "off"}, 1),
     "accum-bf16": ({"grad_accum_dtype": "bf16"}, 1), "immediate": ({"immediate_grad_update": True}, 1),
     "zero2": ({"zero_stage": 2}, 1), "zero3": ({"zero_stage": 3}, 1), "micro-x2": ({}, 2),
+    "all-scored": ({}, 1),  # a 1-token prompt: every position scored, as in the plain loop's loss
 }
 
 
@@ -47,7 +48,8 @@ def run_variant(G, trainer, cfg, args, name: str) -> dict:
     """Warm-up step (compiles), then args.steps timed steps of `train_iteration`."""
     from reflow.rl.losses import LossSettings
 
-    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
+    prompt = 1 if name == "all-scored" else args.seq // 2
+    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, prompt)
     kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
     t0 = time.perf_counter()
     m = trainer.train_iteration(batch, **kw)
@@ -61,11 +63,15 @@ def run_variant(G, trainer, cfg, args, name: str) -> dict:
     sec = (time.perf_counter() - t0) / args.steps
     forwards = 3 if m.get("old_logprobs_reused") else 4
     fl = G.model_flops(cfg, args.batch, args.seq, forwards)
+    # The LM head does not run on the prompt positions before the first scored one (prompt - 1 each).
+    executed = fl - forwards * args.batch * (prompt - 1) * 2 * cfg.vocab_size * cfg.hidden_size
     row = {"what": f"reflow {name}", "variant": name, "s": sec, "tok_s": args.batch * args.seq / sec,
-           "tflops": fl / sec / 1e12, "mfu": fl / sec / G.PEAK_BF16[args.device], "gpu_gib": G.gpu_peak_gib(),
+           "tflops": fl / sec / 1e12, "mfu": fl / sec / G.PEAK_BF16[args.device],
+           "mfu_executed": executed / sec / G.PEAK_BF16[args.device], "gpu_gib": G.gpu_peak_gib(),
            "forwards": forwards, "warmup_s": warm, "compile_graphs": m.get("compile_graphs", 0.0),
            "micro": trainer.micro_batch_size}
-    print(f"  {row['what']}: {sec:.3f} s/step, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%}, "
+    print(f"  {row['what']}: {sec:.3f} s/step, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%} "
+          f"(executed FLOPs {row['mfu_executed']:.1%}), "
           f"{row['gpu_gib']:.1f} GiB, warm-up {warm:.1f} s", flush=True)
     return row
 
@@ -88,10 +94,16 @@ def profile(G, trainer, cfg, args) -> dict:
     from torch.autograd import DeviceType
 
     # Kernels only: an aten op's own entry repeats the device time of the kernels it launched.
-    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0]
+    # Ranges (reflow's record_function phases, the optimizer's step) also appear on the GPU timeline.
+    rows = [e for e in prof.key_averages() if e.device_type == DeviceType.CUDA and e.self_device_time_total > 0
+            and not getattr(e, "is_user_annotation", False) and not e.key.startswith(("reflow.", "Optimizer."))]
     busy = sum(e.self_device_time_total for e in rows)
     top = sorted(rows, key=lambda e: -e.self_device_time_total)[:10]
-    return {"wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3,
+    # reflow's own phase ranges (record_function in the trainer): host time spent in each, and the
+    # device time of the kernels launched inside it; host >> device marks where the GPU waits.
+    phases = {e.key: {"cpu_ms": e.cpu_time_total / 1e3, "gpu_ms": e.device_time_total / 1e3, "calls": e.count}
+              for e in prof.key_averages() if e.key.startswith("reflow.") and e.device_type != DeviceType.CUDA}
+    return {"wall_ms": wall_us / 1e3, "gpu_busy_ms": busy / 1e3, "phases": phases,
             "gpu_idle_share": max(0.0, 1 - busy / wall_us) if busy else float("nan"),
             "top": [{"kernel": e.key[:90], "ms": e.self_device_time_total / 1e3, "calls": e.count} for e in top]}
 
@@ -135,11 +147,10 @@ def plain(G, folder: Path, cfg, args, compiled: bool, micro: int) -> dict:
     fl = G.model_flops(cfg, args.batch, args.seq, forwards=3)
     row = {"what": "plain torch loop" + (" (compiled layers)" if compiled else "") + f" micro {micro}",
            "variant": "plain" + "-compiled" * compiled + "-x2" * (micro != args.micro), "s": sec, "micro": micro, "tok_s": args.batch * args.seq / sec, "tflops": fl / sec / 1e12,
-           "mfu": fl / sec / G.PEAK_BF16[args.device], "gpu_gib": G.gpu_peak_gib(), "forwards": 3, "warmup_s": warm}
+           "mfu": fl / sec / G.PEAK_BF16[args.device], "mfu_executed": fl / sec / G.PEAK_BF16[args.device],
+           "gpu_gib": G.gpu_peak_gib(), "forwards": 3, "warmup_s": warm}
     print(f"  {row['what']}: {sec:.3f} s/step, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%}", flush=True)
-    del model, opt
-    _free()
-    return row
+    return row  # the model and optimizer go with this frame; bench_all frees the cache after
 
 
 def bench_all(G, folder: Path, cfg, args) -> tuple[list[dict], dict | None]:
@@ -149,6 +160,7 @@ def bench_all(G, folder: Path, cfg, args) -> tuple[list[dict], dict | None]:
         if name in PLAINS:
             rows.append(_guarded(name, lambda n=name: plain(G, folder, cfg, args, compiled="compiled" in n,
                                                             micro=args.micro * (2 if n.endswith("-x2") else 1))))
+            _free()
             continue
         overrides, mult = VARIANTS[name]
 
@@ -183,12 +195,16 @@ def summary(rows: list[dict], prof: dict | None, args, shape: str) -> dict:
     by = {r["variant"]: r for r in rows}
     get = lambda v, k: by[v][k] if v in by and not math.isnan(by[v][k]) else None  # noqa: E731
     out = {"commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "shape": shape,
-           "reflow_mfu": get("default", "mfu"), "reflow_tokens_per_s": get("default", "tok_s"),
+           "reflow_mfu": get("default", "mfu"), "reflow_mfu_executed": get("default", "mfu_executed"),
+           "reflow_tokens_per_s": get("default", "tok_s"), "reflow_all_scored_mfu": get("all-scored", "mfu"),
+           "reflow_all_scored_tokens_per_s": get("all-scored", "tok_s"),
            "plain_tokens_per_s": get("plain", "tok_s"), "plain_compiled_tokens_per_s": get("plain-compiled", "tok_s"),
            "plain_mfu": get("plain", "mfu"), "plain_compiled_mfu": get("plain-compiled", "mfu"),
            "micro": args.micro}
-    if out["reflow_tokens_per_s"] and out["plain_compiled_tokens_per_s"]:
-        out["reflow_over_plain_compiled"] = out["reflow_tokens_per_s"] / out["plain_compiled_tokens_per_s"]
+    for mine, key in (("reflow_tokens_per_s", "reflow_over_plain_compiled"),
+                      ("reflow_all_scored_tokens_per_s", "reflow_all_scored_over_plain_compiled")):
+        if out[mine] and out["plain_compiled_tokens_per_s"]:
+            out[key] = out[mine] / out["plain_compiled_tokens_per_s"]
     out.update(rows=rows, profile=prof)
     return out
 

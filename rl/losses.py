@@ -6,6 +6,7 @@ padding; every reduction here ignores masked positions, even when they hold inf 
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -324,14 +325,17 @@ def policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask
     with torch.no_grad():
         _, ratio, loss_unclipped, loss_clipped = _ppo_terms(
             logprobs, old_logprobs, advantages, mask, clip_eps_low, clip_eps_high, ratio_level)
+        # Masked reductions only: no boolean indexing or host round trip, so on a GPU the metrics
+        # cost no synchronisation (the trainer reads them once per iteration).
         keep = mask != 0  # [B, T]
-        any_tok = bool(keep.any())
-        one = torch.ones((), dtype=ratio.dtype)
+        any_tok = keep.any()
+        one = torch.ones((), dtype=ratio.dtype, device=ratio.device)
+        inf = torch.full((), math.inf, dtype=ratio.dtype, device=ratio.device)
         metrics = {
             "clip_frac": masked_mean((loss_clipped > loss_unclipped).float(), mask),
-            "ratio_mean": masked_mean(ratio, mask) if any_tok else one,
-            "ratio_min": ratio[keep].min() if any_tok else one,
-            "ratio_max": ratio[keep].max() if any_tok else one,
+            "ratio_mean": torch.where(any_tok, masked_mean(ratio, mask), one),
+            "ratio_min": torch.where(any_tok, torch.where(keep, ratio, inf).min(), one),
+            "ratio_max": torch.where(any_tok, torch.where(keep, ratio, -inf).max(), one),
             "approx_kl": masked_mean(old_logprobs - logprobs, mask),
         }
     return loss, {k: v.detach() for k, v in metrics.items()}

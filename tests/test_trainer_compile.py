@@ -31,6 +31,9 @@ def test_length_buckets_are_four_per_octave():
 def test_compile_mode_and_layer_lookup(tiny_policy):
     assert use_compile("auto", torch.device("cuda")) and not use_compile("auto", torch.device("cpu"))
     assert use_compile("on", torch.device("cpu")) and not use_compile("off", torch.device("cuda"))
+    assert not use_compile("auto", torch.device("cuda"), zero_stage=3)
+    with pytest.raises(ValueError, match="zero_stage=3"):
+        use_compile("on", torch.device("cuda"), zero_stage=3)
     with pytest.raises(ValueError, match="auto, on or off"):
         use_compile("yes", torch.device("cpu"))  # type: ignore[arg-type]
     from reflow.engines.hf_io import load_causal_lm

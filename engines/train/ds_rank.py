@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function  # phase names in profiles; ~free otherwise
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -132,7 +133,9 @@ def _rows(t: dict[str, torch.Tensor], start: int, end: int, round_up=None) -> di
     """Rows [start, end) cut to the longest sequence among them (padding shared by all is dropped),
     or to `round_up(longest)` (a compiled model's length bucket; `t` must be padded that far)."""
     out = {k: v[start:end] for k, v in t.items()}
-    L = max(int(out["attention_mask"].sum(dim=1).max()), 2)
+    # "seq_len" (optional): the rows' lengths kept on the host, so cutting costs no device sync.
+    lengths = out["seq_len"] if "seq_len" in out else out["attention_mask"].sum(dim=1)  # [b]
+    L = max(int(lengths.max()), 2)
     if round_up is not None:
         L = min(round_up(L), out["attention_mask"].shape[1])
     return {k: v if v.dim() == 1 else v[:, :L] if k in ("input_ids", "attention_mask") else v[:, : L - 1]
@@ -154,8 +157,10 @@ class DeepSpeedRank:
     def _build_engine(self, model, cfg: dict, lr: float, weight_decay: float, lr_lambda) -> None:
         import deepspeed
 
+        # fused on CUDA: DeepSpeed hands the optimizer one flat fp32 tensor, on which the foreach
+        # implementation still makes ~8 passes over memory (12.7 ms of a 0.28 s step on the H200).
         self.optimizer = _VetoableAdamW([p for p in model.parameters() if p.requires_grad], lr=lr,
-                                        weight_decay=weight_decay)
+                                        weight_decay=weight_decay, fused=torch.cuda.is_available() or None)
         # Stepped by us after applied updates only, so vetoed steps do not advance the schedule.
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=cfg)
@@ -175,13 +180,17 @@ class DeepSpeedRank:
     def _accumulate_and_step(self, micros: list, loss_of, k: int, n_minis: int) -> float:
         """Backward `loss_of(micro)` for each micro-batch of mini-batch k, then one step agreed by all
         ranks. Returns the grad norm; raises NonFiniteLossError (update skipped) on NaN/inf."""
-        nonfinite = False
+        nonfinite = torch.zeros((), dtype=torch.bool)
         for j, micro in enumerate(micros):
             self.engine.set_gradient_accumulation_boundary(j == len(micros) - 1)
-            loss = loss_of(micro)
-            nonfinite |= not bool(torch.isfinite(loss))
-            self.engine.backward(loss)  # even when non-finite: the backward passes are collective
-        return self._step(nonfinite, k, n_minis)
+            with record_function("reflow.forward_loss"):
+                loss = loss_of(micro)
+            # Kept on the device until the step: a host read per micro-batch would stall the GPU.
+            nonfinite = nonfinite | ~torch.isfinite(loss.detach())
+            with record_function("reflow.backward"):
+                self.engine.backward(loss)  # even when non-finite: the backward passes are collective
+        with record_function("reflow.step"):
+            return self._step(bool(nonfinite), k, n_minis)
 
     def _step(self, nonfinite: bool, k: int, n_minis: int) -> float:
         """Optimizer step agreed by all ranks; raises NonFiniteLossError after a skipped update."""

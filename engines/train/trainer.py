@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
 from reflow.engines.train.compiled import compile_layers, compiled_graphs, length_bucket, use_compile
@@ -75,11 +76,13 @@ def _units(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
 
 
 def _mismatch(acc: dict, rollout: torch.Tensor, old: torch.Tensor, loss_mask: torch.Tensor) -> None:
-    """Engine-vs-trainer log-prob gap over response tokens, summed into acc."""
-    diff = (rollout - old).abs()[loss_mask != 0]  # [N]
-    acc["mismatch_sum"] += float(diff.sum())
-    acc["mismatch_tokens"] += float(diff.numel())
-    acc["logprob_mismatch_max"] = max(acc["logprob_mismatch_max"], float(diff.max()) if diff.numel() else 0.0)
+    """Engine-vs-trainer log-prob gap over response tokens, summed into acc (as device tensors)."""
+    keep = loss_mask != 0  # [b, L-1]
+    diff = torch.where(keep, (rollout - old).abs(), torch.zeros_like(old)).double()  # [b, L-1]
+    acc["mismatch_sum"] = acc["mismatch_sum"] + diff.sum()
+    acc["mismatch_tokens"] = acc["mismatch_tokens"] + keep.sum().double()
+    acc["logprob_mismatch_max"] = torch.maximum(torch.as_tensor(acc["logprob_mismatch_max"]).to(diff),
+                                                diff.max() if diff.numel() else diff.new_zeros(()))
 
 
 def _pad_length(t: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -111,7 +114,7 @@ class TrainerRank(DeepSpeedRank):
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
         self.old_logprob_pass = s.old_logprob_pass
         self._round_up = None  # compiled layers: micro-batch lengths padded to a bucket (compiled.py)
-        if use_compile(s.compile, self.engine.device):
+        if use_compile(s.compile, self.engine.device, s.zero_stage):
             compile_layers(self.engine.module, s.compile_backend)
             self._round_up = length_bucket
         self.ref_model = None
@@ -140,7 +143,8 @@ class TrainerRank(DeepSpeedRank):
         if finish is not None and not batch.extra.get("advantages_are_scores"):
             raise ValueError("kl_in_reward > 0 needs per-sequence scores from the rollout stage "
                              "(advantages computed with kl_in_reward > 0), not finished advantages")
-        shard = self._shard(batch, minibatches, pad_id)
+        with record_function("reflow.shard"):
+            shard = self._shard(batch, minibatches, pad_id)
         acc = dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0)
         acc["neg_ratio_min"] = -math.inf
         # One mini-batch and nothing to finish before training: the policy that scores the batch is
@@ -158,7 +162,8 @@ class TrainerRank(DeepSpeedRank):
             lrs.append(self.scheduler.get_last_lr()[0])
             grad_norms.append(self._train_minibatch(mb, float(units[k]), k, minibatches, loss, acc))
         acc["step_time_s"] = time.perf_counter() - t0
-        out = self._reduce_metrics(acc, minibatches)
+        with record_function("reflow.metrics"):
+            out = self._reduce_metrics(acc, minibatches)
         out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)),
                    old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()), **finished)
         return out
@@ -179,11 +184,32 @@ class TrainerRank(DeepSpeedRank):
         tensors = to_train_tensors(batch.select(list(range(self.rank, n, W))), pad_id)
         if self._round_up is not None:  # room for every micro-batch's bucket (see compiled.py)
             tensors = _pad_length(tensors, self._round_up(tensors["input_ids"].shape[1]), pad_id)
-        return {k: v.to(self.engine.device) for k, v in tensors.items()}
+        # Host-side [B] facts, so cutting micro-batches needs no device sync: lengths, and the first
+        # position whose logits score a response token (the LM head is skipped before it).
+        scored = tensors["loss_mask"] != 0  # [B, T-1]
+        first = torch.where(scored.any(dim=1), scored.int().argmax(dim=1), scored.shape[1])  # [B]
+        return {**{k: v.to(self.engine.device) for k, v in tensors.items()},
+                "seq_len": tensors["attention_mask"].sum(dim=1), "scored_from": first}
 
-    def _logits(self, model, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False)
-        return out.logits[:, :-1]  # [b, L-1, V]: position t scores token t+1
+    def _logits(self, model, mb: dict[str, torch.Tensor], first: int = 0) -> torch.Tensor:
+        """Logits of positions first .. L-2 [b, L-1-first, V]: position t scores token t+1. Prompt
+        positions before `first` score no response token, so the LM head (a fifth or more of a small
+        model's FLOPs, and a [b, T, V] tensor) is not run there (HF's `logits_to_keep`)."""
+        L = mb["input_ids"].shape[1]
+        # An index tensor rather than a slice of all logits: the LM head's output is already the
+        # [b, L-1-first, V] tensor the loss reads, so backward never zero-fills a [b, L, V] gradient.
+        keep = torch.arange(first, L - 1, device=mb["input_ids"].device)  # [L-1-first]
+        out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False,
+                    logits_to_keep=keep)
+        return out.logits  # [b, L-1-first, V]
+
+    @staticmethod
+    def _scored(mb: dict[str, torch.Tensor]) -> tuple[int, dict[str, torch.Tensor]]:
+        """(first scored position, mb with its [b, L-1] tensors cut to positions first..L-2)."""
+        first = int(mb["scored_from"].min()) if "scored_from" in mb else 0
+        first = min(first, mb["input_ids"].shape[1] - 2)
+        cut = {k: v[:, first:] for k, v in mb.items() if v.dim() == 2 and k not in ("input_ids", "attention_mask")}
+        return first, {**mb, **cut, "labels": mb["input_ids"][:, first + 1:]}
 
     @torch.no_grad()
     def _old_logprobs(self, shard: dict, temperature: float, policy: bool, ref: bool, acc: dict) -> None:
@@ -192,13 +218,13 @@ class TrainerRank(DeepSpeedRank):
         old = torch.zeros_like(shard["loss_mask"])  # [B, T-1]
         refs = torch.zeros_like(old)  # [B, T-1]
         for s, e in self._micro_slices(old.shape[0]) if policy or ref else ():
-            mb = _rows(shard, s, e, self._round_up)
-            labels = mb["input_ids"][:, 1:]  # [b, L-1]
-            L1 = labels.shape[1]
+            first, mb = self._scored(_rows(shard, s, e, self._round_up))
+            labels = mb["labels"]  # [b, L-1-first]
+            L1 = first + labels.shape[1]
             if policy:
-                old[s:e, :L1] = token_logprobs(self._logits(self.engine, mb), labels, temperature)
+                old[s:e, first:L1] = token_logprobs(self._logits(self.engine, mb, first), labels, temperature)
             if ref:
-                refs[s:e, :L1] = token_logprobs(self._logits(self.ref_model, mb), labels, temperature)
+                refs[s:e, first:L1] = token_logprobs(self._logits(self.ref_model, mb, first), labels, temperature)
         shard["ref_logprobs"] = refs
         if policy:
             shard["old_logprobs"] = old
@@ -213,8 +239,9 @@ class TrainerRank(DeepSpeedRank):
     def _micro_loss(self, mb: dict, units_global: float, hp: LossSettings, acc: dict) -> torch.Tensor:
         """pg + kl_coef * kl - entropy_coef * entropy of one micro-batch, scaled for the global mean."""
         agg, norm_len = hp.loss_agg, hp.loss_norm_len
-        logits = self._logits(self.engine, mb)  # [b, L-1, V]
-        labels, mask = mb["input_ids"][:, 1:], mb["loss_mask"]  # [b, L-1]
+        first, mb = self._scored(mb)
+        logits = self._logits(self.engine, mb, first)  # [b, L-1-first, V]
+        labels, mask = mb["labels"], mb["loss_mask"]  # [b, L-1-first]
         # One pass over the logits for both; the entropy is a metric unless there is a bonus.
         logp, ent_tok = logprobs_and_entropy(logits, labels, hp.temperature, entropy=True)  # [b, L-1] each
         assert ent_tok is not None
@@ -234,22 +261,26 @@ class TrainerRank(DeepSpeedRank):
         ent = aggregate(ent_tok if hp.entropy_coef > 0 else ent_tok.detach(), mask, agg, norm_len)
         total = pg + hp.kl_coef * kl - hp.entropy_coef * ent
         # This micro-batch's share of the global mini-batch aggregate (see the module docstring).
-        share = float(_units(mask, agg)) / max(units_global, 1.0)
+        # Metrics stay device tensors (no host round trip per micro-batch: on a GPU each one would
+        # stall the launch queue); _reduce_metrics reads them once.
+        share = _units(mask, agg).double() / max(units_global, 1.0)  # []
         for key, v in (("loss", total), ("pg_loss", pg), ("kl", kl), ("entropy", ent)):
-            acc[key] += float(v.detach()) * share
-        n_tok = float(mask.sum())
-        if n_tok:
-            for key in ("clip_frac", "ratio_mean", "approx_kl"):
-                acc[key] += float(pm[key]) * n_tok  # token-weighted, divided by all tokens at the end
-            acc["tis_weight"] += float((isw * mask).sum()) if isw is not None else n_tok
-            acc["tokens"] += n_tok
-            acc["ratio_max"] = max(acc["ratio_max"], float(pm["ratio_max"]))
-            acc["neg_ratio_min"] = max(acc["neg_ratio_min"], -float(pm["ratio_min"]))
-        return total * (share * self.world_size)  # DeepSpeed divides gradients by world_size
+            acc[key] = acc[key] + v.detach().double() * share
+        n_tok = mask.sum().double()  # []
+        for key in ("clip_frac", "ratio_mean", "approx_kl"):
+            acc[key] = acc[key] + pm[key].double() * n_tok  # token-weighted, divided by all tokens at the end
+        acc["tis_weight"] = acc["tis_weight"] + ((isw * mask).sum().double() if isw is not None else n_tok)
+        acc["tokens"] = acc["tokens"] + n_tok
+        seen = n_tok > 0  # a micro-batch without response tokens leaves the extremes alone
+        acc["ratio_max"] = torch.where(seen, torch.maximum(torch.as_tensor(acc["ratio_max"]).to(share),
+                                                           pm["ratio_max"].double()), acc["ratio_max"])
+        acc["neg_ratio_min"] = torch.where(seen, torch.maximum(torch.as_tensor(acc["neg_ratio_min"]).to(share),
+                                                               -pm["ratio_min"].double()), acc["neg_ratio_min"])
+        return total * (share * self.world_size).to(total.dtype)  # DeepSpeed divides gradients by world_size
 
     def _reduce_metrics(self, acc: dict, minibatches: int) -> dict[str, float]:
-        sums = torch.tensor([acc[k] for k in _SUM_KEYS], dtype=torch.float64)
-        maxs = torch.tensor([acc[k] for k in _MAX_KEYS], dtype=torch.float64)
+        sums, maxs = (torch.stack([torch.as_tensor(acc[k], dtype=torch.float64).cpu() for k in keys])
+                      for keys in (_SUM_KEYS, _MAX_KEYS))
         dist.all_reduce(sums)
         dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
         s, m = dict(zip(_SUM_KEYS, sums.tolist())), dict(zip(_MAX_KEYS, maxs.tolist()))
