@@ -9,9 +9,14 @@ import sys
 import time
 from pathlib import Path
 
+from reflow.infra import console
+
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like the file, "
                   "e.g. trainer.lr=1e-4 rollout.n_samples_per_prompt=8 num_iterations=5")
+VERBOSE_HELP = ("show every Prefect log line (each task's state) instead of a progress bar with warnings "
+                "and errors")
+FLOW_COMMANDS = {"demo", "train", "evaluate"}
 RESUME_HELP = ("auto (default): continue from the experiment's latest committed checkpoint; never: start "
                "fresh; or a checkpoint URL (…/checkpoints/iter_NNNNNN). Same as the override resume=…")
 
@@ -74,12 +79,15 @@ def cmd_runs_show(args) -> None:
         print(format_table(df))
 
 
-def _demo_policy(seed: int, digits: int) -> Path:
+def _demo_policy(seed: int, digits: int, named: str) -> Path:
+    """Seed 0 uses the folder configs/demo.yaml names (`named`, where `reflow bootstrap` writes by
+    default), so the README's deployment steps find the policy `make demo` built; other seeds get
+    folders of their own."""
     from reflow.rl.demo_policy import bootstrap
 
-    out = Path(".reflow/models") / f"demo-policy-d{digits}-s{seed}"
+    out = Path(named) if seed == 0 else Path(f"{named}-d{digits}-s{seed}")
     if not (out / "config.json").is_file():
-        logging.getLogger("reflow").info("bootstrapping the demo policy into %s", out)
+        print(f"reflow: bootstrapping the demo policy into {out} (once per seed)", file=sys.stderr)
         bootstrap(out, seed=seed, digits=digits)
     return out
 
@@ -93,7 +101,7 @@ def cmd_demo(args) -> None:
     # keeps its own checkpoints and records); pass experiment=NAME --resume auto to continue one.
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment=demo-s{args.seed}-{stamp}"]
-    policy = _demo_policy(args.seed, base.data.digits)
+    policy = _demo_policy(args.seed, base.data.digits, base.model.path)
     cfg = _config(str(DEMO_CONFIG), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
     summary = train(cfg)
     if summary.get("already_complete"):
@@ -151,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "GRPO using configs/demo.yaml, and print held-out accuracy before and after.")
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the policy and the run (default 0)")
     d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
+    d.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
     d.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     d.set_defaults(fn=cmd_demo)
 
@@ -158,6 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Run the `train` Prefect flow in this process: one flow run per iteration.")
     t.add_argument("--config", "-c", required=True, help="experiment YAML (see configs/)")
     t.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
+    t.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
     t.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     t.set_defaults(fn=cmd_train)
 
@@ -169,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", default="latest", metavar="latest|URL",
                    help="latest (default): the experiment's newest committed checkpoint; or a checkpoint URL "
                         "(…/checkpoints/iter_NNNNNN)")
+    e.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
     e.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     e.set_defaults(fn=cmd_evaluate)
 
@@ -248,9 +259,15 @@ def main(argv: list[str] | None = None) -> None:
     _ray_env_for(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("reflow").setLevel(logging.INFO)
-    args.fn(args)
+    if args.command not in FLOW_COMMANDS:
+        logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return args.fn(args)
+    try:  # Prefect's logging settings decide what the terminal shows (infra/console.py)
+        with console.terminal(args.verbose):
+            args.fn(args)
+    except console.ServerStartError as e:
+        sys.exit(f"reflow: {e}")
 
 
 if __name__ == "__main__":

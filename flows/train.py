@@ -25,7 +25,7 @@ from reflow.infra.runtime import shutdown_runtime
 from reflow.tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
 from reflow.tasks.cluster import start_cluster
 from reflow.tasks.evaluate import collect, launch_eval
-from reflow.tasks.report import plot_curves, start_progress, update_progress
+from reflow.tasks.progress import Progress
 from reflow.tasks.train import initial_push
 
 
@@ -49,14 +49,6 @@ def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
            f"train further, or use a new experiment name to start over.")
     get_run_logger().warning(msg)
     return {"iterations": 0, "start": step, "already_complete": True, "message": msg, "evals": {}, "history": []}
-
-
-def _progress(done: int, total: int, m: dict[str, float], ev: dict[str, dict] | None) -> str:
-    stages = " ".join(f"{k[5:]} {v:.1f}s" for k, v in m.items() if k.startswith("time_") and k != "time_iteration")
-    acc_s = "".join(f" eval {name} pass@1 {s['pass@1']:.3f}" for name, s in (ev or {}).items())
-    return (f"iter {done}/{total} reward {m.get('reward_mean', float('nan')):.3f}{acc_s} "
-            f"loss {m.get('loss', float('nan')):.4f} kl {m.get('kl', float('nan')):.4f} | {stages} "
-            f"| total {m['time_iteration']:.1f}s")
 
 
 @flow(name="train", flow_run_name="{config.experiment}", log_prints=True)
@@ -97,12 +89,11 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         if config.debug_exit_after is not None:
             last = min(last, start + config.debug_exit_after)
         history: list[dict[str, float]] = []
-        progress = start_progress(config, start, config.num_iterations)
+        progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
         for i in range(start, last):
             m = iteration(config, i)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
-            update_progress(progress, i + 1, config.num_iterations)
             if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60):
                 log.info("checkpoint: %s", save_checkpoint(config, i + 1))
                 saved_at = time.monotonic()
@@ -112,9 +103,9 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
                 pending.append(launch_eval(config, i + 1))
             evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
-            log.info(_progress(i + 1, last, m, evals.get(i + 1)))
+            progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
-        log.info("curves: %s", plot_curves(config))
+        log.info("curves: %s", progress.finish())
         if last < config.num_iterations:
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
                         config.debug_exit_after, last, config.num_iterations)

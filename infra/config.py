@@ -51,7 +51,7 @@ class DataConfig(_Strict):
     eval_path: str | None = Field(None, description="task=file: jsonl/parquet of held-out prompts (the `heldout` eval set); default: the last num_eval rows of `path`.")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding the ground truth passed to the reward function.")
-    reward_fn: str = Field("reflow.rl.demo_task:reward", description="`module:function` computing a reward from (response_text, label).")
+    reward_fn: str = Field("reflow.rl.demo_task:reward", description="`module:function` scoring (prompt, response, label) -> float, sync or async.")
     seed: int = Field(0, ge=0, description="Seed of the synthetic task and of the prompt shuffle.")
     num_train: int = Field(5000, ge=1, description="Synthetic task: number of training prompts.")
     num_eval: int = Field(200, ge=1, description="Synthetic task: number of held-out prompts.")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import ray
 
+from reflow.infra import console
 from reflow.infra.ray_head import ray_env, read_head, use_ray_env, write_token
 
 log = logging.getLogger("reflow.ray")
@@ -54,7 +55,7 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
             use_ray_env({k: v for k, v in head.env().items() if k != "RAY_ADDRESS"})
         try:
             ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
-                     log_to_driver=True)
+                     log_to_driver=True, logging_level=console.ray_logging_level())
         except ConnectionError as e:
             hint = ("" if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_MODE") == "token" else
                     " Ray 2.60 clusters use token auth: export what `reflow cluster up` printed (RAY_AUTH_MODE, "
@@ -69,7 +70,8 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     cpus = num_cpus or max(4, os.cpu_count() or 1)
     _closed_local_cluster(Path(tmp))
     ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=tmp,
-             runtime_env={"env_vars": worker_env()}, log_to_driver=True)
+             runtime_env={"env_vars": worker_env()}, log_to_driver=True,
+             logging_level=console.ray_logging_level())
     return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
 
 

@@ -150,6 +150,13 @@ class ExperimentStore:
     def rm(self, rel: str, recursive: bool = False) -> None:
         self.access.rm(self.url(rel), recursive)
 
+    def _missing_local_dirs(self) -> list[Path]:
+        """The local folders (root, experiment, _preflight) the probe is about to create, deepest last."""
+        if not self.is_local:
+            return []  # object stores have no folders to leave behind
+        dirs = [Path(self.root.removeprefix("file://")), Path(self._path()), Path(self._path("_preflight"))]
+        return [d for d in dirs if not d.exists()]
+
     def iteration_dir(self, iteration: int) -> str:
         return f"iterations/{iteration:06d}"
 
@@ -164,6 +171,7 @@ class ExperimentStore:
         rel = f"_preflight/{uuid.uuid4().hex}"
         payload = uuid.uuid4().bytes
         quick = dataclasses.replace(self, retries=0)
+        fresh = self._missing_local_dirs()
         step = "write"
         try:
             quick.write_bytes(rel, payload)
@@ -172,6 +180,7 @@ class ExperimentStore:
                 raise StorageError("the probe object read back differs from what was written")
             step = "delete"
             quick.rm(rel)
+            _remove_empty(fresh)
         except Exception as e:  # deliberate: any failure becomes one clear message
             err: BaseException = e
             if isinstance(e, StorageUnavailable) and e.__cause__ is not None:
@@ -189,3 +198,13 @@ class ExperimentStore:
                           f"reachable and the AWS credentials (env, ~/.aws, role) may write there.")
             raise StorageError(f"storage preflight failed: cannot {step} a probe object under {self.url()}{where}: "
                                f"{detail}") from None
+
+
+def _remove_empty(dirs: list[Path]) -> None:
+    """Remove folders the preflight created, deepest first, so a run that fails later (or never writes)
+    leaves no empty `_preflight/` or experiment folder: reflow deletes only what it wrote."""
+    for d in reversed(dirs):
+        try:
+            d.rmdir()
+        except OSError:  # deliberate: no longer empty (another run of the storage wrote there): keep it
+            return

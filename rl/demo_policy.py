@@ -106,16 +106,21 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     max_new = 1 + max((len(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"])
                        for r in check_rows), default=0)  # longest answer + eos
     losses, acc, t0 = [], None, time.perf_counter()
-    bar = tqdm(range(1, steps + 1), desc="warm-up", disable=not progress, leave=False)
-    for step in bar:
+    bar = tqdm(total=steps, desc="warm-up", disable=not progress)
+    for step in range(1, steps + 1):
         model.train()
         pick = torch.randint(len(train_rows), (batch,), generator=gen).tolist()
         losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick]))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
+        bar.update(1)
         if stop_accuracy is not None and step % check_every == 0:
             acc = greedy_accuracy(model, tokenizer, check_rows, max_new)
-            if acc >= stop_accuracy:
+            if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
+                bar.set_description_str(f"warm-up: accuracy {acc:.2f} reached the target {stop_accuracy} at step {step}")
+                bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{acc:.2f}", refresh=False)
+                bar.total = step
                 break
+    bar.close()
     model.eval()
     tail = losses[-10:]
     return {"steps": len(losses), "loss_first": losses[0] if losses else None,

@@ -1,16 +1,15 @@
-"""Prefect task that records one iteration: storage (metrics.json, rollouts.parquet) + UI artifact."""
+"""Prefect tasks that record one iteration: storage (rollouts.parquet, metrics.json) + UI artifacts."""
 from __future__ import annotations
 
 import math
 
 import ray
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
+from reflow.infra import metric_views as views
 from reflow.infra.config import RunConfig
-from reflow.infra.plots import curves_png
-from reflow.infra.records import eval_points, iteration_table
 from reflow.infra.runtime import get_runtime
 from reflow.rl.types import RolloutBatch
 from reflow.tasks.rollout import BatchRef, write_table
@@ -22,28 +21,36 @@ def artifact_key(experiment: str, what: str) -> str:
 
 
 @task(name="report", cache_policy=NO_CACHE)
-def report(cfg: RunConfig, iteration: int, batch: BatchRef, metrics: dict[str, float]) -> str:
+def record_rollouts(cfg: RunConfig, iteration: int, batch: BatchRef) -> str:
+    """The iteration's rollouts.parquet (written from inside Ray) and its sample generations artifact."""
     rt = get_runtime(cfg)
     d = rt.store.iteration_dir(iteration)
     rows_ref = write_table.remote(batch.ref, rt.store, f"{d}/rollouts.parquet")
-    samples_ref = _samples.remote(batch.ref, SAMPLES_SHOWN)
-    clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in sorted(metrics.items())}
-    url = rt.store.write_json(f"{d}/metrics.json", {"iteration": iteration, **clean})
-    rows_url, samples = ray.get([rows_ref, samples_ref])
-    create_table_artifact(
-        key=artifact_key(cfg.experiment, "iteration-metrics"),
-        table=[{"metric": k, "value": (round(v, 6) if isinstance(v, float) and math.isfinite(v) else str(v))}
-               for k, v in clean.items() if not k.startswith("time_")],
-        description=f"{cfg.experiment} iteration {iteration}: metrics (also at {url})")
-    timings = {k[5:]: float(v) for k, v in clean.items() if k.startswith("time_") and k != "time_iteration"}
-    create_table_artifact(
-        key=artifact_key(cfg.experiment, "iteration-timings"),
-        table=[{"stage": k, "seconds": round(v, 3), "share": f"{v / max(clean.get('time_iteration', 0.0), 1e-9):.0%}"}
-               for k, v in timings.items()],
-        description=f"{cfg.experiment} iteration {iteration}: seconds per stage")
+    rows_url, samples = ray.get([rows_ref, _samples.remote(batch.ref, SAMPLES_SHOWN)])
     create_markdown_artifact(key=artifact_key(cfg.experiment, "iteration-samples"),
                              markdown=samples_markdown(cfg.experiment, iteration, samples, rows_url),
                              description=f"{cfg.experiment} iteration {iteration}: sample generations")
+    return rows_url
+
+
+@task(name="metrics", cache_policy=NO_CACHE)
+def publish_metrics(cfg: RunConfig, iteration: int, metrics: dict[str, float]) -> str:
+    """metrics.json (every metric and timing), the metrics table (key metrics first), the timings table
+    (shares of the whole iteration) and the one-line summary in the iteration flow run's log. Its own
+    few milliseconds come after `time_iteration` was taken, so they are the one thing not counted."""
+    rt = get_runtime(cfg)
+    clean = {k: (float(v) if isinstance(v, (int, float)) else v) for k, v in metrics.items()}
+    url = rt.store.write_json(f"{rt.store.iteration_dir(iteration)}/metrics.json",
+                              {"iteration": iteration, **dict(sorted(clean.items()))})  # sorted on disk; tables keep stage order
+    create_table_artifact(
+        key=artifact_key(cfg.experiment, "iteration-metrics"),
+        table=[{"metric": k, "value": (round(v, 6) if isinstance(v, float) and math.isfinite(v) else str(v))}
+               for k, v in views.ordered(clean)],
+        description=f"{cfg.experiment} iteration {iteration}: metrics, key ones first (also at {url})")
+    create_table_artifact(key=artifact_key(cfg.experiment, "iteration-timings"), table=views.timing_rows(clean),
+                          description=f"{cfg.experiment} iteration {iteration}: seconds per stage, share of the "
+                                      f"iteration's {clean['time_iteration']:.2f} s")
+    get_run_logger().info(views.summary_line(iteration, clean))
     return url
 
 
@@ -74,44 +81,3 @@ def samples_markdown(experiment: str, iteration: int, samples: list[dict], rows_
     lines += [f"| `{_cell(s['prompt'])}` | `{_cell(s['response'])}` | {fmt(s['reward'])} | {fmt(s['advantage'])} "
               f"| {s['finish']} |" for s in samples]
     return "\n".join(lines + ["", f"Every sample: `{rows_url}`"])
-
-
-@task(name="plot-curves", cache_policy=NO_CACHE)
-def plot_curves(cfg: RunConfig) -> str:
-    """Reward + eval curves (one per eval set) of the whole experiment (resumed runs included), drawn
-    from the records in storage, written as plots/curves.png and linked from a markdown artifact."""
-    rt = get_runtime(cfg)
-    table, evals = iteration_table(rt.store), eval_points(rt.store)
-    curves = {name: [(v, float(s["pass@1"])) for v, s in points] for name, points in evals.items()}
-    url = rt.store.write_bytes("plots/curves.png", curves_png(table, curves, cfg.experiment))
-    last = table.iloc[-1] if not table.empty else None
-    names = sorted(curves)
-    by_version: dict[int, dict[str, float]] = {}
-    for name, points in curves.items():
-        for v, acc in points:
-            by_version.setdefault(v, {})[name] = acc
-    lines = [f"# {cfg.experiment}: learning curves", "", f"![reward and eval curves]({url})", "",
-             f"Plot: `{url}`", "", "| policy version | " + " | ".join(f"{n} pass@1" for n in names) + " |",
-             "|---|" + "---|" * len(names)]
-    lines += [f"| {v} | " + " | ".join(f"{row[n]:.3f}" if n in row else "" for n in names) + " |"
-              for v, row in sorted(by_version.items())]
-    if last is not None:
-        lines += ["", f"Last iteration {int(last['iteration'])}: mean rollout reward {last['reward_mean']:.3f}"]
-    create_markdown_artifact(key=artifact_key(cfg.experiment, "curves"), markdown="\n".join(lines),
-                             description=f"{cfg.experiment}: reward and eval curves")
-    return url
-
-
-def start_progress(cfg: RunConfig, done: int, total: int):
-    """A progress artifact on the parent `train` run (percent of `num_iterations` done); its id."""
-    from prefect.artifacts import create_progress_artifact
-
-    return create_progress_artifact(progress=100.0 * done / max(total, 1), key=artifact_key(cfg.experiment, "progress"),
-                                    description=f"{cfg.experiment}: iterations done of num_iterations={total}")
-
-
-def update_progress(artifact_id, done: int, total: int) -> None:
-    from prefect.artifacts import update_progress_artifact
-
-    if artifact_id is not None:
-        update_progress_artifact(artifact_id=artifact_id, progress=100.0 * done / max(total, 1))

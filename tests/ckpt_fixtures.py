@@ -121,7 +121,8 @@ def run_train(config: Path, env_extra: dict[str, str] | None = None, timeout: fl
     env.update({"PYTHONPATH": str(REPO), **(env_extra or {})})
     log = config.with_suffix(".log")
     with open(log, "w") as out:
-        proc = subprocess.Popen([REFLOW, "train", "-c", str(config)], cwd=REPO, env=env, stdout=out,
+        # --verbose: the tests read the run's INFO lines (resume, retries), which the quiet terminal hides
+        proc = subprocess.Popen([REFLOW, "train", "--verbose", "-c", str(config)], cwd=REPO, env=env, stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     proc.log_path = log
     if background:

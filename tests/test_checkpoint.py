@@ -64,6 +64,20 @@ def test_preflight_names_the_url_and_no_secrets(tmp_path, monkeypatch):
         ExperimentStore.open("s3://KEY:SECRET@bucket/x", "exp")
 
 
+def test_preflight_leaves_no_folder_it_created(tmp_path):
+    """A run that fails after its storage preflight (or never writes) leaves no empty `_preflight/` or
+    experiment folder behind; folders that existed before stay, and so does anything in them."""
+    _store(tmp_path).preflight()
+    assert not (tmp_path / "runs").exists()
+    (tmp_path / "runs" / "exp" / "_preflight").mkdir(parents=True)
+    (tmp_path / "runs" / "other").mkdir()
+    _store(tmp_path).preflight()
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["exp", "other"]
+    assert (tmp_path / "runs" / "exp" / "_preflight").is_dir() and not any((tmp_path / "runs" / "exp" / "_preflight").iterdir())
+    ExperimentStore.open(f"file://{tmp_path}/runs", "fresh").preflight()
+    assert not (tmp_path / "runs" / "fresh").exists()
+
+
 def test_download_checks_sha256(tmp_path):
     store = _store(tmp_path)
     local = tmp_path / "f.bin"

@@ -165,3 +165,15 @@ def test_bootstrap_writes_loadable_hf_folder(tmp_path):
     assert len(ids) == 8 and tok.decode(ids) == "12+34=46"
     assert tok.decode(ids + [tok.eos_token_id], skip_special_tokens=True) == "12+34=46"
     assert model.config.vocab_size == len(tok) and model.config.eos_token_id == tok.eos_token_id
+
+
+def test_warmup_bar_ends_at_100_percent_and_says_why_it_stopped_early(tok, capsys):
+    """The target is reached at the first check (any accuracy >= 0): the bar must not stop at 5/50."""
+    from reflow.rl.demo_policy import build_model, warmup
+
+    rows, _ = make_problems(0, 64, 8, 2)
+    model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=0)
+    metrics = warmup(model, tok, rows, steps=50, batch=8, stop_accuracy=0.0, check_rows=rows[:8], check_every=5)
+    assert metrics["steps"] == 5
+    last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "reached the target 0.0 at step 5" in last and "100%" in last and "5/5" in last, last

@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import math
+import re
+import time
 
 import pandas as pd
 import pytest
@@ -34,6 +37,45 @@ async def _flow_runs():
         return runs, arts
 
 
+async def _log_messages(flow_run_id) -> list[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    async with get_client() as client:
+        logs = await client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        return [log.message for log in logs]
+
+
+def _table(artifact) -> list[dict]:
+    return json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+
+
+def _assert_what_the_ui_shows(names: dict, arts: list) -> None:
+    """Every iteration's timings add up to its whole (a report and an orchestration row among them),
+    its metrics table starts with the key metrics, its log holds the one-line summary; the parent's
+    one curves artifact carries the image itself and was updated up to the last policy version."""
+    iteration_ids = {names[f"e2e-iter-{i:04d}"].id: i for i in range(3)}
+    timings = [a for a in arts if a.key == "e2e-iteration-timings" and a.flow_run_id in iteration_ids]
+    assert len(timings) == 3
+    for a in timings:
+        rows = _table(a)
+        assert {"report", "orchestration", "generate", "train"} <= {r["stage"] for r in rows}, rows
+        assert sum(float(r["share"].rstrip("%")) for r in rows) == pytest.approx(100, abs=0.5), rows
+    for a in (a for a in arts if a.key == "e2e-iteration-metrics" and a.flow_run_id in iteration_ids):
+        assert [r["metric"] for r in _table(a)[:5]] == ["reward_mean", "loss", "kl", "entropy", "time_iteration"]
+    for run_id, i in iteration_ids.items():
+        deadline = time.monotonic() + 15  # run logs reach the server in batches
+        while not any(m.startswith(f"iteration {i}: reward ") for m in asyncio.run(_log_messages(run_id))):
+            assert time.monotonic() < deadline, f"no metrics summary in the log of iteration {i}"
+            time.sleep(1)
+    curves = [a for a in arts if a.key == "e2e-curves"]
+    assert len(curves) == 1 and curves[0].flow_run_id == names["e2e"].id, curves  # updated in place
+    md = curves[0].data
+    image = re.search(r"!\[[^]]*\]\(data:image/png;base64,([A-Za-z0-9+/=]+)\)", md)
+    assert image and base64.b64decode(image.group(1)).startswith(b"\x89PNG"), md[:300]
+    assert "| 3 |" in md and "| 0 |" in md  # redrawn after the last eval, not only at its creation
+
+
 def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_policy, tmp_path):
     from reflow.flows.train import train
 
@@ -55,6 +97,7 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
         assert run.state.is_completed() and run.parent_task_run_id is not None
     keys = [a.key for a in arts]
     assert keys.count("e2e-iteration-metrics") >= 3
+    _assert_what_the_ui_shows(names, arts)
 
     base = tmp_path / "runs" / "e2e"
     for i in range(3):
@@ -62,6 +105,10 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
         assert json.loads((d / "metrics.json").read_text())["iteration"] == i
         df = pd.read_parquet(d / "rollouts.parquet")
         assert len(df) == 16 and set(df.finish_reason) <= {"stop", "length"}
+        stored = json.loads((d / "metrics.json").read_text())
+        parts = [v for k, v in stored.items() if k.startswith("time_") and k != "time_iteration"]
+        assert {"time_report", "time_orchestration"} <= set(stored)  # every timing is stored
+        assert sum(parts) == pytest.approx(stored["time_iteration"], rel=1e-9)
     assert len(pd.read_parquet(base / "iterations" / "000000" / "eval" / "heldout" / "samples.parquet")) == 16
     assert json.loads((base / "iterations" / "000002" / "eval" / "heldout" / "summary.json").read_text()) \
         == summary["evals"][2]["heldout"]

@@ -1,0 +1,23 @@
+"""The CLI's paths agree with the shipped config: `make demo` (seed 0), `reflow bootstrap` and
+configs/demo.yaml name one policy folder, so the README's server walkthrough finds what the demo
+built. No Ray, no Prefect."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from reflow.flows.cli import DEMO_CONFIG, _demo_policy, build_parser
+from reflow.infra.config import load_config
+
+
+def test_bootstrap_writes_where_the_demo_config_looks():
+    bootstrap_out = build_parser().parse_args(["bootstrap"]).out
+    assert load_config(str(DEMO_CONFIG), []).model.path == bootstrap_out
+
+
+def test_demo_seed_0_uses_the_configs_folder_and_other_seeds_their_own(tmp_path):
+    named = tmp_path / "demo-policy"
+    for folder in (named, tmp_path / "demo-policy-d2-s3"):  # already built: nothing is bootstrapped
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+    assert _demo_policy(0, 2, str(named)) == named
+    assert _demo_policy(3, 2, str(named)) == Path(f"{named}-d2-s3")

@@ -1,0 +1,72 @@
+"""What `reflow train` prints (infra/console.py, configs/prefect-logging.yml): by default a progress
+bar plus warnings and errors, with every record still in the Prefect UI's logs; `--verbose` brings
+Prefect's per-task state lines back; a temporary Prefect server that does not start ends the
+command with one line saying what to do. Each run is a real `reflow train` subprocess."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.ckpt_fixtures import REFLOW, REPO, reap, write_config
+
+pytestmark = pytest.mark.slow
+TASK_STATE = "Finished in state Completed()"
+
+
+def _reflow(args: list[str], env_extra: dict[str, str], tmp: Path, timeout: float = 300) -> tuple[int, str, str]:
+    """`reflow ARGS` in its own session (what it leaves behind is killed); (returncode, stdout, stderr)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env.update({"PYTHONPATH": str(REPO), **env_extra})
+    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
+    with open(out, "w") as o, open(err, "w") as e:
+        proc = subprocess.Popen([REFLOW, *args], cwd=REPO, env=env, stdout=o, stderr=e, start_new_session=True)
+    try:
+        proc.wait(timeout=timeout)
+    finally:
+        reap(proc)
+    return proc.returncode, out.read_text(), err.read_text()
+
+
+@pytest.fixture(scope="module")
+def server_env(prefect_server) -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {"PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": os.environ["PREFECT_HOME"]}
+
+
+def test_quiet_by_default_a_bar_and_the_server_it_uses(server_env, tiny_policy, tmp_path):
+    cfg = write_config(tmp_path / "quiet.yaml", tiny_policy, f"file://{tmp_path}/runs", "quiet", num_iterations=3)
+    rc, out, err = _reflow(["train", "-c", str(cfg)], server_env, tmp_path)
+    assert rc == 0, err[-3000:]
+    assert json.loads(out[out.index("{\n"):])["iterations"] == 3  # after what Ray relays from actors (warnings)
+    assert err.startswith(f"reflow: using the running Prefect server at {server_env['PREFECT_API_URL']}"), err[:500]
+    assert TASK_STATE not in err and "Started a local Ray instance" not in err, err[-3000:]
+    assert "train: 100%" in err and "3/3" in err and "reward " in err, err[-3000:]  # the bar, ended at 100 %
+    # Not a terminal here, so tqdm writes a line per update (on a terminal it redraws one line)
+    others = [line for line in err.splitlines() if line.strip() and not line.startswith("train:")]
+    assert len(others) <= 2, others  # the server line, and the new experiment's signing-key warning
+    assert sum(line.startswith("train:") for line in err.splitlines()) <= 3 + 3, err
+
+
+def test_verbose_brings_back_every_task_state(server_env, tiny_policy, tmp_path):
+    cfg = write_config(tmp_path / "loud.yaml", tiny_policy, f"file://{tmp_path}/runs", "loud", num_iterations=1)
+    rc, out, err = _reflow(["train", "--verbose", "-c", str(cfg)], server_env, tmp_path)
+    assert rc == 0, err[-3000:]
+    assert err.count(TASK_STATE) >= 6 and "iteration 0: reward " in err, err[-3000:]
+    assert "train:" not in err  # no bar
+
+
+def test_a_temporary_server_that_does_not_start_ends_with_one_line(tmp_path):
+    """A 0 s start-up timeout stands in for a machine too busy to start Prefect's server in time."""
+    env = {"PREFECT_HOME": str(tmp_path / "prefect"), "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}
+    rc, out, err = _reflow(["train", "-c", "configs/demo.yaml", "experiment=no-server"], env, tmp_path, timeout=120)
+    assert rc == 1 and out == "", (rc, out, err[-3000:])
+    assert "Traceback" not in err, err[-3000:]
+    assert err.splitlines()[-1].startswith(
+        "reflow: Prefect's temporary server did not answer within 0 s. Raise "
+        "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"), err[-3000:]
+    assert "export PREFECT_API_URL=" in err
