@@ -1,4 +1,10 @@
-"""`reflow` command line: bootstrap the demo policy, train, run the demo, check a config."""
+"""`reflow` command line: bootstrap the demo policy, train, run the demo, check a config.
+
+A user error (a bad config, a missing file or column, a reward function that does not import or
+score, unreachable storage, a Prefect server that does not start) ends the command with one
+`reflow: ...` line naming the field or file and the fix, and exit code 2; `--debug` raises it
+instead, with its traceback. `train` and `demo` run the preflight (infra/preflight.py) before
+Prefect or Ray start; `config --check` runs it alone."""
 from __future__ import annotations
 
 import argparse
@@ -17,23 +23,48 @@ OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like th
 VERBOSE_HELP = ("show every Prefect log line (each task's state) instead of a progress bar with warnings "
                 "and errors")
 FLOW_COMMANDS = {"demo", "train", "evaluate"}
+USER_ERROR_EXIT = 2  # like argparse's own usage errors: the command was wrong, not the program
+DEBUG_HELP = "on a user error, raise it with its traceback instead of printing one line"
 RESUME_HELP = ("auto (default): continue from the experiment's latest committed checkpoint; never: start "
                "fresh; or a checkpoint URL (…/checkpoints/iter_NNNNNN). Same as the override resume=…")
 
 
-def _config(path: str | None, overrides: list[str]):
-    from reflow.infra.config import ConfigError, load_config
+class UsageError(ValueError):
+    """A command given something it cannot work with; the message says what to give instead."""
 
-    try:
-        return load_config(path, overrides)
-    except ConfigError as e:
-        sys.exit(f"reflow: {e}")
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """What the CLI reports as one line: errors whose message names the input and the fix."""
+    from reflow.infra.config import ConfigError
+    from reflow.infra.preflight import PreflightError
+    from reflow.infra.ray_head import ClusterError
+
+    return ConfigError, PreflightError, console.ServerStartError, ClusterError, UsageError
+
+
+def _config(path: str | None, overrides: list[str]):
+    from reflow.infra.config import load_config
+
+    return load_config(path, overrides)
+
+
+def _preflight(cfg) -> list[str]:
+    from reflow.infra.preflight import preflight
+
+    return preflight(cfg)
 
 
 def cmd_config(args) -> None:
     from reflow.infra.config import dump_config
 
-    print(dump_config(_config(args.config, args.overrides)), end="")
+    cfg = _config(args.config, args.overrides)
+    if args.check:
+        t0 = time.perf_counter()
+        passed = _preflight(cfg)
+        print(f"reflow: preflight passed in {time.perf_counter() - t0:.1f} s:", file=sys.stderr)
+        for line in passed:
+            print(f"  {line}", file=sys.stderr)
+    print(dump_config(cfg), end="")
 
 
 def cmd_bootstrap(args) -> None:
@@ -49,30 +80,38 @@ def _resume_override(args) -> list[str]:
 
 
 def cmd_train(args) -> None:
-    from reflow.flows.train import train
-
     cfg = _config(args.config, args.overrides + _resume_override(args))
-    summary = train(cfg)
+    _preflight(cfg)  # before Prefect's server and Ray start: a bad input costs seconds and one line
+    with console.terminal(args.verbose):  # Prefect's logging settings decide what the terminal shows
+        from reflow.flows.train import train  # Prefect reads its settings once, on import: after terminal()
+
+        summary = train(cfg)
     if summary.get("already_complete"):
         print(f"reflow: {summary['message']}")
     print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=str))
 
 
 def cmd_evaluate(args) -> None:
-    from reflow.flows.evaluate import evaluate
+    cfg = _config(args.config, args.overrides)
+    with console.terminal(args.verbose):
+        from reflow.flows.evaluate import evaluate  # after terminal(), as in cmd_train
 
-    summary = evaluate(_config(args.config, args.overrides), checkpoint=args.checkpoint)
+        summary = evaluate(cfg, checkpoint=args.checkpoint)
     print(json.dumps(summary, indent=2, default=str))
 
 
 def cmd_runs_show(args) -> None:
     from reflow.infra.records import format_table, iteration_table
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.storage import ExperimentStore, StorageError
 
-    store = ExperimentStore.open(args.storage, args.experiment, endpoint_url=args.endpoint_url)
+    try:
+        store = ExperimentStore.open(args.storage, args.experiment, endpoint_url=args.endpoint_url)
+    except (ValueError, StorageError) as e:  # a bad --experiment name, a --storage URL with credentials
+        raise UsageError(str(e)) from e
     df = iteration_table(store)
     if df.empty:
-        sys.exit(f"reflow: no iteration records under {store.url('iterations')}")
+        raise UsageError(f"no iteration records under {store.url('iterations')}; check --storage and "
+                         f"--experiment (the run's storage.root and experiment)")
     if args.csv:
         print(df.to_csv(index=False), end="")
     else:
@@ -93,8 +132,6 @@ def _demo_policy(seed: int, digits: int, named: str) -> Path:
 
 
 def cmd_demo(args) -> None:
-    from reflow.flows.train import train
-
     t0 = time.perf_counter()
     base = _config(str(DEMO_CONFIG), [])
     # A fresh experiment per invocation, so running the demo twice trains twice (every run
@@ -103,7 +140,11 @@ def cmd_demo(args) -> None:
     overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment=demo-s{args.seed}-{stamp}"]
     policy = _demo_policy(args.seed, base.data.digits, base.model.path)
     cfg = _config(str(DEMO_CONFIG), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
-    summary = train(cfg)
+    _preflight(cfg)
+    with console.terminal(args.verbose):
+        from reflow.flows.train import train  # after terminal(), as in cmd_train
+
+        summary = train(cfg)
     if summary.get("already_complete"):
         print(f"demo: {summary['message']}")
         return
@@ -117,10 +158,7 @@ def cmd_cluster(args) -> None:
     from reflow.infra import ray_head as cluster
 
     if args.cluster_command == "up":
-        try:
-            info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus, host=args.host)
-        except cluster.ClusterError as e:
-            sys.exit(f"reflow: {e}")
+        info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus, host=args.host)
         print(f"reflow: Ray head {'started' if started else 'already running'} at {info.address} "
               f"(pid {info.pid}, {info.num_cpus} CPUs). Attach flows and workers with:")
         print(" ".join(f"export {k}={v};" for k, v in info.env().items()))
@@ -232,8 +270,15 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("config", help="validate a config (file + overrides) and print it resolved",
                        description="Validate an experiment file plus overrides and print the full resolved config.")
     c.add_argument("--config", "-c", default=None, help="experiment YAML (default: built-in defaults)")
+    c.add_argument("--check", action="store_true",
+                   help="also run the preflight `train` runs (no Ray, no Prefect): model config and tokenizer "
+                        "load, data and eval files read with their columns, reward functions score a row, "
+                        "storage writable")
     c.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     c.set_defaults(fn=cmd_config)
+    leaves = [x for x in sub.choices.values() if x not in (r, cl)]  # a group's default would override its leaf's
+    for command in [*leaves, *rsub.choices.values(), *clsub.choices.values()]:
+        command.add_argument("--debug", action="store_true", help=DEBUG_HELP)
     return p
 
 
@@ -262,12 +307,13 @@ def main(argv: list[str] | None = None) -> None:
     logging.getLogger("reflow").setLevel(logging.INFO)
     if args.command not in FLOW_COMMANDS:
         logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return args.fn(args)
-    try:  # Prefect's logging settings decide what the terminal shows (infra/console.py)
-        with console.terminal(args.verbose):
-            args.fn(args)
-    except console.ServerStartError as e:
-        sys.exit(f"reflow: {e}")
+    try:
+        args.fn(args)
+    except _user_errors() as e:
+        if getattr(args, "debug", False):
+            raise
+        print(f"reflow: {e}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
 
 
 if __name__ == "__main__":

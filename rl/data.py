@@ -66,7 +66,11 @@ def _read_table(path: str, section: str = "data", read: Reader = read_local):
 
     name = path.lower().split("?")[0]
     if name.endswith((".parquet", ".pq")):
-        return pd.read_parquet(io.BytesIO(read(path)))
+        data = read(path)
+        try:
+            return pd.read_parquet(io.BytesIO(data))
+        except (ValueError, OSError) as e:  # pyarrow's errors name a buffer, not the file
+            raise ValueError(f"{section} file {path!r} is not a readable parquet file ({str(e)[:200]})") from None
     if name.endswith((".jsonl", ".json")):
         return _parse_jsonl(read(path), path)
     raise ValueError(f"{section} file {path!r}: unknown file type; expected .jsonl, .json (lines) or .parquet")
@@ -82,9 +86,11 @@ def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data",
     empty keeps no "prompt" key (reported by `tokenize_prompts`), a missing label becomes None.
     `section` names the config section in errors (e.g. "eval.sets.1"); `read` fetches the file."""
     df = _read_table(path, section, read)
-    for key, field in ((prompt_key, f"{section}.prompt_key"), (label_key, f"{section}.label_key")):
+    for key, field, holds in ((prompt_key, f"{section}.prompt_key", "prompt text"),
+                              (label_key, f"{section}.label_key", "ground truth")):
         if key not in df.columns:
-            raise ValueError(f"{path!r} has no column {key!r} ({field}); columns: {list(df.columns)}")
+            raise ValueError(f"{path!r} has no column {key!r} ({field}); its columns are {list(df.columns)}: "
+                             f"set {field} to the one holding the {holds}")
     rows = []
     for prompt, label in zip(df[prompt_key].tolist(), df[label_key].tolist()):
         row = {"label": None if _is_missing(label) else label}

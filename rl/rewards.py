@@ -32,24 +32,38 @@ def _fn_name(fn: Callable) -> str:
     return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """Import `module:function` (e.g. "reflow.rl.demo_task:reward"); errors name `data.reward_fn`."""
+def load_reward_fn(spec: str, field: str = "data.reward_fn") -> RewardFn:
+    """Import `module:function` (e.g. "reflow.rl.demo_task:reward"); errors name `field` (the config
+    field that named it) and say what to do."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
-        raise ValueError(f"data.reward_fn must look like 'package.module:function', got {spec!r}")
+        raise ValueError(f"{field} must look like 'package.module:function', got {spec!r}")
     mod_name, attr = spec.split(":")
-    try:
-        module = importlib.import_module(mod_name)
-    except ModuleNotFoundError as e:
-        raise ValueError(f"data.reward_fn={spec!r}: module {mod_name!r} not found ({e}); "
-                         f"is it on PYTHONPATH of every process that scores rollouts?") from e
+    module = _import(spec, mod_name, field)
     fn = module
     for part in attr.split("."):
         if not hasattr(fn, part):
-            raise ValueError(f"data.reward_fn={spec!r}: module {mod_name!r} has no attribute {attr!r}")
+            raise ValueError(f"{field}={spec!r}: module {mod_name!r} has no attribute {attr!r}")
         fn = getattr(fn, part)
     if not callable(fn):
-        raise ValueError(f"data.reward_fn={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
+        raise ValueError(f"{field}={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
     return fn
+
+
+def _import(spec: str, mod_name: str, field: str):
+    """The module, or a ValueError that tells a missing module from one whose own import fails (a
+    missing dependency inside it would otherwise read as the module itself being absent)."""
+    try:
+        return importlib.import_module(mod_name)
+    except ModuleNotFoundError as e:
+        if e.name is not None and not (mod_name == e.name or mod_name.startswith(e.name + ".")):
+            raise ValueError(f"{field}={spec!r}: module {mod_name!r} imports {e.name!r}, which is not "
+                             f"installed; install it where rollouts are scored") from e
+        raise ValueError(f"{field}={spec!r}: module {mod_name!r} not found ({e}); "
+                         f"is it on PYTHONPATH of every process that scores rollouts?") from e
+    except Exception as e:  # deliberate: any failure inside the user's module becomes one message naming it
+        first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+        raise ValueError(f"{field}={spec!r}: importing module {mod_name!r} raised {type(e).__name__}: {first}; "
+                         f"fix that module (run `python -c 'import {mod_name}'` to see where)") from e
 
 
 def _check_value(fn: Callable, i: int, prompt: str, response: str, value: Any) -> float:

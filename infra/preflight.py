@@ -1,0 +1,224 @@
+"""Preflight: what `reflow config --check` and `reflow train` check before anything starts (no Ray,
+no Prefect), so a mistake in the inputs costs seconds and one line, not a cluster start-up and a
+wall of tracebacks.
+
+Each check goes through the code the run itself uses (the model folder through engines/hf_io, prompt
+files through rl/data, reward functions through rl/rewards, storage through ExperimentStore.preflight)
+but reads only a little: the model's config and tokenizer, the first rows of each file. Storage comes
+last, so a run that fails an earlier check writes nothing; its own probe removes what it created.
+Reads use no retries: a location that does not answer now is reported now.
+
+A failure is a PreflightError: one line naming the config field, the file or URL, and the fix.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from reflow.engines.storage_access import StorageAccess, StorageError
+from reflow.infra.config import RunConfig
+from reflow.infra.settings import storage_access
+from reflow.infra.storage import ExperimentStore
+
+FIRST_ROWS = 16  # rows of each file that are validated and tokenized (the run checks them all)
+
+
+class PreflightError(ValueError):
+    """A run input the user must fix; the message is one line naming the field and the fix."""
+
+
+def one_line(text: object, limit: int = 600) -> str:
+    """`text` with its line breaks folded (transformers' and pyarrow's messages span lines)."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[:limit] + "…"
+
+
+def preflight(cfg: RunConfig) -> list[str]:
+    """Every check, in the order a run needs its inputs; one line per check that passed."""
+    access = dataclasses.replace(storage_access(cfg), retries=0)
+    tokenizer, done = check_model(cfg, access)
+    heldout, line = check_data(cfg, tokenizer, access)
+    done += [line]
+    for i in range(len(cfg.eval.sets)):
+        done.append(check_eval_set(cfg, i, tokenizer, heldout, access))
+    done.append(check_storage(cfg))
+    if line := check_resume(cfg):
+        done.append(line)
+    return done
+
+
+# ---------------------------------------------------------------- model
+
+
+def _model_location(cfg: RunConfig, field: str, path: str, access: StorageAccess):
+    """Local folder of `path` (a remote one is fetched into the cache the run uses too)."""
+    from reflow.engines.hf_io import CheckpointError, resolve_checkpoint
+    from reflow.infra import checkpoint as ckpt
+
+    try:
+        files = ckpt.model_files(path, ExperimentStore.from_config(cfg.storage, cfg.experiment))
+        return resolve_checkpoint(path, access, files)
+    except CheckpointError as e:
+        text = one_line(e).replace("model.path", field)  # hf_io's advice names the policy's field
+        fix = "" if field in text else (f". Point {field} at a folder written by save_pretrained (config.json, "
+                                        f"*.safetensors, tokenizer files)")
+        raise PreflightError(f"{field}: {text}{fix}") from e
+    except ckpt.CheckpointInvalid as e:
+        raise PreflightError(f"{field}={path!r}: {one_line(e, 400)}; point {field} at a valid checkpoint") from e
+    except (StorageError, OSError, ValueError) as e:
+        raise PreflightError(f"{field}={path!r}: cannot fetch it ({type(e).__name__}: {one_line(e, 300)}); "
+                             f"check the URL and storage.endpoint_url") from e
+
+
+def check_model(cfg: RunConfig, access: StorageAccess):
+    """(tokenizer of model.path, passed lines): each model folder has a config transformers reads; the
+    policy's tokenizer loads (the engines and trainers load both the same way)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folders = [("model.path", cfg.model.path), ("model.ref_path", cfg.model.ref_path), ("critic.path", cfg.critic.path)]
+    done, tokenizer = [], None
+    for field, path in [(f, p) for f, p in folders if p]:
+        local = _model_location(cfg, field, path, access)
+        try:
+            AutoConfig.from_pretrained(local)
+        except Exception as e:  # deliberate: transformers raises several types for a bad config.json
+            raise PreflightError(f"{field}={path!r}: transformers cannot read its config.json ({type(e).__name__}: "
+                                 f"{one_line(e, 300)}); save the model with save_pretrained") from e
+        if tokenizer is None:
+            try:
+                tokenizer = AutoTokenizer.from_pretrained(local)
+            except Exception as e:  # deliberate: as above, for the tokenizer files
+                raise PreflightError(f"{field}={path!r}: its tokenizer does not load ({type(e).__name__}: "
+                                     f"{one_line(e, 300)}); save it into the folder with "
+                                     f"tokenizer.save_pretrained") from e
+        done.append(f"{field}: {path} (config and tokenizer load)" if field == "model.path" else f"{field}: {path}")
+    return tokenizer, done
+
+
+# ---------------------------------------------------------------- data and rewards
+
+
+def _reader(access: StorageAccess, field: str) -> Callable[[str], bytes]:
+    """`access.read_bytes`, with a missing or unreadable file named by `field`."""
+    def read(url: str) -> bytes:
+        try:
+            return access.read_bytes(url)
+        except FileNotFoundError as e:
+            raise PreflightError(f"{field}={url!r}: no such file; point {field} at an existing jsonl or parquet "
+                                 f"file (a local path or a URL)") from e
+        except (StorageError, OSError) as e:
+            raise PreflightError(f"{field}={url!r}: cannot read it ({type(e).__name__}: {one_line(e, 300)})") from e
+    return read
+
+
+def _first_prompts(rows: list[dict], tokenizer, max_len: int, where: str) -> list:
+    from reflow.rl.data import tokenize_prompts
+
+    try:
+        return tokenize_prompts(rows[:FIRST_ROWS], tokenizer, max_len)
+    except ValueError as e:
+        raise PreflightError(f"{where}: {one_line(e)}") from e
+
+
+def check_data(cfg: RunConfig, tokenizer, access: StorageAccess):
+    """(first held-out prompts, passed line): data.path (and data.eval_path) read with the named columns,
+    the split leaves rows to train on, the first rows are valid prompts, data.reward_fn scores one."""
+    from reflow.rl.data import load_prompt_rows
+
+    d = cfg.data
+    fields = {d.path: "data.path", d.eval_path: "data.eval_path"}
+    try:
+        train_rows, eval_rows = load_prompt_rows(
+            d.task, d.path, d.prompt_key, d.label_key, d.seed, d.num_train, d.num_eval, d.digits, d.eval_path,
+            read=lambda url: _reader(access, fields.get(url, "data.path"))(url))
+    except PreflightError:
+        raise
+    except ValueError as e:  # rl/data's messages name the file and the field
+        raise PreflightError(one_line(e)) from e
+    where = f"data.path={d.path!r}" if d.task == "file" else f"data.task={d.task!r}"
+    prompts = _first_prompts(train_rows, tokenizer, d.max_prompt_len, where)
+    heldout = _first_prompts(eval_rows, tokenizer, d.max_prompt_len, f"data.eval_path={d.eval_path!r}"
+                             if d.eval_path else where + " (held-out rows)")
+    if not prompts:
+        raise PreflightError(f"{where} holds no prompts; give data.path a file with rows")
+    check_reward(d.reward_fn, "data.reward_fn", prompts[0], where)
+    return heldout, (f"data: {d.path or d.task} ({len(train_rows)} train / {len(eval_rows)} held-out rows; "
+                     f"first rows valid); data.reward_fn: {d.reward_fn} (scores a row)")
+
+
+def check_reward(spec: str, field: str, prompt, source: str) -> None:
+    """`spec` imports and returns a finite float for `prompt` with an empty response (a policy can
+    answer with nothing at all, so a reward must handle it)."""
+    from reflow.rl.rewards import RewardError, compute_rewards, load_reward_fn
+
+    try:
+        fn = load_reward_fn(spec, field)
+    except ValueError as e:
+        raise PreflightError(one_line(e)) from e
+    try:
+        compute_rewards(fn, [prompt.text], [""], [prompt.label])
+    except RewardError as e:
+        raise PreflightError(f"{field}={spec!r} fails on the first row of {source} with an empty response: "
+                             f"{one_line(e, 400)}. Make it return a float for any response") from e
+
+
+def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: StorageAccess) -> str:
+    """One eval set: its source read with its columns, first rows valid, its reward function scores one."""
+    from reflow.rl.data import read_rows
+
+    s, where = cfg.eval.sets[i], f"eval.sets.{i}"
+    if s.source == "heldout":
+        prompts, source = heldout, f"the held-out split ({where}: {s.name})"
+    else:
+        try:
+            rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key,
+                             where, _reader(access, f"{where}.source"))
+        except PreflightError:
+            raise
+        except ValueError as e:
+            raise PreflightError(f"{where}.source: {one_line(e)}") from e
+        source = f"{where}.source={s.source!r}"
+        prompts = _first_prompts(rows, tokenizer, cfg.data.max_prompt_len, source)
+    if not prompts:
+        raise PreflightError(f"{source} holds no prompts; give {where}.source a file with rows")
+    field = f"{where}.reward_fn" if s.reward_fn else f"data.reward_fn (used by {where}: {s.name})"
+    check_reward(s.reward_fn or cfg.data.reward_fn, field, prompts[0], source)
+    return f"eval set {s.name}: {s.source} (first rows valid, reward scores a row)"
+
+
+# ---------------------------------------------------------------- storage
+
+
+def check_storage(cfg: RunConfig) -> str:
+    """A probe object written, read back and deleted under the experiment (the folders it made removed)."""
+    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
+    try:
+        store.preflight()
+    except StorageError as e:
+        where = [f"storage.root={cfg.storage.root!r}"] + (
+            [f"storage.endpoint_url={cfg.storage.endpoint_url!r}"] if cfg.storage.endpoint_url else [])
+        hint = "" if "storage.root" in str(e) else f" (set by {', '.join(where)})"
+        raise PreflightError(f"{one_line(e)}{hint}") from e
+    return f"storage: {store.url()} (writable)"
+
+
+def check_resume(cfg: RunConfig) -> str | None:
+    """resume=never on an experiment with committed checkpoints, or resume=URL not at a committed
+    checkpoint, is refused by the run after it started its cluster: say so now. (resume=auto needs no
+    check: it starts fresh when there is nothing to resume.)"""
+    from reflow.infra import checkpoint as ckpt
+
+    store = dataclasses.replace(ExperimentStore.from_config(cfg.storage, cfg.experiment), retries=0)
+    if cfg.resume == "never":
+        if ckpt.committed(store):
+            raise PreflightError(f"resume=never but {store.url(ckpt.ROOT)} already holds committed checkpoints; "
+                                 f"use resume=auto to continue, or a new experiment name to start over")
+        return None
+    if cfg.resume == "auto":
+        return None
+    try:
+        ckpt.check(ckpt.from_url(cfg.resume, store), signature=False)  # the signature: checked by the run
+    except (ckpt.CheckpointInvalid, StorageError, OSError, KeyError, ValueError) as e:
+        raise PreflightError(f"resume: {one_line(e, 400)}; give the URL of a committed checkpoint "
+                             f"(…/checkpoints/iter_NNNNNN) or resume=auto") from e
+    return f"resume: {cfg.resume} (committed)"

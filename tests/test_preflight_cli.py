@@ -1,0 +1,46 @@
+"""The CLI as a user runs it (a subprocess): `reflow train` runs the preflight before Prefect or Ray
+start, so a bad input ends it with one line, exit code 2 and nothing written to storage; `--debug`
+shows the traceback instead. No Ray, no Prefect server is started by these runs."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from tests.ckpt_fixtures import REFLOW, REPO, write_config
+
+
+def _reflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([REFLOW, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _config(tmp_path: Path, policy: Path) -> Path:
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
+    return write_config(tmp_path / "c.yaml", policy, f"file://{tmp_path}/runs", "cli",
+                        **{"data.task": "file", "data.path": str(tmp_path / "p.jsonl"), "data.prompt_key": "q",
+                           "data.label_key": "answer", "data.num_eval": 4})
+
+
+def test_train_stops_at_the_preflight_with_one_line(tmp_path, tiny_policy):
+    r = _reflow("train", "-c", str(_config(tmp_path, tiny_policy)))
+    assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr[-3000:])
+    # Only the line: no "starting Prefect's temporary server", no Ray start-up, no traceback.
+    assert r.stderr == (f"reflow: '{tmp_path}/p.jsonl' has no column 'answer' (data.label_key); its columns are "
+                        f"['q', 'a']: set data.label_key to the one holding the ground truth\n"), r.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()  # nothing in storage
+
+
+def test_config_check_catches_it_too_and_debug_shows_the_traceback(tmp_path, tiny_policy):
+    cfg = str(_config(tmp_path, tiny_policy))
+    r = _reflow("config", "-c", cfg, "--check")
+    assert (r.returncode, r.stdout) == (2, "") and r.stderr.count("\n") == 1, r.stderr[-3000:]
+    assert r.stderr.startswith(f"reflow: '{tmp_path}/p.jsonl' has no column 'answer' (data.label_key)")
+    r = _reflow("config", "-c", cfg, "--check", "--debug")
+    assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr, r.stderr[-3000:]
+    assert "reflow.infra.preflight.PreflightError: " in r.stderr, r.stderr[-3000:]
+    r = _reflow("config", "-c", cfg, "--check", "data.label_key=a")
+    assert r.returncode == 0 and r.stdout.startswith("experiment: cli\n"), r.stderr[-3000:]
+    assert r.stderr.startswith("reflow: preflight passed in ") and "Traceback" not in r.stderr, r.stderr
