@@ -48,23 +48,34 @@ def _trainer(folder: Path, args, overrides: dict, micro: int, port: int):
     return TrainerRank(0, 1, "127.0.0.1", port, str(folder), dataclasses.replace(s, **overrides))
 
 
-def run_variant(G, trainer, cfg, args, name: str) -> dict:
-    """Warm-up step (compiles), then args.steps timed steps of `train_iteration`."""
-    from reflow.rl.losses import LossSettings
-
-    prompt = 1 if name == "all-scored" else args.seq // 2
-    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, prompt)
-    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
+def _timed(G, step, steps: int):
+    """(warm-up seconds, mean seconds of `steps` timed calls, last result); peak memory reset after
+    the warm-up (which compiles)."""
     t0 = time.perf_counter()
-    m = trainer.train_iteration(batch, **kw)
+    step()
     G.sync()
     warm = time.perf_counter() - t0
     G.gpu_peak_gib()
     t0 = time.perf_counter()
-    for _ in range(args.steps):
-        m = trainer.train_iteration(batch, **kw)
+    for _ in range(steps):
+        last = step()
     G.sync()
-    sec = (time.perf_counter() - t0) / args.steps
+    return warm, (time.perf_counter() - t0) / steps, last
+
+
+def _iteration(G, trainer, cfg, args, prompt: int):
+    """One PPO-clip `train_iteration` on the synthetic batch (prompt tokens of each row unscored)."""
+    from reflow.rl.losses import LossSettings
+
+    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, prompt)
+    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
+    return lambda: trainer.train_iteration(batch, **kw)
+
+
+def run_variant(G, trainer, cfg, args, name: str) -> dict:
+    """Warm-up step (compiles), then args.steps timed steps of `train_iteration`."""
+    prompt = 1 if name == "all-scored" else args.seq // 2
+    warm, sec, m = _timed(G, _iteration(G, trainer, cfg, args, prompt), args.steps)
     forwards = 3 if m.get("old_logprobs_reused") else 4
     fl = G.model_flops(cfg, args.batch, args.seq, forwards)
     # The LM head does not run on the prompt positions before the first scored one (prompt - 1 each).
@@ -85,14 +96,11 @@ def profile(G, trainer, cfg, args) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    from reflow.rl.losses import LossSettings
-
-    batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, args.seq // 2)
-    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
+    step = _iteration(G, trainer, cfg, args, args.seq // 2)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with torch_profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        trainer.train_iteration(batch, **kw)
+        step()
         G.sync()
         wall_us = (time.perf_counter() - t0) * 1e6
     from torch.autograd import DeviceType
@@ -138,16 +146,7 @@ def plain(G, folder: Path, cfg, args, compiled: bool, micro: int) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    t0 = time.perf_counter()
-    step()
-    G.sync()
-    warm = time.perf_counter() - t0
-    G.gpu_peak_gib()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    G.sync()
-    sec = (time.perf_counter() - t0) / args.steps
+    warm, sec, _ = _timed(G, step, args.steps)
     fl = G.model_flops(cfg, args.batch, args.seq, forwards=3)
     row = {"what": "plain torch loop" + (" (compiled layers)" if compiled else "") + f" micro {micro}",
            "variant": "plain" + "-compiled" * compiled + "-x2" * (micro != args.micro), "s": sec, "micro": micro, "tok_s": args.batch * args.seq / sec, "tflops": fl / sec / 1e12,

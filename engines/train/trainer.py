@@ -341,14 +341,9 @@ class TrainerRank(DeepSpeedRank):
         forward under ZeRO-3."""
         from reflow.engines.weights.verify import LogprobProbe, probe_prompts
 
-        module = self.engine.module
+        module = self.engine.module  # always in eval mode (DeepSpeedRank._build_engine)
         prompts = probe_prompts(int(module.config.vocab_size))
         ids = torch.tensor(prompts, device=self.engine.device)  # [P, T]
-        training = module.training
-        module.eval()
-        try:
-            logits = self.engine(input_ids=ids, use_cache=False).logits[:, :-1].float()  # [P, T-1, V]
-        finally:
-            module.train(training)
-        ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0].cpu()  # [P, T-1]
+        mb = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        ref = token_logprobs(self._logits(self.engine, mb), ids[:, 1:]).cpu()  # [P, T-1]
         return LogprobProbe(prompts, list(ref), next(module.parameters()).dtype)
