@@ -40,9 +40,10 @@ def model(tiny_policy):
     return load_causal_lm(str(tiny_policy))
 
 
-@pytest.fixture(scope="module")
-def gen(model, tok):
-    return Generator(model, tok, max_batch_size=64, threads=1)
+@pytest.fixture(scope="module", params=["eager", "static"])
+def gen(request, model, tok):
+    """Both decoders answer every generation test (static: the GPU path's cache and steps, without graphs)."""
+    return Generator(model, tok, max_batch_size=64, threads=1, decoder=request.param)
 
 
 @pytest.fixture(scope="module")

@@ -27,18 +27,22 @@ class EmbeddedEngine:
     def __init__(self, model_path: str, engine_id: str, host: str = "127.0.0.1", port: int = 0,
                  threads: int = 1, max_batch_size: int = 256, dtype: str = "fp32", api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
-                 storage: StorageAccess | None = None, model_files: dict | None = None):
+                 storage: StorageAccess | None = None, model_files: dict | None = None, device: str = "cpu",
+                 decoder: str = "auto"):
         """`storage`: how to reach `model_path` and pushed folders in object storage (the run's endpoint
         and retries); `model_files`: the checkpoint manifest entries `model_path` is checked against
-        (reflow.engines.hf_io.resolve_checkpoint)."""
+        (reflow.engines.hf_io.resolve_checkpoint); `device`: where the model runs ("cuda" in a Ray actor
+        given a GPU); `decoder`: the generator's decoding path (reflow.engines.embedded.generator.Generator:
+        "auto" decodes with CUDA graphs on a GPU)."""
         torch.set_num_threads(threads)  # Ray actors default to 1 OMP thread; make it deliberate
         self.engine_id, self.host = engine_id, host
         self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
         local = str(resolve_checkpoint(model_path, storage, model_files))
-        self.generator = Generator(load_causal_lm(local, dtype), load_tokenizer(local),
-                                   max_batch_size=max_batch_size, threads=threads)
+        self.generator = Generator(load_causal_lm(local, dtype).to(device), load_tokenizer(local),
+                                   max_batch_size=max_batch_size, threads=threads, decoder=decoder)
         info = {"model_path": model_path, "tokenizer_path": model_path, "local_path": local,
-                "engine_id": engine_id, "version": SGLANG_API_VERSION, "threads": threads}
+                "engine_id": engine_id, "version": SGLANG_API_VERSION, "threads": threads, "device": device,
+                "decoder": decoder}
         self.app = build_app(self.generator, info, self._api_key, max_body_bytes=max_body_bytes,
                              max_weight_bytes=max_weight_bytes, storage=storage)
         self.http = ThreadedServer(self.app, host, port, f"uvicorn-{engine_id}", timeout_keep_alive=75)

@@ -25,12 +25,17 @@ all-padding columns are cut), so a batch with widely varying response lengths on
 rows still running. A prompt sampled `n` times is prefilled once and its cache repeated.
 Inputs are built on the model's device, so the same code drives a model moved to a GPU
 (bench/gpu.py); sampled tokens come back to the host once per step.
+On a GPU (decoder="auto") Llama-shaped models decode through reflow.engines.embedded.static_decode
+instead: a static KV cache, steps replayed as CUDA graphs, continuous batching (waiting rows join as
+others finish), and the next step launched before the host reads this one's tokens (`_run_static`).
+The sampling math, finish checks and records are the same code for both paths.
 """
 from __future__ import annotations
 
 import inspect
 import threading
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -41,10 +46,12 @@ from reflow.engines.embedded.sampling import (
     SAMPLING_EPS,
     TOP_K_ALL,
     SamplingConfig,
+    SamplingTensors,
     _seeded_noise,
     filter_probs,
     sample_tokens,
 )
+from reflow.engines.embedded.static_decode import StaticDecoder
 
 __all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
 
@@ -55,6 +62,19 @@ Checkpoint = Callable[[list[str]], dict[str, str]]
 
 
 # ---------------------------------------------------------------- per-sample bookkeeping
+
+
+def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
+    """Queue the copy of a step's tokens and logprobs to the host; returns (host tensor [2, B] float64,
+    wait), `wait()` blocking until the copy has landed. float64 holds every token id exactly."""
+    pair = torch.stack([tokens.double(), logprobs.double()])  # [2, B]
+    if pair.device.type != "cuda":
+        return pair, lambda: None
+    host = torch.empty(pair.shape, dtype=pair.dtype, pin_memory=True)
+    host.copy_(pair, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return host, done.synchronize
 
 
 @dataclass
@@ -76,7 +96,15 @@ class _Row:
 class Generator:
     """Batched generation on a HF causal LM (see module docstring for semantics)."""
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None):
+    def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None,
+                 decoder: str = "auto"):
+        """decoder: "eager" (HF forward with a growing cache), "static" (static KV cache, no graphs), "graphs"
+        (static cache + CUDA graphs; CUDA only) or "auto": graphs on a GPU where the model's family allows
+        (reflow.engines.embedded.static_decode), eager otherwise."""
+        if decoder not in ("auto", "eager", "static", "graphs"):
+            raise ValueError(f"decoder must be 'auto', 'eager', 'static' or 'graphs', got {decoder!r}")
+        self.decoder = decoder
+        self._static: StaticDecoder | None = None
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
@@ -120,9 +148,32 @@ class Generator:
         """
         rows = self._make_rows(prompts, params, n, rids)
         todo = [r for r in rows if r.finish is None]
-        for start in range(0, len(todo), self.max_batch_size):
-            self._run_chunk(todo[start:start + self.max_batch_size], checkpoint)
+        static = self.static_decoder() if todo else None
+        if static is not None:
+            self._run_static(static, todo, checkpoint)
+        else:
+            for start in range(0, len(todo), self.max_batch_size):
+                self._run_chunk(todo[start:start + self.max_batch_size], checkpoint)
         return [self._record(r) for r in rows]
+
+    def static_decoder(self) -> StaticDecoder | None:
+        """The static-cache decoder this generator uses (made on first use, on the model's current device),
+        or None for the eager path (see `decoder` in __init__)."""
+        if self.decoder == "eager":
+            return None
+        cuda = self.device.type == "cuda"
+        if self._static is None or self._static.stale():
+            why = StaticDecoder.supports(self.model)
+            if why is not None or (self.decoder == "auto" and not cuda):
+                if self.decoder in ("static", "graphs"):
+                    raise ValueError(f"decoder={self.decoder!r} cannot run this model: {why or 'no GPU'}")
+                return None
+            if self.decoder == "graphs" and not cuda:
+                raise ValueError("decoder='graphs' needs the model on a CUDA device")
+            if self._static is not None:
+                self._static.release()
+            self._static = StaticDecoder(self.model, self.max_batch_size, graphs=self.decoder != "static")
+        return self._static
 
     def _make_rows(self, prompts, params, n, rids) -> list[_Row]:
         P = len(prompts)
@@ -200,6 +251,81 @@ class Generator:
             pos = pos + 1  # [B]
             logits = self._forward(tokens[:, None], mask, pos[:, None], cache)
 
+    @torch.inference_mode()
+    def _run_static(self, dec: StaticDecoder, rows: list[_Row], checkpoint: Checkpoint | None) -> None:
+        """Continuous batching over the static cache: up to max_batch_size rows decode together, finished
+        rows leave after each step and waiting ones are prefilled into the freed slots.
+
+        The next step is launched before the host reads this step's tokens (their copy is queued first):
+        finish checks and bookkeeping run while the GPU decodes. Rows found finished have taken one step
+        too many, which is dropped with them (its K/V lies past their end)."""
+        dec.reserve(max(len(r.prompt) + r.max_new for r in rows))
+        waiting, active = deque(rows), []  # active[s] is the row in cache slot s
+        logits: torch.Tensor | None = None
+        params: SamplingTensors | None = None
+        while True:
+            if waiting and len(active) < self.max_batch_size:
+                new = [waiting.popleft() for _ in range(min(self.max_batch_size - len(active), len(waiting)))]
+                fresh = self._admit(dec, new, len(active))  # [k, V]
+                logits = fresh if logits is None else torch.cat([logits, fresh])
+                active += new
+                params = SamplingTensors.of([r.cfg for r in active], logits.device)
+            assert logits is not None and params is not None
+            tokens, lps = self._sample(logits, active, params)
+            host, ready = _to_host(tokens, lps)
+            ahead = None  # logits of the next step, launched before this step's tokens are read
+            if any(len(r.out) + 1 < r.max_new for r in active):
+                ahead = self._decode(dec, tokens, [len(r.prompt) + len(r.out) for r in active])
+            ready()
+            for r, tok, lp in zip(active, host[0].long().tolist(), host[1].tolist()):
+                self._append(r, tok, lp)
+            if checkpoint is not None:
+                self._apply_aborts(active, list(range(len(active))), checkpoint)
+            keep = [s for s, r in enumerate(active) if r.finish is None]
+            if len(keep) < len(active) and keep:
+                self._compact_slots(dec, active, keep)
+                tokens, params = tokens[keep], params.select(keep)
+                ahead = None if ahead is None else ahead[torch.tensor(keep, device=ahead.device)]
+            active = [active[s] for s in keep]
+            if not active:
+                if not waiting:
+                    return
+                logits = params = None
+                continue
+            logits = ahead if ahead is not None else self._decode(dec, tokens, [len(r.prompt) + len(r.out) - 1
+                                                                                for r in active])
+
+    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        with self.lock:
+            return dec.decode(tokens, positions)
+
+    @staticmethod
+    def _compact_slots(dec: StaticDecoder, active: list[_Row], keep: list[int]) -> None:
+        """Later rows move down into the freed slots, so running rows stay in slots 0..n-1."""
+        moved = [(j, s) for j, s in enumerate(keep) if s != j]
+        if moved:
+            dec.move_slots([j for j, _ in moved], [s for _, s in moved],
+                           max(len(active[s].prompt) + len(active[s].out) for _, s in moved))
+
+    def _admit(self, dec: StaticDecoder, rows: list[_Row], first_slot: int) -> torch.Tensor:
+        """Prefill `rows` into slots first_slot.. (a prompt sampled n times is run once, its cache copied to
+        the other samples' slots); logits float32 [len(rows), V]."""
+        uniq: dict[int, int] = {}  # id(prompt list) -> index among distinct prompts
+        for r in rows:
+            uniq.setdefault(id(r.prompt), len(uniq))
+        first = {}  # distinct index -> the slot of its first sample
+        for s, r in enumerate(rows, start=first_slot):
+            first.setdefault(uniq[id(r.prompt)], s)
+        prompts = {uniq[id(r.prompt)]: r.prompt for r in rows}
+        with self.lock:
+            logits = dec.prefill([prompts[u] for u in range(len(uniq))], [first[u] for u in range(len(uniq))],
+                                 self.pad_id)  # [U, V]
+        repeats = [(s, first[uniq[id(r.prompt)]]) for s, r in enumerate(rows, start=first_slot)
+                   if first[uniq[id(r.prompt)]] != s]
+        if repeats:
+            dec.move_slots([d for d, _ in repeats], [s for _, s in repeats], max(len(p) for p in prompts.values()))
+        return logits[torch.tensor([uniq[id(r.prompt)] for r in rows], device=logits.device)]
+
     def _prefill(self, rows: list[_Row]):
         """Left-padded prefill of the distinct prompts; cache and logits repeated per row."""
         uniq: dict[int, int] = {}  # id(prompt list) -> position among distinct prompts
@@ -244,24 +370,22 @@ class Generator:
             layer.select(idx, first)
         return mask[:, first:]
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]):
-        """Build the per-row parameter tensors (min_new_tokens mask, seeded noise) and sample."""
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], params: SamplingTensors | None = None):
+        """Apply the min_new_tokens mask and seeded noise, then sample; `params` are the rows' parameters as
+        device tensors (built here when not given)."""
         B, V = logits.shape
         for b, r in enumerate(rows):
             if len(r.out) < r.cfg.min_new_tokens and r.mask_ids:
                 logits[b, r.mask_ids] = float("-inf")
-        cfgs, dev = [r.cfg for r in rows], logits.device
-        temp = torch.tensor([c.temperature for c in cfgs], device=dev)  # [B]
-        top_p = torch.tensor([c.top_p for c in cfgs], device=dev)  # [B]
-        top_k = torch.tensor([TOP_K_ALL if c.top_k == -1 else c.top_k for c in cfgs], device=dev)  # [B]
-        min_p = torch.tensor([c.min_p for c in cfgs], device=dev)  # [B]
+        params = params or SamplingTensors.of([r.cfg for r in rows], logits.device)
         noise = None
-        if not all(c.greedy for c in cfgs):
-            noise = torch.empty(B, V, device=dev).exponential_()  # [B, V]
+        if not params.all_greedy:
+            noise = torch.empty(B, V, device=logits.device).exponential_()  # [B, V]
             for b, r in enumerate(rows):
                 if r.cfg.sampling_seed is not None and not r.cfg.greedy:
                     noise[b] = _seeded_noise(r.cfg.sampling_seed, len(r.prompt) + len(r.out), V)
-        return sample_tokens(logits, temp, top_p, top_k, min_p, noise)
+        return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, noise,
+                             filtered=params.filtered)
 
     def _append(self, r: _Row, token: int, logprob: float) -> None:
         """Record one token and run SGLang's finish checks: stop string, stop token, length."""

@@ -88,12 +88,47 @@ def filter_probs(probs: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
     return torch.zeros_like(probs).scatter_(-1, idx, sorted_p.masked_fill(drop, 0.0))
 
 
+@dataclass(frozen=True)
+class SamplingTensors:
+    """The per-row sampling parameters of a running batch as device tensors [B], plus host-side facts that
+    spare each step a device sync (whether every row is greedy, whether any row filters). Built when rows
+    join; `select` follows the batch when rows leave."""
+
+    cfgs: tuple[SamplingConfig, ...]
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    min_p: torch.Tensor
+
+    @classmethod
+    def of(cls, cfgs: list[SamplingConfig], device) -> SamplingTensors:
+        vals = [(c.temperature, c.top_p, TOP_K_ALL if c.top_k == -1 else c.top_k, c.min_p) for c in cfgs]
+        temp, top_p, top_k, min_p = zip(*vals) if vals else ((), (), (), ())
+        return cls(tuple(cfgs), torch.tensor(temp, device=device), torch.tensor(top_p, device=device),
+                   torch.tensor(top_k, device=device), torch.tensor(min_p, device=device))
+
+    def select(self, keep: list[int]) -> SamplingTensors:
+        idx = torch.tensor(keep, device=self.temperature.device)
+        return SamplingTensors(tuple(self.cfgs[k] for k in keep), self.temperature[idx], self.top_p[idx],
+                               self.top_k[idx], self.min_p[idx])
+
+    @property
+    def all_greedy(self) -> bool:
+        return all(c.greedy for c in self.cfgs)
+
+    @property
+    def filtered(self) -> bool:
+        return any(c.top_p < 1.0 or c.top_k != -1 or c.min_p > 0 for c in self.cfgs)
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor | None):
+                  top_k: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor | None,
+                  filtered: bool | None = None):
     """One sampling step. Returns (tokens [B] long, logprobs [B] float).
 
     logits [B, V] float32; temperature [B] (< SAMPLING_EPS = greedy); noise [B, V] Exp(1) draws
-    (None when every row is greedy). Sampling is the exponential race argmax(p / E), which draws
+    (None when every row is greedy); `filtered`: whether any row uses top-p/top-k/min-p (None: found out
+    from the tensors, a device sync on a GPU). Sampling is the exponential race argmax(p / E), which draws
     from p normalised, so the filtered probs need no renormalisation. The logprob is SGLang's:
     log_softmax(logits / T) of the chosen token, before filtering.
     """
@@ -101,9 +136,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     t = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
     logprobs = torch.log_softmax(logits / t[:, None], dim=-1)  # [B, V]
     tokens = logits.argmax(-1)  # [B]
-    if noise is not None and not bool(greedy.all()):
+    if noise is not None:
         probs = logprobs.exp()  # [B, V]
-        if bool((top_p < 1.0).any() | (top_k < probs.shape[-1]).any() | (min_p > 0).any()):
+        if filtered is None:
+            filtered = bool((top_p < 1.0).any() | (top_k < probs.shape[-1]).any() | (min_p > 0).any())
+        if filtered:
             probs = filter_probs(probs, top_p, top_k, min_p)
         sampled = (probs / noise.clamp_min(1e-20)).argmax(-1)  # [B]
         tokens = torch.where(greedy, tokens, sampled)
