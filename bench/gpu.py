@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 import engine_throughput as ET  # noqa: E402
 import gpu_engine as GE  # noqa: E402
+import gpu_push as GP  # noqa: E402
 import gpu_trainer as GT  # noqa: E402
 
 PEAK_BF16 = {"cuda": 989e12, "cpu": float("nan")}
@@ -112,6 +113,27 @@ def start_engine(folder: Path, args):
     gen = server.generator
     server.ready()
     return server, gen, EngineClient(server.url(), timeout=3600, api_key=server.api_key())
+
+
+def push_on_gpu(trainer, folder: Path, cfg, res: dict, args) -> None:
+    """CUDA IPC push and the colocated hand-over, the engine in a child process (bench/gpu_push.py)."""
+    import traceback
+
+    proc, stop, client = GP.start_engine_process(folder)
+    parts = {"push": lambda: GP.bench_push(trainer, client, args),
+             "handover": lambda: GP.handover(trainer, client, GT._iteration(sys.modules[__name__], trainer, cfg, args, 32),
+                                             args)}
+    try:
+        for name, fn in parts.items():
+            try:
+                res[name] = fn()
+            except Exception as e:  # deliberate: one part failing keeps the other's figures (printed, recorded)
+                traceback.print_exc()
+                res[name] = {"error": f"{type(e).__name__}: {e}"}
+    finally:
+        stop.set()
+        proc.join(120)
+    res["push_summary"] = GP.write({"push": res["push"], "handover": res["handover"]}, args, os.environ.get("OUT"))
 
 
 def bench_push(trainer, plain_named, gen, client, args) -> dict:
@@ -207,6 +229,11 @@ def main() -> None:
     trainer = make_trainer(folder, args) if "push" not in skip else None
     if {"engine", "push"} <= skip:
         return report(res, args)
+    if "push" not in skip and args.device == "cuda" and trainer is not None:
+        push_on_gpu(trainer, folder, cfg, res, args)  # first: the engine in-process below would hold memory
+        skip.add("push")
+        if "engine" in skip:
+            return report(res, args)
     server, gen, client = start_engine(folder, args)
     if "engine" not in skip:
         check = GE.greedy_check(gen, args)
@@ -248,7 +275,16 @@ def report(res: dict, args) -> None:
                                       ("ours/http_ratio", "http/generate", ".2f"), ("ours_ms_per_step", "ours ms/step", ".2f"),
                                       ("hf_ms_per_step", "generate ms/step", ".2f"), ("ours_gib", "ours peak +GiB", ".2f"),
                                       ("hf_gib", "generate peak +GiB", ".2f")]))
-    if res["push"]:
+    if res["push"] and "ipc_s" in res["push"] and "free_gib" in res.get("handover", {}):
+        print(C.table([res["push"]], [("gb", "GB", ".2f"), ("ipc_s", "IPC push s", ".4f"), ("ipc_gbs", "IPC GB/s", ".1f"),
+                                      ("staged_s", "host-staged push s", ".3f"), ("d2d_flat_gbs", "flat d2d GB/s", ".0f"),
+                                      ("d2d_per_tensor_gbs", "per-tensor d2d GB/s", ".0f"),
+                                      ("ipc_ratio", "IPC/flat", ".2f"), ("ipc_ratio_per_tensor", "IPC/per-tensor", ".2f"),
+                                      ("ipc_verified_s", "IPC + sampled verify s", ".3f")]))
+        ho = res["handover"]
+        print(C.table([{"point": k, "free": v} for k, v in ho["free_gib"].items()],
+                      [("point", "colocated hand-over", ""), ("free", "free GPU GiB", ".2f")]))
+    elif res["push"]:
         pu = res["push"]
         print(C.table([pu], [("gb", "GB", ".2f"), ("push_s", "push s", ".3f"), ("push_gbs", "push GB/s", ".2f"),
                              ("gather_s", "of which gather s", ".3f"), ("verified_s", "verified push s", ".3f"),
@@ -268,7 +304,10 @@ def report(res: dict, args) -> None:
         big = res["engine_summary"]["ratio_b256_varying"]
         parts.append(f"engine/generate {eng['ours_ratio']:.2f} at batch {eng['batch']} varying (target 4 at 64)"
                      + (f", {big:.2f} at 256 (target 3)" if big else ""))
-    if res["push"]:
+    if res["push"] and "ipc_s" in res["push"] and "free_gib" in res.get("handover", {}):
+        parts.append(f"CUDA IPC push {res['push']['ipc_ratio']:.2f}x a flat d2d copy (target 0.5), "
+                     f"engine frees {res['handover']['engine_release_fraction']:.0%} on release (target 90%)")
+    elif res["push"]:
         parts.append(f"push {res['push']['push_gbs']:.2f} GB/s vs d2d {res['push']['d2d_gbs']:.0f} GB/s")
     print("\ngpu: " + "; ".join(parts))
 

@@ -442,7 +442,42 @@ class Generator:
         with self.lock, torch.no_grad():
             for name, t in named_tensors:
                 self._params[name].data.copy_(t)
+            if self.device.type == "cuda":  # sources may be another process's memory (CUDA IPC): done before
+                torch.cuda.synchronize(self.device)  # the call returns and the sender frees or reuses it
         return len(named_tensors)
+
+    def release_memory(self, tags: set[str]) -> None:
+        """Colocated mode on a GPU (SGLang's release_memory_occupation): "kv_cache" and "cuda_graph" free the
+        static decoder's cache and graphs (made again on the next generate); "weights" moves the model to
+        host memory. The caching allocator gives the freed blocks back to the driver. On CPU: nothing to
+        free (the engine state tracks the tags)."""
+        if self.device.type != "cuda":
+            return
+        with self.lock:
+            if self._static is not None and tags & {"kv_cache", "cuda_graph", "weights"}:
+                self._static.release()
+                if "weights" in tags:
+                    self._static = None  # it holds the fused q/k/v and gate/up tensors: they go too
+            if "weights" in tags:
+                self.model.to("cpu")  # parameters keep their identity (the name map stays valid)
+            torch.cuda.empty_cache()
+
+    def memory_stats(self) -> dict:
+        """GPU memory this engine's process holds (torch's allocator), for /server_info; {} on CPU."""
+        if self.device.type != "cuda":
+            return {}
+        static = self._static
+        return {"gpu_allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
+                "gpu_reserved_gib": torch.cuda.memory_reserved(self.device) / 2**30,
+                "kv_cache_gib": (static.nbytes() if static else 0) / 2**30,
+                "cuda_graphs": static.graph_count if static else 0}
+
+    def resume_memory(self, tags: set[str]) -> None:
+        """Undo `release_memory`: weights back on the GPU (a push follows in colocated mode); the cache and
+        graphs are made lazily by the next generate."""
+        if self.device.type == "cuda" and "weights" in tags:
+            with self.lock:
+                self.model.to(self.device)
 
     def get_weight(self, name: str) -> torch.Tensor:
         """A detached copy of one model tensor, by HF name."""

@@ -161,7 +161,7 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
                 "max_running_requests": state.gen.max_batch_size, "context_length": state.gen.context_len,
                 "weight_version": state.gen.weight_version, "internal_states": [state.load()],
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),
-                "memory_events": state.memory_events}
+                "memory_events": state.memory_events, **state.gen.memory_stats()}
 
     # SGLang 0.5.23 still serves the old names (deprecated, with a warning each call): same answers.
     @app.get("/get_model_info")

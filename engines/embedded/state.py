@@ -5,8 +5,8 @@ Requests queue up; one worker thread takes everything queued and decodes it as o
 Between decode steps the worker passes a checkpoint where pauses park it and aborts land.
 Weight writes never run during a forward pass (the generator's lock). As in SGLang, a weight
 update waits for running requests to finish unless generation is paused.
-Departures: pause modes "retract" and "in_place" both park in place (no KV memory to give
-back on CPU); memory release/resume only track state.
+Departures: pause modes "retract" and "in_place" both park in place; on CPU memory release/resume
+only track state (on a GPU the generator frees and restores its cache, graphs and weights).
 """
 from __future__ import annotations
 
@@ -224,5 +224,6 @@ class EngineState:
                 state = "already released" if release else "not released"
                 raise EngineStateError(f"memory tags {sorted(clash)} are {state}")
             self.released = self.released | set(tags) if release else self.released - set(tags)
+            (self.gen.release_memory if release else self.gen.resume_memory)(set(tags))
             # Kept for tests of colocated mode: the order of releases/resumes is the contract.
             self.memory_events.append(("release" if release else "resume", sorted(tags)))

@@ -231,14 +231,16 @@ class DeepSpeedRank:
 
     # ---------------------------------------------------------------- weights
 
-    def _gathered(self, keep: bool) -> list[tuple[str, torch.Tensor]]:
-        """Full parameters as (HF name, CPU copy). Collective under ZeRO-3: every rank must call it."""
+    def _gathered(self, keep: bool, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
+        """Full parameters as (HF name, CPU copy), or copies on this rank's device (`on_device`: a CUDA IPC
+        push packs them there). Collective under ZeRO-3: every rank must call it."""
         import deepspeed
 
         named = list(self.engine.module.named_parameters())
+        where = self.engine.device if on_device else torch.device("cpu")
         # A no-op for parameters ZeRO-3 has not partitioned, so one code path serves every stage.
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
-            return [(_hf_name(n), p.detach().to("cpu", copy=True)) for n, p in named] if keep else []
+            return [(_hf_name(n), p.detach().to(where, copy=True)) for n, p in named] if keep else []
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) for every parameter, as `from_pretrained` names them. Collective."""

@@ -107,6 +107,7 @@ class TrainerRank(DeepSpeedRank):
         self.zero_stage, self.model_path, self.storage = s.zero_stage, model_path, s.storage
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
         self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
+        self._ipc_lost: str | None = None  # why GPU tensor pushes stage through host memory (no CUDA IPC)
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
@@ -302,7 +303,10 @@ class TrainerRank(DeepSpeedRank):
     def push_weights(self, urls: list[str], version: str, settings: PushSettings, api_key: str | None = None) -> dict:
         """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, mode
         tensor|distributed|disk) with their `api_key`, and returns the report. Collective."""
-        named = self._gathered(keep=self.rank == 0)
+        # On a GPU, mode=tensor hands the engines CUDA IPC handles (colocated: same GPU, no host copy), unless
+        # an engine could not open them before (another GPU): host shared memory from then on.
+        ipc = settings.mode == "tensor" and self.engine.device.type == "cuda" and self._ipc_lost is None
+        named = self._gathered(keep=self.rank == 0, on_device=ipc)
         probe = self._logprob_probe() if settings.verify != "off" else None  # collective under ZeRO-3
         if self.rank != 0:
             return {}
@@ -324,7 +328,15 @@ class TrainerRank(DeepSpeedRank):
         if settings.mode == "tensor" and self._shm_lost is not None:
             return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
         try:
-            return push(settings)
+            try:
+                return {**push(settings), "ipc": ipc}
+            except RuntimeError as e:  # an engine's 400 (EngineError) naming a GPU it cannot open
+                if not ipc or not any(m in str(e) for m in ("not visible to this engine", "this engine has no GPU")):
+                    raise
+                self._ipc_lost = f"CUDA IPC refused ({e}); pushing through host shared memory from now on"
+                log.warning("weight push %s: %s", version, self._ipc_lost)
+                named = [(n, t.to("cpu")) for n, t in named]
+                return {**push(settings), "ipc": False, "fallback": self._ipc_lost}
         except SharedMemoryUnavailable as e:  # lost for the life of this process: disk from now on
             self._shm_lost = f"shared memory unavailable, pushing through disk from now on: {e}"
             log.warning("weight push %s: %s", version, self._shm_lost)

@@ -5,6 +5,13 @@ A bucket is many tensors packed into one uint8 buffer plus metadata, as SGLang's
 The payload is a ForkingPickler pickle, base64-encoded: torch's reductions turn a CPU tensor into
 a shared-memory *handle* (no bytes travel over HTTP; on GPU the same path carries CUDA IPC).
 
+CUDA tensors (a trainer and an engine sharing a GPU, colocated mode): the bucket is packed on the
+trainer's GPU and the pickle carries a CUDA IPC handle instead; the engine maps the trainer's memory and
+copies from it, device to device, nothing staged in host memory. As SGLang's senders do
+(`monkey_patch_torch_reductions`), the device is named by its UUID, not its index: Ray gives each actor
+its own CUDA_VISIBLE_DEVICES, so one GPU has different indices in the two processes. The receiver maps
+the UUID back to its own index and refuses a GPU it cannot see.
+
 Two details make the handles and the pickle usable by the receiver:
 - sharing strategy "file_system": the default "file_descriptor" strategy hands the fd over a
   multiprocessing connection keyed to the parent process, which unrelated processes (two Ray
@@ -40,6 +47,10 @@ import torch.multiprocessing  # registers torch's ForkingPickler reductions
 import torch.multiprocessing.reductions
 
 SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
+# torch's own, taken at import: SGLang's monkey patch (when sglang runs in this process) swaps the module's
+# attribute for a version that also takes UUIDs; the receiver maps UUIDs itself and calls this one.
+_REBUILD_CUDA = getattr(torch.multiprocessing.reductions, "_rebuild_cuda_tensor_original",
+                        torch.multiprocessing.reductions.rebuild_cuda_tensor)
 _ALIGN = 16
 MetaTuple = tuple  # (name, shape, dtype str, start_idx, end_idx, numel)
 
@@ -92,14 +103,55 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False)
         nbytes = t.numel() * t.element_size()
         metadata.append((name, tuple(t.shape), _dtype_str(t.dtype), start, start + nbytes, nbytes))
         offset = start + nbytes
-    if shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
+    device = named_tensors[0][1].device
+    if device.type == "cuda":  # packed where it is: the pickle carries a CUDA IPC handle (module docstring)
+        flat = torch.empty(offset, dtype=torch.uint8, device=device)  # [N]
+    elif shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
         _use_file_system_sharing()
         flat = _shared_uint8(offset)  # [N]
     else:
         flat = torch.empty(offset, dtype=torch.uint8)  # [N]
     for (_, _, _, start, end, _), (_, t) in zip(metadata, named_tensors):
-        flat[start:end] = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        flat[start:end] = t.detach().to(flat.device).contiguous().reshape(-1).view(torch.uint8)
     return flat, metadata
+
+
+_CUDA_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument (torch's signature, stable for years)
+
+
+def _device_uuid(index: int) -> str:
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _reduce_tensor(t: torch.Tensor):
+    """torch's reduction, with a CUDA tensor's device index replaced by the GPU's UUID (module docstring)."""
+    fn, args = torch.multiprocessing.reductions.reduce_tensor(t)
+    if fn is torch.multiprocessing.reductions.rebuild_cuda_tensor or fn.__name__.startswith("_rebuild_cuda_tensor"):
+        dev = args[_CUDA_DEVICE_ARG]
+        args = (*args[:_CUDA_DEVICE_ARG], _device_uuid(dev) if isinstance(dev, int) else dev,
+                *args[_CUDA_DEVICE_ARG + 1:])
+        fn = _REBUILD_CUDA
+    return fn, args
+
+
+def local_cuda_index(device) -> int:
+    """This process's index of the GPU a payload names (its UUID, or an index as older senders write)."""
+    if not torch.cuda.is_available():
+        raise BucketError("the payload holds CUDA IPC handles but this engine has no GPU: push with "
+                          "weight_sync.mode=distributed or disk, or run the engine on the trainer's GPU")
+    count = torch.cuda.device_count()
+    if isinstance(device, bool) or not isinstance(device, (int, str)):
+        raise BucketError(f"a CUDA payload names device {device!r}; expected a GPU UUID or index")
+    if isinstance(device, int):
+        if not 0 <= device < count:
+            raise BucketError(f"a CUDA payload names GPU {device}; this engine sees {count}")
+        return device
+    for i in range(count):
+        if _device_uuid(i) == device:
+            return i
+    raise BucketError(f"the payload's GPU ({device}) is not visible to this engine: CUDA IPC pushes work between "
+                      f"processes that see the same GPU (colocated mode); use weight_sync.mode=distributed "
+                      f"(nccl) between GPUs")
 
 
 def _shared_uint8(nbytes: int) -> torch.Tensor:
@@ -148,7 +200,8 @@ class _WirePickler(pickle._Pickler):
     """ForkingPickler's reductions on the pure-Python pickler, which lets the stand-in metadata
     class be written under SGLang's module path without importing sglang."""
 
-    dispatch_table = ChainMap(ForkingPickler._extra_reducers, copyreg.dispatch_table)
+    dispatch_table = ChainMap({torch.Tensor: _reduce_tensor, torch.nn.Parameter: _reduce_tensor},
+                              ForkingPickler._extra_reducers, copyreg.dispatch_table)
 
     def save_global(self, obj, name=None):
         if obj is FlattenedTensorMetadata:
@@ -288,6 +341,7 @@ def _allowed_globals() -> dict[tuple[str, str], object]:
         ("torch.multiprocessing.reductions", "rebuild_storage_filename"): red.rebuild_storage_filename,
         ("torch.multiprocessing.reductions", "rebuild_storage_empty"): red.rebuild_storage_empty,
         ("torch.multiprocessing.reductions", "rebuild_typed_storage"): red.rebuild_typed_storage,
+        ("torch.multiprocessing.reductions", "rebuild_cuda_tensor"): _REBUILD_CUDA,
         SGLANG_META: _sglang_meta_class(),
         (__name__, "FlattenedTensorMetadata"): FlattenedTensorMetadata,
     })
@@ -300,7 +354,6 @@ _HINTS = {
     "rebuild_storage_fd": "the sender shared memory by file descriptor, which only works between a parent "
                           "and its children: call torch.multiprocessing.set_sharing_strategy('file_system') "
                           "before sharing (reflow.engines.weights.buckets.serialize_bucket does)",
-    "rebuild_cuda_tensor": "the payload holds CUDA IPC handles but this engine runs on CPU",
 }
 
 
@@ -342,6 +395,8 @@ class _SafeUnpickler(pickle._Unpickler):
         """`func`, or its bounded stand-in; anything else may not be called."""
         if func is torch.multiprocessing.reductions.rebuild_storage_filename:
             return self._rebuild_storage_filename
+        if func is _REBUILD_CUDA:
+            return self._rebuild_cuda_tensor
         if func is copyreg.__newobj__:
             return lambda cls, *args: self._metadata_class(cls).__new__(cls, *args)
         if func in _CALLABLE or self._is_metadata_class(func):
@@ -359,6 +414,25 @@ class _SafeUnpickler(pickle._Unpickler):
                                   f"engine (its parameters once, in float32)")
             self.left -= nbytes
         return torch.multiprocessing.reductions.rebuild_storage_filename(cls, manager, handle, size, dtype)
+
+    def _rebuild_cuda_tensor(self, *args):
+        """torch's rebuild_cuda_tensor after checks: the storage fits the cap, the GPU is one this process
+        sees (named by UUID: mapped to the local index), the tensor class is a plain tensor."""
+        if len(args) != 15:
+            raise BucketError(f"rebuild_cuda_tensor takes 15 arguments, the payload gave {len(args)}")
+        nbytes = args[8]
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise BucketError(f"a CUDA storage of {nbytes!r} bytes makes no sense")
+        if args[0] not in (torch.Tensor, torch.nn.Parameter) or args[4] not in (
+                torch.storage.UntypedStorage, torch.UntypedStorage, torch.storage.TypedStorage):
+            raise BucketError("a CUDA payload may only rebuild plain tensors over untyped storages")
+        if self.left is not None:
+            if nbytes > self.left:
+                raise BucketError(f"the weight payload maps more than the {self.max_bytes}-byte limit of this "
+                                  f"engine (its parameters once, in float32)")
+            self.left -= nbytes
+        index = local_cuda_index(args[_CUDA_DEVICE_ARG])
+        return _REBUILD_CUDA(*args[:_CUDA_DEVICE_ARG], index, *args[_CUDA_DEVICE_ARG + 1:])
 
     def load_reduce(self):
         args = self.stack.pop()

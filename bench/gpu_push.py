@@ -1,0 +1,203 @@
+"""The push and colocated parts of bench/gpu.py: trainer -> engine on one GPU, the engine in its own process.
+
+CUDA IPC only works between processes (a process cannot open its own handles), so the engine runs as
+in a real run: an `EmbeddedEngine` (HTTP server, model on the GPU) in a spawned child process; the
+trainer (DeepSpeed `TrainerRank`, ZeRO-1, bf16) is this process.
+
+- push: `push_weights` in mode=tensor with the trainer's parameters gathered on the GPU, i.e. CUDA IPC
+  (verify off), against two plain copies of the same bytes in this process: one device-to-device copy
+  of a flat buffer, and one `copy_` per parameter (what loading the tensors costs an engine that
+  already holds them). Reported also: the same push staged through host memory (the path before).
+- colocated hand-over: free GPU memory (`cudaMemGetInfo`, the whole device) at each step of
+  tasks/colocate.py's sequence: both resident -> engine releases everything -> trainer reloads and trains
+  one step -> trainer offloads -> engine resumes weights -> push -> engine resumes the rest and generates.
+Results: $OUT/gpu-push.json (-> bench/results/gpu-push.json).
+"""
+from __future__ import annotations
+
+import json
+import math
+import multiprocessing as mp
+import time
+from pathlib import Path
+
+import torch
+
+GIB = 2**30
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine_main(folder: str, device: str, q, stop) -> None:
+    from reflow.engines.embedded.engine import EmbeddedEngine
+
+    e = EmbeddedEngine(folder, "push-engine", threads=4, dtype="bf16", device=device)
+    e.ready()
+    q.put((e.url(), e.api_key()))
+    stop.wait()
+    e.shutdown()
+
+
+def start_engine_process(folder: Path, device: str = "cuda"):
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_engine_main, args=(str(folder), device, q, stop), daemon=True)
+    proc.start()
+    url, key = q.get(timeout=900)
+    from reflow.engines.rollout_client import EngineClient
+
+    return proc, stop, EngineClient(url, timeout=900, api_key=key)
+
+
+def _free_gib() -> float:
+    _sync()
+    return torch.cuda.mem_get_info()[0] / GIB if torch.cuda.is_available() else 0.0
+
+
+def _best(fn, repeat: int) -> float:
+    best = math.inf
+    for _ in range(repeat + 1):  # the first is a warm-up
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _engine_mem(client) -> dict:
+    """The engine process's own figures (torch's allocator there), from /server_info."""
+    info = client.server_info()
+    return {k: info[k] for k in ("gpu_allocated_gib", "gpu_reserved_gib", "kv_cache_gib", "cuda_graphs") if k in info}
+
+
+def bench_push(trainer, client, args) -> dict:
+    from reflow.engines.weights.push import push_weights
+    from reflow.engines.weights.settings import PushSettings
+
+    src = [p for _, p in trainer.engine.module.named_parameters()]
+    nbytes = sum(p.numel() * p.element_size() for p in src)
+    flat_a = torch.empty(nbytes, dtype=torch.uint8, device=src[0].device)
+    flat_b = torch.empty_like(flat_a)
+    twins = [torch.empty_like(p) for p in src]
+    version = iter(range(1, 10**6))
+    off = PushSettings(verify="off")
+
+    def ipc():
+        push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off)
+
+    def staged():
+        push_weights([client], trainer._gathered(keep=True), str(next(version)), off)
+
+    def per_tensor():
+        with torch.no_grad():
+            for d, s in zip(twins, src):
+                d.copy_(s)
+
+    from reflow.engines.weights.buckets import SharedBucket
+    from reflow.engines.weights.push import update_window
+
+    named = trainer._gathered(keep=True, on_device=True)
+
+    def window():  # the pause/flush/begin ... end/continue calls around every push, nothing sent
+        with update_window([client], "abort", session=True):
+            pass
+
+    def pack():  # flat buffer on the GPU + one pickled IPC handle
+        b = SharedBucket(named)
+        b.payloads(1)
+        b.release()
+
+    def send():  # one prepared payload: HTTP, the engine maps the handle and copies every tensor
+        b = SharedBucket(named)
+        with update_window([client], "abort", session=True):
+            client.update_weights_from_tensor(b.payloads(1), "flattened_bucket", True, "send")
+        b.release()
+
+    from reflow.engines.weights.buckets import flatten
+
+    res = {"window_s": _best(window, args.repeat), "pack_s": _best(pack, args.repeat),
+           "flatten_s": _best(lambda: flatten(named), args.repeat),
+           "window_and_send_s": _best(send, args.repeat)}
+    res |= {"gb": nbytes / 1e9, "ipc_s": _best(ipc, args.repeat), "staged_s": _best(staged, args.repeat),
+           "gather_device_s": _best(lambda: trainer._gathered(keep=True, on_device=True), args.repeat),
+           "d2d_flat_s": _best(lambda: flat_b.copy_(flat_a), args.repeat), "d2d_per_tensor_s": _best(per_tensor, args.repeat)}
+    for k in ("ipc", "staged", "d2d_flat", "d2d_per_tensor"):
+        res[f"{k}_gbs"] = res["gb"] / res[f"{k}_s"]
+    res["ipc_ratio"] = res["ipc_gbs"] / res["d2d_flat_gbs"]
+    res["ipc_ratio_per_tensor"] = res["ipc_gbs"] / res["d2d_per_tensor_gbs"]
+    t0 = time.perf_counter()
+    checked = push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)),
+                           PushSettings(verify="sample"))
+    res["ipc_verified_s"] = time.perf_counter() - t0  # sampled tensors read back bit-exact: the handles carried data
+    res["verify"] = {k: v for k, v in checked.items() if k.startswith("verif")}
+    print(f"  push parts: update window {res['window_s'] * 1e3:.1f} ms, pack {res['pack_s'] * 1e3:.1f} ms (flatten "
+          f"{res['flatten_s'] * 1e3:.1f}), window + "
+          f"send {res['window_and_send_s'] * 1e3:.1f} ms, gather on the GPU {res['gather_device_s'] * 1e3:.1f} ms")
+    print(f"  push {res['gb']:.2f} GB: CUDA IPC {res['ipc_s'] * 1e3:.1f} ms ({res['ipc_gbs']:.0f} GB/s), staged "
+          f"{res['staged_s'] * 1e3:.0f} ms; plain flat d2d {res['d2d_flat_s'] * 1e3:.2f} ms, per-tensor "
+          f"{res['d2d_per_tensor_s'] * 1e3:.2f} ms; ratio {res['ipc_ratio']:.2f} (flat), "
+          f"{res['ipc_ratio_per_tensor']:.2f} (per tensor)", flush=True)
+    return res
+
+
+def handover(trainer, client, step, args) -> dict:
+    """Free GPU memory along tasks/colocate.py's sequence; the engine has generated (cache and graphs made)."""
+    from reflow.engines.weights.push import push_weights
+    from reflow.engines.weights.settings import PushSettings
+
+    prompts = [[5 + i, 6, 7] for i in range(64)]
+    sp = {"max_new_tokens": 32, "ignore_eos": True}
+    client.generate(input_ids=prompts, sampling_params=sp)
+    step()  # optimizer state exists
+    points = {"both_resident": _free_gib()}
+    engine = {"serving": _engine_mem(client)}
+    trainer_gib = {"trained": torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else 0.0}
+    client.pause_generation()
+    client.release_memory_occupation(None)
+    points["engine_released"] = _free_gib()
+    engine["released"] = _engine_mem(client)
+    step()
+    points["trainer_trained"] = _free_gib()
+    try:
+        trainer.offload_states()
+    except Exception as e:  # deliberate: recorded (DeepSpeed offloads only some optimizers), the rest goes on
+        points["trainer_offload_error"] = f"{type(e).__name__}: {e}"  # type: ignore[assignment]
+    points["trainer_offloaded"] = _free_gib()
+    trainer_gib["offloaded"] = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else 0.0
+    client.resume_memory_occupation(["weights"])
+    points["engine_weights_back"] = _free_gib()
+    push_weights([client], trainer._gathered(keep=True, on_device=True), "handover", PushSettings(verify="off"))
+    client.resume_memory_occupation(["kv_cache", "cuda_graph"])
+    client.continue_generation()
+    client.generate(input_ids=prompts, sampling_params=sp)
+    points["engine_generated_again"] = _free_gib()
+    engine["serving_again"] = _engine_mem(client)
+    if "trainer_offload_error" not in points:
+        trainer.reload_states()
+    error = points.pop("trainer_offload_error", None)
+    held, left = engine["serving"].get("gpu_reserved_gib", 0.0), engine["released"].get("gpu_reserved_gib", 0.0)
+    out = {"free_gib": points, "engine": engine, "engine_held_gib": held, "engine_left_gib": left,
+           "engine_device_freed_gib": points["engine_released"] - points["both_resident"],
+           "engine_release_fraction": (held - left) / held if held > 0 else None, "trainer_gib": trainer_gib,
+           "trainer_offload_freed_gib": trainer_gib["trained"] - trainer_gib["offloaded"],
+           "trainer_offload_error": error}
+    print("  hand-over, free GiB: " + ", ".join(f"{k} {v:.1f}" for k, v in points.items())
+          + f"; engine allocator {held:.2f} GiB -> {left:.2f} on release ({engine}), trainer offload frees "
+            f"{out['trainer_offload_freed_gib']:.2f} GiB ({error or 'ok'})", flush=True)
+    return out
+
+
+def write(res: dict, args, out_dir: str | None) -> dict:
+    summary = {"commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "ipc_ratio": res.get("push", {}).get("ipc_ratio"),
+               "ipc_ratio_per_tensor": res.get("push", {}).get("ipc_ratio_per_tensor"), "nccl_ratio": None,
+               "nccl_note": "needs two GPUs (nvidia-h200-x2), not lent in this session",
+               "engine_release_fraction": res.get("handover", {}).get("engine_release_fraction"), **res}
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        Path(out_dir, "gpu-push.json").write_text(json.dumps(summary, indent=1, default=str))
+    return summary
