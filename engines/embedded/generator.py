@@ -440,8 +440,12 @@ class Generator:
                 raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
                                  f"engine has {tuple(p.shape)}")
         with self.lock, torch.no_grad():
-            for name, t in named_tensors:
-                self._params[name].data.copy_(t)
+            dst = [self._params[name].data for name, _ in named_tensors]
+            if self.device.type == "cuda" and all(t.device == self.device for _, t in named_tensors):
+                torch._foreach_copy_(dst, [t for _, t in named_tensors])  # one launch group, not one per tensor
+            else:
+                for d, (_, t) in zip(dst, named_tensors):
+                    d.copy_(t)
             if self.device.type == "cuda":  # sources may be another process's memory (CUDA IPC): done before
                 torch.cuda.synchronize(self.device)  # the call returns and the sender frees or reuses it
         return len(named_tensors)

@@ -232,11 +232,13 @@ class DeepSpeedRank:
     # ---------------------------------------------------------------- weights
 
     def _gathered(self, keep: bool, on_device: bool = False) -> list[tuple[str, torch.Tensor]]:
-        """Full parameters as (HF name, CPU copy), or copies on this rank's device (`on_device`: a CUDA IPC
-        push packs them there). Collective under ZeRO-3: every rank must call it."""
+        """Full parameters as (HF name, CPU copy), or on this rank's device (`on_device`: a CUDA IPC push packs
+        them there; below ZeRO-3 the parameters themselves, not copies). Collective under ZeRO-3."""
         import deepspeed
 
         named = list(self.engine.module.named_parameters())
+        if on_device and self.zero_stage < 3:  # whole already: the parameters themselves (the push copies them
+            return [(_hf_name(n), p.detach()) for n, p in named] if keep else []  # before the next step)
         where = self.engine.device if on_device else torch.device("cpu")
         # A no-op for parameters ZeRO-3 has not partitioned, so one code path serves every stage.
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
@@ -310,23 +312,42 @@ class DeepSpeedRank:
     # ---------------------------------------------------------------- colocated mode
 
     def offload_states(self) -> dict:
-        """Colocated mode, after training: DeepSpeed moves optimizer/grad/param state to host memory so the
-        engines can resume theirs. On CPU there is nowhere to move it: only the state is tracked."""
+        """Colocated mode, after training: optimizer/gradient state to host memory so the engines can resume
+        theirs (DeepSpeed's offload_states where its optimizer has one, else reflow.engines.train.offload:
+        BF16_Optimizer, ZeRO-1 + bf16). On CPU there is nowhere to move it: only the state is tracked."""
         if getattr(self, "_offloaded", False):
             raise RuntimeError("trainer states are already offloaded: call reload_states first")
+        moved = 0
         if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU (and ZeRO >= 1 in DeepSpeed)
             if self.zero_stage == 0:
                 raise RuntimeError("cluster.colocate on GPU needs trainer.zero_stage 1, 2 or 3: DeepSpeed offloads "
                                    "only ZeRO optimizer states, so with stage 0 the trainer's memory stays on the GPU")
-            self.engine.offload_states()
+            moved = self._move_states(offload=True)
         self._offloaded, self._state_moves = True, getattr(self, "_state_moves", 0) + 1
-        return {"offloaded": True, "moves": self._state_moves}
+        return {"offloaded": True, "moves": self._state_moves, "bytes": moved}
 
     def reload_states(self) -> dict:
         """Colocated mode, before training (after the engines released their memory)."""
         if not getattr(self, "_offloaded", False):
             raise RuntimeError("trainer states are not offloaded: nothing to reload")
+        moved = 0
         if self.engine.device.type != "cpu":  # pragma: no cover - needs a GPU
-            self.engine.reload_states()
+            moved = self._move_states(offload=False)
         self._offloaded, self._state_moves = False, self._state_moves + 1
-        return {"offloaded": False, "moves": self._state_moves}
+        return {"offloaded": False, "moves": self._state_moves, "bytes": moved}
+
+    def _move_states(self, offload: bool) -> int:
+        """Optimizer state out (offload) or back; bytes moved where reflow moves them (DeepSpeed: unknown, 0)."""
+        from reflow.engines.train.offload import HostCopies, optimizer_storages
+
+        opt = self.engine.optimizer
+        if hasattr(opt, "offload_states"):
+            if offload:
+                self.engine.offload_states()
+            else:
+                self.engine.reload_states()
+            return 0
+        if offload:
+            self._host_states = HostCopies()
+            return self._host_states.offload(optimizer_storages(opt, self.engine.device))
+        return self._host_states.reload()
