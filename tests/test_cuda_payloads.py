@@ -98,3 +98,39 @@ def test_memory_release_on_cpu_only_tracks_tags(tiny_policy):
     gen.resume_memory({"weights", "kv_cache", "cuda_graph"})
     assert gen.memory_stats() == {}
     assert all(torch.equal(before[n], t) for n, t in gen.model.state_dict().items())
+
+
+RECEIVER = r"""
+import sys
+from reflow.engines.weights.buckets import load_payload
+for line in sys.stdin:  # one payload a line; each rebuilt, summed, freed before the next: a long-lived engine
+    named = load_payload(line.strip(), "flattened_bucket")
+    print(" ".join(f"{n}={float(t.sum())}" for n, t in named), flush=True)
+    del named
+"""
+
+
+def test_a_reused_buffer_serves_two_long_lived_receivers_for_three_buckets_in_a_row():
+    """The regression of the withdrawn reuse: one pickle sent to every receiver let the shared segment's
+    count fall to zero while the sender still used it, and the third rebuild found no file. With one
+    pickle per receiver the pool's buffer carries three buckets to both receivers, and the data each
+    sees is its own bucket's."""
+    import subprocess
+    import sys
+
+    receivers = [subprocess.Popen([sys.executable, "-c", RECEIVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    pool, storages = B.BufferPool(), set()
+    try:
+        for k in range(3):
+            bucket = B.SharedBucket([("a", torch.full((1024,), float(k + 1))), ("b", torch.arange(8.0) * k)], pool=pool)
+            storages.add(id(bucket.flat))  # the pool's buffer this bucket was packed into
+            for r, payload in zip(receivers, bucket.payloads(len(receivers))):
+                r.stdin.write(payload + "\n")
+                r.stdin.flush()
+            assert [r.stdout.readline().split() for r in receivers] == [[f"a={1024.0 * (k + 1)}", f"b={28.0 * k}"]] * 2
+            bucket.release()
+    finally:
+        outs = [r.communicate(timeout=60) for r in receivers]
+    assert all(r.returncode == 0 for r in receivers), [err[-2000:] for _, err in outs]
+    assert len(storages) == 1  # one shared buffer carried all three buckets

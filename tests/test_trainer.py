@@ -7,6 +7,7 @@ by the global token count across micro-batches and ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -237,8 +238,11 @@ def test_push_survives_a_lost_shared_memory_manager(ray_cluster, tiny_policy, tm
             m.kill()
         psutil.wait_procs(managers, timeout=10)
         ray.get(group.fill_weights(0.5))
+        # Larger buckets than the first push's: its pooled buffer (buckets.BufferPool, still mapped) cannot
+        # take them, so a new one must be allocated, which is what fails without the manager.
+        larger = dataclasses.replace(settings, bucket_bytes=1 << 20)
         for version in ("2", "3"):
-            report = ray.get(group.push_weights([url], version, settings, key))[0]
+            report = ray.get(group.push_weights([url], version, larger, key))[0]
             assert report["mode"] == "disk" and "shared memory" in report["fallback"], report
             assert report["verified_tensors"] > 0
         assert EngineClient(url, api_key=key).get_weights_by_name("model.norm.weight") == pytest.approx([0.5] * 32)

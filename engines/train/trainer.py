@@ -304,9 +304,11 @@ class TrainerRank(DeepSpeedRank):
         """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, mode
         tensor|distributed|disk) with their `api_key`, and returns the report. Collective."""
         # On a GPU, mode=tensor hands the engines CUDA IPC handles (colocated: same GPU, no host copy), unless
-        # an engine could not open them before (another GPU): host shared memory from then on.
+        # an engine could not open them before (another GPU): host shared memory from then on. On CPU the
+        # bucket is packed straight from the parameters (below ZeRO-3 they are whole: no gathered copy).
         ipc = settings.mode == "tensor" and self.engine.device.type == "cuda" and self._ipc_lost is None
-        named = self._gathered(keep=self.rank == 0, on_device=ipc)
+        direct = ipc or (settings.mode == "tensor" and self.engine.device.type == "cpu")
+        named = self._gathered(keep=self.rank == 0, on_device=direct)
         probe = self._logprob_probe() if settings.verify != "off" else None  # collective under ZeRO-3
         if self.rank != 0:
             return {}

@@ -38,6 +38,7 @@ import binascii
 import copyreg
 import io
 import pickle
+import threading
 from collections import ChainMap
 from dataclasses import dataclass
 from multiprocessing.reduction import ForkingPickler
@@ -89,11 +90,12 @@ def _parse_dtype(d) -> torch.dtype:
     return dt
 
 
-def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False):
+def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False, pool: BufferPool | None = None):
     """Pack tensors into one uint8 buffer. Returns (flat [N] uint8, list of metadata tuples).
 
     shared=True allocates the buffer in shared memory directly (saves the copy pickling makes, and the
     copy `share_memory_()` of a private buffer would make: together they cost more than the packing).
+    `pool`: take the buffer from it (a reused one of this size; give it back with `pool.give`).
     """
     if not named_tensors:
         raise BucketError("cannot build an empty tensor bucket")
@@ -104,7 +106,9 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False)
         metadata.append((name, tuple(t.shape), _dtype_str(t.dtype), start, start + nbytes, nbytes))
         offset = start + nbytes
     device = named_tensors[0][1].device
-    if device.type == "cuda":  # packed where it is: the pickle carries a CUDA IPC handle (module docstring)
+    if pool is not None:
+        flat = pool.take(offset, device)  # [N]
+    elif device.type == "cuda":  # packed where it is: the pickle carries a CUDA IPC handle (module docstring)
         flat = torch.empty(offset, dtype=torch.uint8, device=device)  # [N]
     elif shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
         _use_file_system_sharing()
@@ -157,6 +161,51 @@ def local_cuda_index(device) -> int:
     raise BucketError(f"the payload's GPU ({device}) is not visible to this engine: CUDA IPC pushes work between "
                       f"processes that see the same GPU (colocated mode); use weight_sync.mode=distributed "
                       f"(nccl) between GPUs")
+
+
+class BufferPool:
+    """Bucket buffers kept for the next push, one per (device, size): a push of the same model packs the
+    same bucket sizes every time, so each buffer is made once. Exact sizes, because a receiver maps a
+    whole buffer and holds it to its own size cap (the engine's parameters in float32). Reuse is safe
+    because each receiver gets its own pickle of the buffer (`SharedBucket`): torch's reference count
+    inside a shared segment then never drops below this process's own reference, and a receiver has
+    copied the data before its call returns (the engine waits for its GPU copies too). A buffer in use
+    is never handed out twice: a second taker gets a fresh one.
+
+    A shared-memory buffer, once made, is never freed while this process lives (one left over from a
+    concurrent taker is kept in `retired`): freeing a mapping asks this process's torch_shm_manager, and
+    when that helper is gone the C++ error it raises aborts the process (seen in tests/test_trainer.py)."""
+
+    def __init__(self) -> None:
+        self.free: dict[tuple[str, int], torch.Tensor] = {}  # (device, bytes) -> idle buffer
+        self.retired: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self.lock:
+            buf = self.free.pop((str(device), nbytes), None)
+        if buf is not None:
+            return buf
+        if device.type == "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return _shared_uint8(nbytes)
+
+    def give(self, flat: torch.Tensor) -> None:
+        key = (str(flat.device), flat.numel())
+        with self.lock:
+            if key not in self.free:
+                self.free[key] = flat
+            elif flat.device.type != "cuda":
+                self.retired.append(flat)
+
+    def clear(self) -> None:
+        """Forget the idle buffers (CUDA ones are freed; shared-memory ones are retired, see above)."""
+        with self.lock:
+            self.retired += [b for b in self.free.values() if b.device.type != "cuda"]
+            self.free.clear()
+
+
+BUFFERS = BufferPool()  # this process's (a trainer's rank 0 pushes one bucket at a time)
 
 
 def _shared_uint8(nbytes: int) -> torch.Tensor:
@@ -258,8 +307,9 @@ class SharedBucket:
     that segment lives until this process's torch_shm_manager exits.
     """
 
-    def __init__(self, named_tensors: list[tuple[str, torch.Tensor]]):
-        flat, meta = flatten(named_tensors, shared=True)
+    def __init__(self, named_tensors: list[tuple[str, torch.Tensor]], pool: BufferPool | None = None):
+        flat, meta = flatten(named_tensors, shared=True, pool=pool)
+        self.pool = pool
         self.flat: torch.Tensor | None = flat  # [N] uint8 in shared memory; None once released
         self.metadata = [FlattenedTensorMetadata(n, torch.Size(s), _parse_dtype(d), a, b, k)
                          for n, s, d, a, b, k in meta]
@@ -280,10 +330,13 @@ class SharedBucket:
         return [self.payload() for _ in range(count)]
 
     def release(self) -> None:
-        """Every call that carried a payload of this bucket has returned: drop the buffer now (before
-        the next bucket is allocated, so at most one bucket's shared memory is held at a time)."""
+        """Every call that carried a payload of this bucket has returned: the buffer goes back to the pool
+        (the next bucket reuses it), or is dropped now when there is none (before the next bucket is
+        allocated, so at most one bucket's shared memory is held at a time)."""
         for p in self.handed_out:
             release(p)
+        if self.pool is not None and self.flat is not None:
+            self.pool.give(self.flat)
         self.flat, self.handed_out = None, []
 
 

@@ -5,9 +5,11 @@ end session -> continue (`update_window`; the disk mode needs no session in SGLa
 - tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
   <= bucket_bytes; each bucket is packed once into one shared buffer and pickled once per receiver
   (every engine, and every TP rank of an engine: a handle pays for one rebuild, see
-  buckets.SharedBucket); the buffer is freed when all those calls have returned. The buffer lives
-  in this host's shared memory (/dev/shm), not CUDA IPC (issue 16), so every engine must run on
-  this host: `check_same_host` refuses others, naming mode=distributed or disk.
+  buckets.SharedBucket); when all those calls have returned the buffer goes back to this process's
+  pool and packs the next bucket (and the next push: no fresh shared memory, no page faults). It lives
+  in this host's shared memory (/dev/shm), or on the trainer's GPU when the tensors are there (CUDA
+  IPC, colocated mode), so every engine must run on this host: `check_same_host` refuses others,
+  naming mode=distributed or disk.
 - distributed: init_weights_update_group (this process is rank 0), then per bucket
   update_weights_from_distributed + one broadcast of the flattened buffer (on the CUDA device for
   backend=nccl, `group_device`); group destroyed after.
@@ -40,7 +42,7 @@ import torch
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.storage_access import StorageAccess, is_local
 from reflow.engines.weights import group as weight_group
-from reflow.engines.weights.buckets import SharedBucket
+from reflow.engines.weights.buckets import BUFFERS, SharedBucket
 from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
 from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, verify_weights: re-exported
     VERIFY_MODES,
@@ -100,12 +102,12 @@ def _send_buckets(clients: list[EngineClient], named_tensors: Named, bucket_byte
     buckets = make_buckets(named_tensors, bucket_bytes)
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
         for bucket in buckets:
-            shared = SharedBucket(bucket)  # one buffer, held until every engine has loaded it
+            shared = SharedBucket(bucket, pool=BUFFERS)  # one buffer, held until every engine has loaded it
             calls = [pool.submit(c.update_weights_from_tensor, shared.payloads(k), "flattened_bucket", True, version)
                      for c, k in zip(clients, tp)]
             for c, f in zip(clients, calls):
                 _check(c, f.result(), "a weight bucket")
-            shared.release()  # every engine has copied it: free it before the next bucket is packed
+            shared.release()  # every engine has copied it: back to the pool, for the next bucket
     return len(buckets)
 
 
