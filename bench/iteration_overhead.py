@@ -1,13 +1,22 @@
 """Iteration breakdown and framework overhead: the real train flow next to a bare loop doing the same work.
 
-    .venv/bin/python bench/iteration_overhead.py                 # demo and large sizes, 4-6 min on 2 cores
+    .venv/bin/python bench/iteration_overhead.py                 # small and large configs, ~5 min on 2 cores
     .venv/bin/python bench/iteration_overhead.py --sizes large --iters 4
+    .venv/bin/python bench/iteration_overhead.py --sizes small --baseline /tmp/base  # + the code at /tmp/base
+
+Configurations (CONFIGS): "small" is the demo policy (1.1M parameters) at 4 prompts x 8 samples with
+the demo's own save and eval schedule (none between the first and the last iteration): the fixed
+per-iteration cost at its most visible. "demo" (32 x 8) and "large" (25M parameters, 32 x 8) save
+and evaluate after every iteration.
 
 "full" is the real thing: `reflow.flows.train.train` (Prefect flow, one `iteration` subflow per iteration,
-Ray actors: embedded engine over HTTP, DeepSpeed trainer rank) with configs/demo.yaml plus
-save and eval after every iteration. Stage seconds are the iteration flow's own `time_<stage>`
-metrics; save and eval are timed around the parent flow's calls; orchestration = total minus
-the stages (Prefect flow/task runs, Ray scheduling, logging).
+Ray actors: embedded engine over HTTP, DeepSpeed trainer rank) with configs/demo.yaml. Stage seconds
+are the iteration flow's own `time_<stage>` metrics; save and eval are timed around the parent flow's
+calls; total = from one iteration's start in the parent flow to the next one's (everything the parent
+does per iteration); orchestration = total minus the stages (Prefect flow/task runs, Ray scheduling,
+logging). fixed = total minus the compute stages (all but report): what the iteration spends on
+bookkeeping. With --baseline DIR a third run takes the full flow's code from DIR (a copy of another
+commit, e.g. `git archive HEAD | tar -x -C DIR`), in the same script run.
 
 "bare" is the same work in one process with no Ray, Prefect, HTTP or DeepSpeed: the same
 prompts, per-sample seeds and sampling through the same `Generator`, the same reward function,
@@ -35,21 +44,30 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-SIZES = {"demo": dict(hidden=128, layers=4, mlp=512), "large": dict(hidden=512, layers=6, mlp=2048)}
+DEMO_MODEL = dict(hidden=128, layers=4, mlp=512)
+CONFIGS = {  # model shape, prompts per iteration, save + eval after every iteration
+    "small": dict(model=DEMO_MODEL, prompts=4, every=False),
+    "demo": dict(model=DEMO_MODEL, prompts=32, every=True),
+    "large": dict(model=dict(hidden=512, layers=6, mlp=2048), prompts=32, every=True),
+}
 STAGES = ("generate", "reward", "advantages", "train", "push", "report", "save", "eval")
+COMPUTE = tuple(s for s in STAGES if s != "report")
 DEMO_YAML = C.ROOT / "configs" / "demo.yaml"
 
 
 # ---------------------------------------------------------------- full: the real flow
 
 
-def _eval_every_iteration() -> list[str]:
-    """Overrides for an eval after every iteration and none before training (either config layout)."""
-    from reflow.infra.config import RunConfig
+def _schedule(every: bool) -> list[str]:
+    """Overrides: no eval before training; save and eval after every iteration, or only after the last."""
+    return ["eval.before_train=false"] + (["eval.interval=1", "checkpoint.save_interval=1"] if every else
+                                          ["eval.interval=null", "checkpoint.save_every_minutes=null"])
 
-    if "eval" in RunConfig.model_fields:
-        return ["eval.before_train=false", "eval.interval=1"]
-    return ["eval_before_train=false", "eval_interval=1"]
+
+def _n_run(args) -> int:
+    """Iterations run: warm-up + measured, and one more without a per-iteration save/eval schedule (the
+    last iteration always saves and evaluates: it is not counted then)."""
+    return args.warmup + args.iters + (0 if CONFIGS[args.config]["every"] else 1)
 
 
 def run_full(args) -> dict:
@@ -61,9 +79,10 @@ def run_full(args) -> dict:
 
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-full-"))
     exp = f"bench-{os.getpid()}"
-    cfg = load_config(str(DEMO_YAML), _eval_every_iteration() + [
-        f"model.path={args.policy}", f"experiment={exp}", f"num_iterations={args.warmup + args.iters}",
-        "checkpoint.save_interval=1", "checkpoint.keep_last=1",
+    conf = CONFIGS[args.config]
+    cfg = load_config(str(DEMO_YAML), _schedule(conf["every"]) + [
+        f"model.path={args.policy}", f"experiment={exp}", f"num_iterations={_n_run(args)}",
+        "checkpoint.keep_last=1", f"rollout.prompts_per_iteration={conf['prompts']}",
         f"storage.root=file://{work}/runs", f"rollout.engine_threads={args.threads}",
         f"trainer.threads_per_rank={args.threads}", "resume=never"])
     marks: list[tuple[str, float, float]] = []  # (kind, start, end) of every hooked call
@@ -78,7 +97,8 @@ def run_full(args) -> dict:
         return wrapper
 
     # Timing hooks only: the flow looks these names up in its module at call time.
-    for name, kind in (("iteration", "iteration"), ("save_checkpoint", "save"), ("evaluate", "eval"),
+    for name, kind in (("run_iteration", "iteration"), ("iteration", "iteration"), ("save_checkpoint", "save"),
+                       ("evaluate", "eval"),
                        ("launch_eval", "eval"), ("collect", "eval")):
         if hasattr(ft, name):
             setattr(ft, name, timed(kind, getattr(ft, name)))
@@ -90,20 +110,32 @@ def run_full(args) -> dict:
     cpu = {"wall": time.perf_counter() - t_run, **{k: c - cpu0.get(k, 0.0) for k, _, _, c in usage}}
     shutdown_runtime(exp)
     ray.shutdown()
+    stored = [json.loads(f.read_text()) for f in sorted((work / "runs" / exp / "iterations").glob("*/metrics.json"))]
     shutil.rmtree(work, ignore_errors=True)
+    rows = _full_rows(args, marks, summary["history"], stored)
+    return {"rows": rows, "peak_self_mib": C.self_peak_mib(), "peaks": peaks, "cpu": cpu}
+
+
+def _full_rows(args, marks: list[tuple[str, float, float]], history: list[dict], stored: list[dict]) -> list[dict]:
+    """One row per measured iteration: its stages, save and eval, its window in the parent flow and
+    what its metrics say about orchestration (`stored`: the metrics.json files, in iteration order)."""
     starts = [t0 for kind, t0, _ in marks if kind == "iteration"]
     rows = []
     for i in range(args.warmup, args.warmup + args.iters):
         # iteration i's window: from its start to the next one's (the last: to the last hooked call's end)
         lo, hi = starts[i], starts[i + 1] if i + 1 < len(starts) else max(t1 for _, _, t1 in marks)
-        m = summary["history"][i]
+        m = history[i]
         row = {s: m[f"time_{s}"] for s in STAGES if f"time_{s}" in m}
         for kind in ("save", "eval"):
             row[kind] = sum(t1 - t0 for k, t0, t1 in marks if k == kind and lo <= t0 < hi)
         row["total"] = hi - lo
         row["push_send"], row["push_verify"] = m.get("push_seconds", 0.0), m.get("push_verify_seconds", 0.0)
+        for key in ("time_iteration", "time_orchestration", "flow_run_start_seconds", "flow_run_end_seconds",
+                    "train_stage_records_wait_seconds"):
+            row[key] = m.get(key, float("nan"))
+        row["records_seconds"] = stored[i].get("records_seconds", float("nan"))  # known only to metrics.json
         rows.append(row)
-    return {"rows": rows, "peak_self_mib": C.self_peak_mib(), "peaks": peaks, "cpu": cpu}
+    return rows
 
 
 # ---------------------------------------------------------------- bare: one process, plain torch
@@ -119,7 +151,8 @@ def _bare_setup(args):
     from reflow.rl.rewards import load_reward_fn
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(str(DEMO_YAML), [f"model.path={args.policy}"])
+    cfg = load_config(str(DEMO_YAML), [f"model.path={args.policy}",
+                                       f"rollout.prompts_per_iteration={CONFIGS[args.config]['prompts']}"])
     tok = load_tokenizer(args.policy)
     policy = load_causal_lm(args.policy)  # trained copy
     policy.eval()  # dropout off, as the trainer does
@@ -202,6 +235,28 @@ def _bare_train(cfg, policy, opt, batch, pad_id: int) -> float:
     return float(pg.detach())
 
 
+def _bare_save_eval(cfg, tok, policy, gen, opt, reward_fn, eval_prompts, work: Path, d: Path, it: int,
+                    mark) -> None:
+    """The per-iteration checkpoint (HF folder + optimizer state) and greedy held-out eval."""
+    import torch
+
+    from reflow.engines.rollout_stages import rollout_table
+    from reflow.rl.rewards import compute_rewards
+
+    t0 = time.perf_counter()
+    ck = work / "checkpoint"
+    shutil.rmtree(ck, ignore_errors=True)
+    policy.save_pretrained(ck)
+    tok.save_pretrained(ck)
+    torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, ck / "optim.pt")
+    t0 = mark("save", t0)
+    ev = _bare_generate(cfg, gen, tok, eval_prompts, it, greedy=True)
+    acc = compute_rewards(reward_fn, ev.prompt_text, ev.response_text, ev.label)
+    rollout_table(ev).to_parquet(d / "heldout.parquet")
+    (d / "eval.json").write_text(json.dumps({"eval_accuracy": sum(acc) / len(acc)}))
+    mark("eval", t0)
+
+
 def run_bare(args) -> dict:
     import torch
 
@@ -235,18 +290,9 @@ def run_bare(args) -> dict:
         d.mkdir(parents=True)
         (d / "metrics.json").write_text(json.dumps({"iteration": it, "loss": loss, **sec}))
         rollout_table(batch).to_parquet(d / "rollouts.parquet")
-        t0 = mark("report", t0)
-        ck = work / "checkpoint"
-        shutil.rmtree(ck, ignore_errors=True)
-        policy.save_pretrained(ck)
-        tok.save_pretrained(ck)
-        torch.save({"optimizer": opt.state_dict(), "rng": torch.get_rng_state()}, ck / "optim.pt")
-        t0 = mark("save", t0)
-        ev = _bare_generate(cfg, gen, tok, eval_prompts, it, greedy=True)
-        acc = compute_rewards(reward_fn, ev.prompt_text, ev.response_text, ev.label)
-        rollout_table(ev).to_parquet(d / "heldout.parquet")
-        (d / "eval.json").write_text(json.dumps({"eval_accuracy": sum(acc) / len(acc)}))
-        mark("eval", t0)
+        mark("report", t0)
+        if CONFIGS[args.config]["every"]:
+            _bare_save_eval(cfg, tok, policy, gen, opt, reward_fn, eval_prompts, work, d, it, mark)
         sec["total"] = time.perf_counter() - t_it
         if it >= args.warmup:
             rows.append(sec)
@@ -257,14 +303,17 @@ def run_bare(args) -> dict:
 # ---------------------------------------------------------------- parent: run both, print the table
 
 
-def _child(args, part: str, policy: Path, out: Path, log: Path) -> dict:
-    cmd = [sys.executable, __file__, "--part", part, "--policy", str(policy), "--json", str(out),
+def _child(args, part: str, config: str, policy: Path, out: Path, log: Path, code: str | None = None) -> dict:
+    cmd = [sys.executable, __file__, "--part", part, "--config", config, "--policy", str(policy), "--json", str(out),
            "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
-    env = {**os.environ, **C.BENCH_ENV, "PREFECT_HOME": str(out.parent / f"prefect-{part}"),
+    env = {**os.environ, **C.BENCH_ENV, "PREFECT_HOME": str(out.parent / f"prefect-{out.stem}"),
            "PREFECT_LOGGING_LEVEL": "WARNING"}
+    if code:  # the baseline's `reflow` package first, for this process and its Ray workers
+        env["PYTHONPATH"] = code
+        cmd += ["--code", code]
     t0 = time.perf_counter()
     with log.open("w") as f:
-        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=C.ROOT).returncode
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=code or C.ROOT).returncode
     if rc != 0:
         sys.stdout.write(log.read_text()[-6000:])
         raise SystemExit(f"{part} run failed (exit {rc}); log above and in {log}")
@@ -277,22 +326,35 @@ def _median(rows: list[dict], key: str) -> float:
     """Median over iterations (robust to a burst of load from other processes on a shared machine)."""
     if key == "orchestration":
         return statistics.median(r["total"] - sum(r.get(s, 0.0) for s in STAGES) for r in rows)
+    if key == "fixed":
+        return statistics.median(r["total"] - sum(r.get(s, 0.0) for s in COMPUTE) for r in rows)
     return statistics.median(r.get(key, 0.0) for r in rows)
 
 
-def _report(size: str, nparams: int, full: dict, bare: dict) -> float:
+def _report(config: str, nparams: int, runs: dict[str, dict]) -> dict[str, float]:
+    """Prints the table; returns full/bare of the whole iteration and full's fixed seconds."""
+    full, bare = runs["full"], runs["bare"]
     out = []
-    for stage in STAGES + ("orchestration", "total"):
-        f, b = _median(full["rows"], stage), _median(bare["rows"], stage)
-        out.append({"stage": stage, "full": f, "bare": b, "ratio": f / b if b > 1e-3 else float("nan"),
-                    "share": f / _median(full["rows"], "total")})
-    print(f"\n## {size}: {nparams / 1e6:.1f}M parameters; seconds per iteration, median of {len(full['rows'])} "
-          f"(after {full.get('warmup', 1)} warm-up)")
-    print(C.table(out, [("stage", "stage", ""), ("full", "full s", ".3f"), ("bare", "bare s", ".3f"),
-                        ("ratio", "full/bare", ".2f"), ("share", "share of full", ".1%")]))
-    send, verify = _median(full["rows"], "push_send"), _median(full["rows"], "push_verify")
-    print(f"full push: {send:.3f}s sending (weight_push), {verify:.3f}s verifying (4 sampled tensors read back "
-          f"over HTTP), {_median(full['rows'], 'push') - send - verify:.3f}s the rest (gather, Ray call)")
+    for stage in STAGES + ("orchestration", "fixed", "total"):
+        row = {k: _median(r["rows"], stage) for k, r in runs.items()}
+        row |= {"stage": stage, "ratio": row["full"] / row["bare"] if row["bare"] > 1e-3 else float("nan"),
+                "share": row["full"] / _median(full["rows"], "total")}
+        out.append(row)
+    print(f"\n## {config}: {nparams / 1e6:.1f}M parameters, {CONFIGS[config]['prompts']} prompts x 8 samples; seconds "
+          f"per iteration, median of {len(full['rows'])} (after {full.get('warmup', 1)} warm-up)")
+    cols = [("stage", "stage", ""), ("full", "full s", ".3f"), ("bare", "bare s", ".3f"),
+            ("ratio", "full/bare", ".2f"), ("share", "share of full", ".1%")]
+    if "baseline" in runs:
+        cols.insert(1, ("baseline", "baseline s", ".3f"))
+    print(C.table(out, cols))
+    med = lambda key: _median(full["rows"], key)  # noqa: E731
+    send, verify = med("push_send"), med("push_verify")
+    print(f"full push: {send:.3f}s sending (weight_push), {verify:.3f}s verifying (sampled tensors read back "
+          f"over HTTP), {med('push') - send - verify:.3f}s the rest (task, gather, Ray call)")
+    print(f"full, as stored in metrics.json: time_iteration {med('time_iteration'):.3f}s, time_orchestration "
+          f"{med('time_orchestration'):.3f}s (flow run start {med('flow_run_start_seconds'):.3f}s, end "
+          f"{med('flow_run_end_seconds'):.3f}s); background record writing {med('records_seconds'):.3f}s; train "
+          f"waiting for the stage records {med('train_stage_records_wait_seconds'):.3f}s")
     print(f"peak RSS full: {C.fmt_peaks(full['peaks'], full['peak_self_mib'])}")
     print(f"peak RSS bare: this process {bare['peak_self_mib']:.0f} MiB")
     cpu = full.get("cpu", {})
@@ -300,38 +362,59 @@ def _report(size: str, nparams: int, full: dict, bare: dict) -> float:
         busy = sorted(((k, v) for k, v in cpu.items() if k != "wall"), key=lambda kv: -kv[1])
         print(f"CPU seconds of the full run's other processes over its {cpu['wall']:.0f}s (2 cores = "
               f"{2 * cpu['wall']:.0f} CPU-s): " + ", ".join(f"{k} {v:.0f}" for k, v in busy[:7]))
-    return out[-1]["ratio"]
+    return {"full_over_bare": out[-1]["ratio"], "fixed": out[-2]["full"]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="demo,large", help="comma list of: " + ", ".join(SIZES))
+    p.add_argument("--sizes", default="small,large", help="comma list of: " + ", ".join(CONFIGS))
     p.add_argument("--iters", type=int, default=3, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=1, help="iterations run first and not counted")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and trainer (both runs)")
+    p.add_argument("--baseline", default=None, help="also run the full flow with the code of this folder (a copy of "
+                                                    "another commit's tree)")
     p.add_argument("--part", choices=["all", "full", "bare"], default="all", help=argparse.SUPPRESS)
+    p.add_argument("--config", default="small", help=argparse.SUPPRESS)
+    p.add_argument("--code", default=None, help=argparse.SUPPRESS)
     p.add_argument("--policy", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     C.set_bench_env()
     if args.part != "all":
+        if args.code:
+            sys.path.insert(0, args.code)
         res = run_full(args) if args.part == "full" else run_bare(args)
         res["warmup"] = args.warmup
         Path(args.json).write_text(json.dumps(res))
         return
     C.header("iteration breakdown: train flow (Prefect + Ray + DeepSpeed + HTTP engine) vs a bare loop")
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-iter-"))
-    ratios = {}
+    results = {}
     try:
-        for size in args.sizes.split(","):
-            policy = C.demo_policy(work / f"policy-{size}", **SIZES[size])
-            bare = _child(args, "bare", policy, work / f"{size}-bare.json", work / f"{size}-bare.log")
-            full = _child(args, "full", policy, work / f"{size}-full.json", work / f"{size}-full.log")
-            ratios[size] = _report(size, C.n_params(policy), full, bare)
+        for config in args.sizes.split(","):
+            policy = C.demo_policy(work / f"policy-{config}", **CONFIGS[config]["model"])
+            runs = {part: _child(args, part, config, policy, work / f"{config}-{part}.json", work / f"{config}-{part}.log")
+                    for part in ("bare", "full")}
+            if args.baseline:
+                code = str(_baseline_package(Path(args.baseline)))
+                runs["baseline"] = _child(args, "full", config, policy, work / f"{config}-baseline.json",
+                                          work / f"{config}-baseline.log", code)
+            results[config] = _report(config, C.n_params(policy), runs)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("\niteration_overhead: full/bare per iteration " +
-          " ".join(f"{k}={v:.2f}" for k, v in ratios.items()) + " (target <= 1.05 on large)")
+    print("\nfull/bare per iteration: " + " ".join(f"{k}={v['full_over_bare']:.2f}" for k, v in results.items()))
+    small, large = results.get("small", {}), results.get("large", {})
+    print(f"iteration_overhead: small_fixed_s={small.get('fixed', float('nan')):.3f} "
+          f"large_full_over_bare={large.get('full_over_bare', float('nan')):.2f}")
+
+
+def _baseline_package(tree: Path) -> Path:
+    """`tree` importable as the `reflow` package (as pyproject.toml maps it): tree/reflow/<layer> -> tree/<layer>."""
+    pkg = tree / "reflow"
+    for layer in ("flows", "tasks", "infra", "engines", "rl"):
+        if not (pkg / layer).exists():
+            (pkg / layer).symlink_to(tree / layer, target_is_directory=True)
+    return tree
 
 
 if __name__ == "__main__":

@@ -19,10 +19,13 @@ from reflow.rl.types import Prompt, RolloutBatch
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, max_new_tokens: int,
-                    stop_token_ids: list[int] | None = None) -> dict[str, Any]:
-    """SGLang `sampling_params` (only keys SGLang accepts)."""
+                    stop_token_ids: list[int] | None = None, skip_special_tokens: bool = True,
+                    no_stop_trim: bool = False) -> dict[str, Any]:
+    """SGLang `sampling_params` (only keys SGLang accepts). skip_special_tokens / no_stop_trim decide
+    the response text only (special tokens dropped when decoding; the stop token cut from the end)."""
     sp: dict[str, Any] = {"temperature": temperature, "top_p": top_p, "top_k": top_k,
-                          "max_new_tokens": max_new_tokens}
+                          "max_new_tokens": max_new_tokens, "skip_special_tokens": skip_special_tokens,
+                          "no_stop_trim": no_stop_trim}
     if stop_token_ids:
         sp["stop_token_ids"] = list(stop_token_ids)
     return sp
@@ -67,7 +70,7 @@ def score(batch: RolloutBatch, reward_fn: str, max_new_tokens: int = 0, overlong
     `reward_mean` reports the reward function alone (task accuracy); the batch carries the sum.
     """
     fn = load_reward_fn(reward_fn)
-    rewards = compute_rewards(fn, batch.prompt_text, batch.response_text, batch.label)
+    rewards = compute_rewards(fn, batch.prompt_text, batch.response_text, batch.label, batch.samples())
     lengths = [len(r) for r in batch.response_ids]
     penalty = [overlong_penalty(n, max_new_tokens, overlong_buffer, overlong_factor) for n in lengths]
     stats = {

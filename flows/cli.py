@@ -18,6 +18,7 @@ from pathlib import Path
 from reflow.infra import console
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+DEMO_DATA = ".reflow/data/demo"  # the fixed eval file and new data configs/demo-retrain.yaml and the README name
 OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like the file, "
                   "e.g. trainer.lr=1e-4 rollout.n_samples_per_prompt=8 num_iterations=5")
 VERBOSE_HELP = ("show every Prefect log line (each task's state) instead of a progress bar with warnings "
@@ -54,6 +55,12 @@ def _preflight(cfg) -> list[str]:
     return preflight(cfg)
 
 
+def _warnings(cfg) -> list[str]:
+    from reflow.infra.preflight import warnings_for
+
+    return warnings_for(cfg)
+
+
 def cmd_config(args) -> None:
     from reflow.infra.config import dump_config
 
@@ -64,6 +71,8 @@ def cmd_config(args) -> None:
         print(f"reflow: preflight passed in {time.perf_counter() - t0:.1f} s:", file=sys.stderr)
         for line in passed:
             print(f"  {line}", file=sys.stderr)
+        for line in _warnings(cfg):  # the run logs these as warnings; they do not fail the check
+            print(f"reflow: warning: {line}", file=sys.stderr)
     print(dump_config(cfg), end="")
 
 
@@ -72,7 +81,17 @@ def cmd_bootstrap(args) -> None:
 
     kw = {"steps": args.steps} if args.steps is not None else {}
     report = bootstrap(args.out, seed=args.seed, digits=args.digits, **kw)
+    if args.data_out:
+        report["data"] = _demo_data(args.data_out, args.seed, args.digits)
     print(json.dumps(report, indent=2))
+
+
+def _demo_data(folder: str, seed: int, digits: int) -> dict[str, str]:
+    """The retrain walkthrough's files (reflow.rl.demo_task.write_demo_data), written once."""
+    from reflow.rl.demo_task import write_demo_data
+
+    found = {"heldout": str(Path(folder, "heldout.jsonl")), "incoming": str(Path(folder, "incoming"))}
+    return found if Path(found["heldout"]).is_file() else write_demo_data(folder, seed=seed, digits=digits)
 
 
 def _resume_override(args) -> list[str]:
@@ -101,7 +120,7 @@ def cmd_evaluate(args) -> None:
 
 
 def cmd_runs_show(args) -> None:
-    from reflow.infra.records import format_table, iteration_table
+    from reflow.infra.records import before_training, eval_points, format_table, iteration_table, with_evals
     from reflow.infra.storage import ExperimentStore, StorageError
 
     try:
@@ -112,10 +131,15 @@ def cmd_runs_show(args) -> None:
     if df.empty:
         raise UsageError(f"no iteration records under {store.url('iterations')}; check --storage and "
                          f"--experiment (the run's storage.root and experiment)")
+    points = eval_points(store)
+    df = with_evals(df, points)
     if args.csv:
         print(df.to_csv(index=False), end="")
-    else:
-        print(format_table(df))
+        return
+    if before := before_training(points):
+        print("before training (policy version 0): " + ", ".join(f"{k} pass@1 {v:.4f}" for k, v in before.items()))
+    print(f"eval columns: pass@1 of the policy each iteration produced; times in seconds\n{format_table(df)}"
+          if points else format_table(df))
 
 
 def _demo_policy(seed: int, digits: int, named: str) -> Path:
@@ -139,6 +163,8 @@ def cmd_demo(args) -> None:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment=demo-s{args.seed}-{stamp}"]
     policy = _demo_policy(args.seed, base.data.digits, base.model.path)
+    if args.seed == 0:  # the files configs/demo-retrain.yaml names (the README's retrain example)
+        _demo_data(DEMO_DATA, 0, base.data.digits)
     cfg = _config(str(DEMO_CONFIG), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
     _preflight(cfg)
     with console.terminal(args.verbose):
@@ -239,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     b.add_argument("--digits", type=int, default=2, help="digits per operand (default 2)")
     b.add_argument("--steps", type=int, default=None, help="warm-up optimizer steps (default: tuned value)")
+    b.add_argument("--data-out", default=DEMO_DATA,
+                   help="also write the task's held-out split as a fixed eval file and a batch of new problems "
+                        "here, for configs/demo-retrain.yaml (default %(default)s; '' skips them)")
     b.set_defaults(fn=cmd_bootstrap)
 
     cl = sub.add_parser("cluster", help="a long-lived local Ray head whose actors later flow runs reuse",

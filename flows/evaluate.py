@@ -17,7 +17,7 @@ from __future__ import annotations
 from prefect import flow, get_run_logger
 
 from reflow.infra import checkpoint as ckpt
-from reflow.infra.config import FlowConfig, resolve_config
+from reflow.infra.flow_params import FlowConfig, resolve_config
 from reflow.infra.runtime import shutdown_eval_runtime
 from reflow.tasks.checkpoint import experiment_store, resolve_checkpoint
 from reflow.tasks.cluster import start_eval_engines

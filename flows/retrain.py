@@ -22,13 +22,14 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from reflow.flows.train import train
+from reflow.flows.train import USER_ERRORS, refused, train
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import promotion as pm
-from reflow.infra.config import FlowConfig, Location, RunConfig, resolve_config
+from reflow.infra.config import Location, RunConfig
+from reflow.infra.flow_params import FlowConfig, resolve_config
 from reflow.tasks.checkpoint import experiment_store
 from reflow.tasks.report import artifact_key
-from reflow.tasks.retrain import take_new_data
+from reflow.tasks.retrain import check_fixed_eval, take_new_data
 
 
 def _run_name() -> str:
@@ -55,7 +56,12 @@ def retrain(config: FlowConfig, iterations: int = Field(10, ge=1), new_data: Loc
     or URL prefix of jsonl/parquet files) and promote the result to champion unless `metric`
     (`<eval set>/<key>`, higher is better) fell more than `tolerance` below the champion's."""
     log = get_run_logger()
-    cfg = resolve_config(config)
+    try:
+        cfg = resolve_config(config)
+        if new_data:
+            check_fixed_eval(cfg)
+    except USER_ERRORS as e:
+        return refused(e)  # type: ignore[return-value]  # a returned State is the run's (flows/train.py)
     store = experiment_store(cfg)
     store.preflight()
     run = _run_name()

@@ -16,16 +16,20 @@ import time
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
+from prefect.states import Failed, State
 
-from reflow.flows.iteration import iteration
+from reflow.flows.iteration import run_iteration
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import leases
-from reflow.infra.config import FlowConfig, RunConfig, resolve_config
+from reflow.infra.config import ConfigError, RunConfig
+from reflow.infra.flow_params import ExperimentFile, FlowConfig, InvalidConfig, resolve_config
+from reflow.infra.preflight import PreflightError, one_line, preflight, warnings_for
 from reflow.infra.runtime import shutdown_runtime
 from reflow.tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
 from reflow.tasks.cluster import start_cluster
 from reflow.tasks.evaluate import collect, launch_eval
 from reflow.tasks.progress import Progress
+from reflow.tasks.report import RECORDS
 from reflow.tasks.train import initial_push
 
 
@@ -51,6 +55,27 @@ def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
     return {"iterations": 0, "start": step, "already_complete": True, "message": msg, "evals": {}, "history": []}
 
 
+USER_ERRORS = (ConfigError, PreflightError)  # a run input to fix: the run fails with its one line
+
+
+def refused(error: Exception) -> State:
+    """The state of a run whose inputs are wrong: FAILED, its message the one-line reason (first, so
+    the UI's run list shows it), logged too. A direct call of the flow raises `error` itself."""
+    line = one_line(error)
+    get_run_logger().error("reflow: %s", line)
+    return Failed(message=line, data=error)
+
+
+def checked_config(config: RunConfig | ExperimentFile | InvalidConfig) -> RunConfig:
+    """The resolved config, after the preflight (seconds: a bad deployment parameter fails here, not
+    after the cluster started). The CLI has run it already; it is cheap enough to repeat."""
+    cfg = resolve_config(config)
+    preflight(cfg)
+    for line in warnings_for(cfg):
+        get_run_logger().warning(line)
+    return cfg
+
+
 @flow(name="train", flow_run_name="{config.experiment}", log_prints=True)
 def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, object]:
     """Run iterations up to `config.num_iterations` in total (stopping early at `debug_exit_after`).
@@ -58,7 +83,10 @@ def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, 
     config: the full run config, or {"file": "configs/X.yaml", "overrides": ["k=v", ...]}.
     release_cluster: kill the experiment's actors at the end (true), keep them for the next flow
     run (false), or (null) keep them only on a long-lived cluster (RAY_ADDRESS, `reflow cluster up`)."""
-    config = resolve_config(config)
+    try:
+        config = checked_config(config)
+    except USER_ERRORS as e:
+        return refused(e)  # type: ignore[return-value]  # Prefect takes a returned State as the run's
     for line in leases.take(config.experiment, flow_run.id):  # a killed predecessor: its leftovers, its state
         get_run_logger().warning("previous run: %s", line)
     try:
@@ -74,6 +102,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
     found = find_checkpoints(config)
     if found and found[0][0].step >= config.num_iterations:
         return _already_done(config, found[0][0].step, found[0][0].url)
+    progress: Progress | None = None
     try:
         log.info("cluster: %s", start_cluster(config))
         leases.record(config.experiment)
@@ -92,9 +121,10 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
         for i in range(start, last):
-            m = iteration(config, i)
+            m = run_iteration(config, i)  # its records are written in the background (tasks/report.py)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
             if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60):
+                RECORDS.wait()  # a checkpoint is committed only after the records of the iterations it holds
                 log.info("checkpoint: %s", save_checkpoint(config, i + 1))
                 saved_at = time.monotonic()
                 if ckpt.sentinel_present(config.checkpoint.sentinel):
@@ -105,12 +135,16 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             history.append(m)
             progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
-        log.info("curves: %s", progress.finish())
+        RECORDS.wait()  # and every iteration's records
+        log.info("curves: %s", progress.finish(evals))
         if last < config.num_iterations:
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
                         config.debug_exit_after, last, config.num_iterations)
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
                 "seconds": time.perf_counter() - t0}
     finally:
+        if progress is not None:
+            progress.abort()  # trackers still open here: the run failed (finish() closed them otherwise)
+        RECORDS.wait(raise_errors=False)  # a failed run: the records it queued are still written
         if release_cluster is not False:  # False keeps this process's runtime too (tests inspect it)
             shutdown_runtime(config.experiment, release_cluster)

@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import AfterValidator, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
+from pydantic import (
+    AfterValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from reflow.infra.guards import SEGMENT_PATTERN, check_segment, credential_problem, credentials_message
@@ -48,10 +54,10 @@ class ModelConfig(_Strict):
 class DataConfig(_Strict):
     task: Literal["addition", "file"] = Field("addition", description="`addition`: the built-in synthetic task; `file`: prompts from `path`.")
     path: str | None = Field(None, description="jsonl/parquet of prompts (local or URL) when task=file.")
-    eval_path: str | None = Field(None, description="task=file: jsonl/parquet of held-out prompts (the `heldout` eval set); default: the last num_eval rows of `path`.")
+    eval_path: str | None = Field(None, description="task=file: jsonl/parquet of held-out prompts (the `heldout` eval set); default: the last num_eval rows of `path` are carved out of training (a warning says so).")
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     label_key: str = Field("label", description="Column holding the ground truth passed to the reward function.")
-    reward_fn: str = Field("reflow.rl.demo_task:reward", description="`module:function` scoring (prompt, response, label) -> float, sync or async.")
+    reward_fn: str = Field("reflow.rl.demo_task:reward", description="`module:function` scoring (prompt, response, label) -> float, sync or async; a function that also declares a `sample` parameter gets the sample's finish reason and token counts (reflow.rl.types.Sample).")
     seed: int = Field(0, ge=0, description="Seed of the synthetic task and of the prompt shuffle.")
     num_train: int = Field(5000, ge=1, description="Synthetic task: number of training prompts.")
     num_eval: int = Field(200, ge=1, description="Synthetic task: number of held-out prompts.")
@@ -68,6 +74,8 @@ class RolloutConfig(_Strict):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 keeps every token.")
     max_new_tokens: int = Field(8, ge=1, description="Maximum response length in tokens.")
+    skip_special_tokens: bool = Field(True, description="Drop special tokens (eos, pad, ...) when decoding the response text the reward function sees (SGLang's sampling param of this name; eval sets too).")
+    no_stop_trim: bool = Field(False, description="Keep the stop token that ended a response at the end of its text (SGLang's sampling param; shows in the text only with skip_special_tokens=false when the stop token is special, like eos). Either way a reward function with a `sample` parameter gets the finish reason.")
     seeded_sampling: bool = Field(True, description="Give every sample its own sampling_seed derived from (seed, iteration, sample), so rollouts are reproducible and a resumed run samples what the uninterrupted one would.")
     max_batch_size: int = Field(256, ge=1, description="Largest batch an engine decodes at once.")
     engine_threads: int = Field(1, ge=1, description="torch threads of each engine process.")
@@ -145,6 +153,21 @@ class CheckpointConfig(_Strict):
     trust_unsigned: bool = Field(False, description="Also resume from checkpoints without a SIGNATURE (saved before signing existed). Their optimizer states are pickles anyone who can write the bucket could have replaced: only for checkpoints you wrote yourself; later saves are signed.")
 
 
+class TrackingConfig(_Strict):
+    """Experiment trackers (infra/tracking.py), fed what the Prefect artifacts show: every iteration's
+    metrics (`train/<metric>`, step = iteration) and every eval's summary (`eval/<set>/<key>`, step =
+    policy version), plus the resolved config. Each needs its package (`pip install 'reflow[tracking]'`);
+    the preflight says when one is missing. All off by default: nothing leaves the machine unless asked."""
+
+    tensorboard: bool = Field(False, description="Write TensorBoard event files to the run's storage, <experiment>/tracking/tensorboard/ (package `tensorboard`; remote storage: staged locally, uploaded when the curves are redrawn and at the end).")
+    wandb: bool = Field(False, description="Log to Weights & Biases (package `wandb`), one W&B run per flow run, named after the experiment.")
+    wandb_mode: Literal["offline", "online"] = Field("offline", description="offline: files under local_dir only (upload later with `wandb sync`); online: to the W&B server (WANDB_API_KEY from the environment, never from this file).")
+    wandb_project: str = Field("reflow", min_length=1, description="W&B project name.")
+    mlflow: bool = Field(False, description="Log to MLflow (package `mlflow-skinny` or `mlflow`), one MLflow run per flow run in the MLflow experiment named after this one.")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI (e.g. http://mlflow:5000); default $MLFLOW_TRACKING_URI, else a SQLite file in local_dir (sqlite:///<local_dir>/mlflow.db, artifacts in <local_dir>/mlartifacts).")
+    local_dir: str | None = Field(None, description="Folder for wandb's offline runs and MLflow's default SQLite store; default: <storage.root>/<experiment>/tracking with file:// storage, else .reflow/tracking/<experiment>.")
+
+
 class EvalSetConfig(_Strict):
     """One named eval set: where its prompts come from, how responses are sampled and scored."""
 
@@ -152,7 +175,7 @@ class EvalSetConfig(_Strict):
     source: str = Field("heldout", min_length=1, description="`heldout`: the task's held-out split (data.*); else a jsonl/parquet file path or URL (file://, s3://).")
     prompt_key: str | None = Field(None, description="Column holding the prompt text; default data.prompt_key.")
     label_key: str | None = Field(None, description="Column holding the ground truth; default data.label_key.")
-    reward_fn: str | None = Field(None, description="`module:function` scoring (prompt, response, label); default data.reward_fn.")
+    reward_fn: str | None = Field(None, description="`module:function` scoring (prompt, response, label[, *, sample]) like data.reward_fn; default data.reward_fn.")
     correct_threshold: float = Field(1.0, description="A sample counts as correct (for pass@k) when its reward is >= this.")
     n_samples: int | None = Field(None, ge=1, description="Samples per prompt; default rollout.n_samples_per_prompt, or 1 when greedy.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature; default rollout.temperature; 0 = greedy.")
@@ -208,6 +231,7 @@ class RunConfig(_Strict):
     storage: StorageConfig = StorageConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -326,10 +350,11 @@ def _shown(text: str) -> str:
     return "a value with credentials, not shown" if credential_problem(text) is not None else text
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def format_errors(err: ValidationError, source: str, strip: int = 0) -> str:
+    """One line per error, `field.path: message (got value)`; `strip` drops leading loc parts (a union's tag)."""
     lines = [f"invalid configuration ({source}):"]
     for e in err.errors():
-        parts = [str(x) for x in e["loc"]]
+        parts = [str(x) for x in e["loc"]][strip:]
         if parts[:1] == ["algorithm"] and len(parts) > 1 and parts[1] in SPECS:
             del parts[1]  # the union's tag: `algorithm.lam`, not `algorithm.ppo.lam`
         if e["type"] == CREDENTIALS:  # the message names the field(s) itself
@@ -361,47 +386,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         return RunConfig.model_validate(data)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e, source)) from None
+        raise ConfigError(format_errors(e, source)) from None
 
 
 def dump_config(cfg: RunConfig) -> str:
     return str(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-
-
-class ExperimentFile(_Strict):
-    """An experiment YAML plus dotted overrides: the short form of a flow's `config` parameter, for
-    `prefect deployment run` and the UI. Validated when the flow run starts: a bad file or override
-    fails the run before anything starts, with the same message as the CLI."""
-
-    model_config = ConfigDict(hide_input_in_errors=True)  # the overrides may hold a refused URL
-
-    file: str = Field("configs/demo.yaml", min_length=1, description="Experiment YAML, relative to the deployment's working directory (the repository).")
-    overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides, e.g. [\"num_iterations=40\", \"trainer.lr=1e-5\"].")
-
-    @model_validator(mode="after")
-    def _valid(self) -> ExperimentFile:
-        self.resolve()  # a ConfigError (a ValueError) becomes the parameter's validation error
-        return self
-
-    def resolve(self) -> RunConfig:
-        return load_config(self.file, self.overrides)
-
-    @property
-    def experiment(self) -> str:  # for flow_run_name templates
-        return self.resolve().experiment
-
-
-def _config_kind(v: Any) -> str:
-    if isinstance(v, dict):
-        return "file" if "file" in v or "overrides" in v else "full"
-    return "file" if isinstance(v, ExperimentFile) else "full"
-
-
-# A flow's `config` parameter: the full RunConfig (the UI renders every field) or {file, overrides}.
-# The discriminator picks one by its keys, so a bad value gets one error list, not one per variant.
-FlowConfig = Annotated[Annotated[RunConfig, Tag("full")] | Annotated[ExperimentFile, Tag("file")],
-                       Discriminator(_config_kind)]
-
-
-def resolve_config(config: RunConfig | ExperimentFile) -> RunConfig:
-    return config.resolve() if isinstance(config, ExperimentFile) else config

@@ -29,6 +29,8 @@ class EvalSet:
     top_k: int
     max_new_tokens: int
     ks: list[int]
+    skip_special_tokens: bool  # decoding of the response text: the rollout's (rollout.*)
+    no_stop_trim: bool
     seed: int  # sampling seed stream of this set (per-sample seeds derive from it and the policy version)
 
 
@@ -60,13 +62,13 @@ def load_eval_sets(cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[Eva
     for i, s in enumerate(cfg.eval.sets):
         where = f"eval.sets.{i}"
         reward_fn = s.reward_fn or cfg.data.reward_fn
-        try:
-            load_reward_fn(reward_fn)
-        except ValueError as e:
-            raise ValueError(f"{where}.reward_fn ({s.name}): {e}") from None
+        # the field the user set: the set's own reward_fn, or data.reward_fn that it falls back to
+        load_reward_fn(reward_fn, f"{where}.reward_fn ({s.name})" if s.reward_fn else
+                       f"data.reward_fn (used by {where}: {s.name})")
         sp = s.sampling(cfg.rollout)
         out.append(EvalSet(name=s.name, prompts=_prompts(s, where, cfg, tokenizer, heldout, read), reward_fn=reward_fn,
                            correct_threshold=s.correct_threshold, n=sp["n"], temperature=sp["temperature"],
                            top_p=sp["top_p"], top_k=sp["top_k"], max_new_tokens=sp["max_new_tokens"],
-                           ks=sorted(set(s.k)), seed=set_seed(cfg.seed, s.name)))
+                           ks=sorted(set(s.k)), skip_special_tokens=cfg.rollout.skip_special_tokens,
+                           no_stop_trim=cfg.rollout.no_stop_trim, seed=set_seed(cfg.seed, s.name)))
     return out

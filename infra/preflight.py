@@ -33,6 +33,18 @@ def one_line(text: object, limit: int = 600) -> str:
     return flat if len(flat) <= limit else flat[:limit] + "…"
 
 
+def warnings_for(cfg: RunConfig) -> list[str]:
+    """What a run can do but probably should not: one line each, naming the field and the fix. The
+    train flow logs them as warnings; `reflow config --check` lists them."""
+    d, out = cfg.data, []
+    if d.task == "file" and not d.eval_path:
+        users = [s.name for s in cfg.eval.sets if s.source == "heldout"]
+        out.append(f"data.eval_path is not set: the last data.num_eval={d.num_eval} rows of data.path={d.path!r} "
+                   f"are held out of training" + (f" and are the eval set(s) {users}" if users else "")
+                   + "; give data.eval_path a held-out file of its own (then every row of data.path is trained on)")
+    return out
+
+
 def preflight(cfg: RunConfig) -> list[str]:
     """Every check, in the order a run needs its inputs; one line per check that passed."""
     access = dataclasses.replace(storage_access(cfg), retries=0)
@@ -41,6 +53,8 @@ def preflight(cfg: RunConfig) -> list[str]:
     done += [line]
     for i in range(len(cfg.eval.sets)):
         done.append(check_eval_set(cfg, i, tokenizer, heldout, access))
+    if line := check_tracking(cfg):
+        done.append(line)
     done.append(check_storage(cfg))
     if line := check_resume(cfg):
         done.append(line)
@@ -150,13 +164,15 @@ def check_reward(spec: str, field: str, prompt, source: str) -> None:
     """`spec` imports and returns a finite float for `prompt` with an empty response (a policy can
     answer with nothing at all, so a reward must handle it)."""
     from reflow.rl.rewards import RewardError, compute_rewards, load_reward_fn
+    from reflow.rl.types import Sample
 
     try:
         fn = load_reward_fn(spec, field)
     except ValueError as e:
         raise PreflightError(one_line(e)) from e
+    empty = Sample(prompt.text, "", prompt.label, "stop", len(prompt.input_ids), 0)  # an immediate eos
     try:
-        compute_rewards(fn, [prompt.text], [""], [prompt.label])
+        compute_rewards(fn, [prompt.text], [""], [prompt.label], [empty])
     except RewardError as e:
         raise PreflightError(f"{field}={spec!r} fails on the first row of {source} with an empty response: "
                              f"{one_line(e, 400)}. Make it return a float for any response") from e
@@ -186,7 +202,19 @@ def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: Sto
     return f"eval set {s.name}: {s.source} (first rows valid, reward scores a row)"
 
 
-# ---------------------------------------------------------------- storage
+# ---------------------------------------------------------------- tracking and storage
+
+
+def check_tracking(cfg: RunConfig) -> str | None:
+    """Each tracker `tracking:` turns on has its package (imported only when the run starts)."""
+    from reflow.infra.tracking import PACKAGES, missing_packages
+
+    for name in missing_packages(cfg.tracking):
+        pip = "mlflow-skinny" if name == "mlflow" else PACKAGES[name]
+        raise PreflightError(f"tracking.{name}=true but the package {PACKAGES[name]!r} is not installed: "
+                             f"pip install {pip} (or: pip install 'reflow[tracking]'), or set tracking.{name}=false")
+    on = [name for name in PACKAGES if getattr(cfg.tracking, name)]
+    return f"tracking: {', '.join(on)} (installed)" if on else None
 
 
 def check_storage(cfg: RunConfig) -> str:

@@ -1,7 +1,8 @@
 """Reading an experiment's per-iteration records back from storage alone (no Prefect, no Ray).
 
 `reflow runs show` prints `iteration_table`: one row per iterations/NNNNNN/metrics.json, plus
-whether the iteration's rollouts.parquet exists and which checkpoint holds it.
+whether the iteration's rollouts.parquet exists and which checkpoint holds it, and (`with_evals`)
+the eval pass@1 of the policy each iteration produced.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from reflow.infra.storage import ExperimentStore
 
 # Shown by the readable table; --csv writes every metric.
 SUMMARY_COLUMNS = ["iteration", "reward_mean", "loss", "kl", "entropy", "grad_norm", "response_len_mean",
-                   "time_iteration", "rollouts", "checkpoint"]
+                   "time_iteration", "time_generate", "time_train", "time_push", "time_report", "EVALS", "rollouts",
+                   "checkpoint"]
+EVAL_SUFFIX = " pass@1"  # eval columns: `<set> pass@1`, shown where SUMMARY_COLUMNS says EVALS
 
 
 def iteration_table(store: ExperimentStore) -> pd.DataFrame:
@@ -38,9 +41,26 @@ def iteration_table(store: ExperimentStore) -> pd.DataFrame:
     return df[front + [c for c in df.columns if c not in front]].sort_values("iteration").reset_index(drop=True)
 
 
+def with_evals(df: pd.DataFrame, points: dict[str, list[tuple[int, dict]]]) -> pd.DataFrame:
+    """`df` plus one `<set> pass@1` column per eval set: the eval of the policy iteration i produced
+    (policy version i + 1); NaN where that version was not evaluated. Version 0 (before training)
+    has no iteration row: `before_training` gives it."""
+    out = df.copy()
+    for name, pts in points.items():
+        by_version = {v: float(s["pass@1"]) for v, s in pts}
+        out[name + EVAL_SUFFIX] = [by_version.get(int(i) + 1, float("nan")) for i in out["iteration"]]
+    return out
+
+
+def before_training(points: dict[str, list[tuple[int, dict]]]) -> dict[str, float]:
+    """{eval set: pass@1} of policy version 0, where it was evaluated."""
+    return {name: float(s["pass@1"]) for name, pts in points.items() for v, s in pts if v == 0}
+
+
 def format_table(df: pd.DataFrame) -> str:
-    cols = [c for c in SUMMARY_COLUMNS if c in df.columns]
-    return df[cols].to_string(index=False, float_format=lambda v: f"{v:.4f}")
+    evals = [c for c in df.columns if c.endswith(EVAL_SUFFIX)]
+    cols = [x for c in SUMMARY_COLUMNS for x in (evals if c == "EVALS" else [c]) if x in df.columns]
+    return df[cols].to_string(index=False, float_format=lambda v: f"{v:.4f}", na_rep="")
 
 
 def eval_points(store: ExperimentStore) -> dict[str, list[tuple[int, dict]]]:

@@ -2,16 +2,20 @@
 
 Reward contract (every reward function, built-in or user-supplied via `data.reward_fn`):
 
-    fn(prompt: str, response: str, label) -> float        # or `async def`
+    fn(prompt: str, response: str, label) -> float                 # or `async def`
+    fn(prompt: str, response: str, label, *, sample) -> float      # also gets a reflow.rl.types.Sample
 
-`prompt` is the prompt text, `response` the generated text after the prompt with special tokens
-already stripped (whether generation ended with eos or hit the length limit is reported separately
-as `finish_reason`), `label` the row's ground truth as loaded. Return a finite float; raising or
-returning a non-number is an error that stops the run (see `reflow.rl.rewards.compute_rewards`).
+`prompt` is the prompt text, `response` the generated text after the prompt (by default with special
+tokens dropped and the stop token trimmed: rollout.skip_special_tokens, rollout.no_stop_trim), `label`
+the row's ground truth as loaded. A function with a `sample` parameter also gets the finish reason
+("stop": it ended with eos; "length": it hit rollout.max_new_tokens) and the token counts. Return a
+finite float; raising or returning a non-number is an error that stops the run (see
+`reflow.rl.rewards.compute_rewards`).
 """
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 
 def _operand_range(digits: int) -> tuple[int, int]:
@@ -53,3 +57,20 @@ def reward(prompt: str, response: str, label) -> float:
     length limit can only be correct if it equals the label exactly.
     """
     return 1.0 if response == str(label) else 0.0
+
+
+def write_demo_data(folder: str | Path, seed: int = 0, num_train: int = 5000, num_eval: int = 200, digits: int = 2,
+                    new_rows: int = 256) -> dict[str, str]:
+    """The files the README's `retrain` walkthrough uses (configs/demo-retrain.yaml names them):
+    `heldout.jsonl`, the task's held-out split as a fixed eval file (the same problems as the `heldout`
+    set of configs/demo.yaml), and `incoming/batch-000.jsonl`, `new_rows` problems that are in neither
+    split (make_problems draws its held-out split first and its pairs in a fixed order, so the rows
+    after the first `num_train` of a longer draw are new). Returns {"heldout": file, "incoming": folder}."""
+    import json
+
+    out = Path(folder)
+    (out / "incoming").mkdir(parents=True, exist_ok=True)
+    train, heldout = make_problems(seed, num_train + new_rows, num_eval, digits)
+    for path, rows in ((out / "heldout.jsonl", heldout), (out / "incoming" / "batch-000.jsonl", train[num_train:])):
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"heldout": str(out / "heldout.jsonl"), "incoming": str(out / "incoming")}

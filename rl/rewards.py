@@ -1,7 +1,11 @@
 """Loading and calling reward functions (the `data.reward_fn` extension point).
 
 Contract (see `reflow.rl.demo_task`): `fn(prompt: str, response: str, label) -> float`, sync or
-`async def`. Async functions of one batch run concurrently (asyncio.gather), so a verifier that
+`async def`. A function that also declares a parameter named `sample` (keyword-only, or with a
+default) is called with `sample=` a `reflow.rl.types.Sample`: the same three plus the finish reason
+("stop" or "length": did the response end with eos or hit rollout.max_new_tokens?), the prompt and
+response token counts and the response's token ids. Plain three-argument functions keep working.
+Async functions of one batch run concurrently (asyncio.gather), so a verifier that
 calls out to a sandbox or a judge does not serialise the batch. Any failure — the function
 raising, returning a non-number, a bool, NaN or inf — raises `RewardError` naming the function,
 the sample index and the (truncated) prompt and response; the original exception is chained.
@@ -14,9 +18,12 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-RewardFn = Callable[[str, str, Any], float]
+if TYPE_CHECKING:  # annotations only: loading a reward function imports no torch
+    from reflow.rl.types import Sample
+
+RewardFn = Callable[..., Any]  # (prompt, response, label[, *, sample]) -> float, or a coroutine of one
 
 
 class RewardError(RuntimeError):
@@ -83,14 +90,22 @@ def _wrap_error(fn: Callable, i: int, prompt: str, response: str, exc: BaseExcep
                        f"(prompt={_short(prompt)!r}, response={_short(response)!r})")
 
 
-async def _gather_async(fn, prompts, responses, labels) -> list:
-    async def one(i, p, r, lab):
+def wants_sample(fn: Callable) -> bool:
+    """Whether `fn` declares a `sample` parameter that can be passed by keyword."""
+    try:
+        param = inspect.signature(fn).parameters.get("sample")
+    except (TypeError, ValueError):  # builtins and some C callables have no signature: the plain contract
+        return False
+    return param is not None and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+
+
+async def _gather_async(fn, calls: list[tuple[str, str, Any, dict]]) -> list:
+    async def one(i, p, r, lab, kw):
         try:
-            return await fn(p, r, lab)
+            return await fn(p, r, lab, **kw)
         except Exception as e:  # re-raised with the sample named; not swallowed
             raise _wrap_error(fn, i, p, r, e) from e
-    return await asyncio.gather(*(one(i, p, r, lab) for i, (p, r, lab) in
-                                  enumerate(zip(prompts, responses, labels))))
+    return await asyncio.gather(*(one(i, *call) for i, call in enumerate(calls)))
 
 
 def _run_coroutine(coro):
@@ -109,18 +124,23 @@ def _is_async(fn: Callable) -> bool:
 
 
 def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str],
-                    labels: Sequence[Any]) -> list[float]:
-    """Score each (prompt, response, label); one float per sample, in order."""
-    if not (len(prompts) == len(responses) == len(labels)):
-        raise ValueError(f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, "
-                         f"{len(labels)} labels; expected equal lengths")
+                    labels: Sequence[Any], samples: Sequence[Sample] | None = None) -> list[float]:
+    """Score each (prompt, response, label); one float per sample, in order. `samples` (one per
+    response) are what a function with a `sample` parameter receives; required for such a function."""
+    if not (len(prompts) == len(responses) == len(labels)) or (samples is not None and len(samples) != len(prompts)):
+        raise ValueError(f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, {len(labels)} labels"
+                         f"{'' if samples is None else f', {len(samples)} samples'}; expected equal lengths")
+    if wants_sample(fn) and samples is None:
+        raise ValueError(f"compute_rewards: {_fn_name(fn)} takes a `sample` parameter; pass samples=")
+    kws = [{"sample": s} for s in samples] if wants_sample(fn) and samples is not None else [{}] * len(prompts)
+    calls = list(zip(prompts, responses, labels, kws))
     if _is_async(fn):
-        values = _run_coroutine(_gather_async(fn, prompts, responses, labels))
+        values = _run_coroutine(_gather_async(fn, calls))
     else:
         values = []
-        for i, (p, r, lab) in enumerate(zip(prompts, responses, labels)):
+        for i, (p, r, lab, kw) in enumerate(calls):
             try:
-                values.append(fn(p, r, lab))
+                values.append(fn(p, r, lab, **kw))
             except Exception as e:  # re-raised with the sample named; not swallowed
                 raise _wrap_error(fn, i, p, r, e) from e
     return [_check_value(fn, i, p, r, v) for i, (p, r, v) in enumerate(zip(prompts, responses, values))]

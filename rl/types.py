@@ -24,6 +24,20 @@ class Prompt:
     label: Any = None  # ground truth handed to the reward function
 
 
+@dataclass(frozen=True)
+class Sample:
+    """One scored sample as a reward function that declares a `sample` parameter receives it
+    (reflow.rl.rewards), besides the plain (prompt, response, label)."""
+
+    prompt: str
+    response: str  # as decoded by the engine (rollout.skip_special_tokens, rollout.no_stop_trim)
+    label: Any
+    finish_reason: str  # "stop": a stop token (eos) ended it; "length": it hit max_new_tokens; "abort"
+    prompt_tokens: int
+    response_tokens: int  # of `response_ids`
+    response_ids: tuple[int, ...] = ()  # as the engine returned them (the embedded engine keeps the stop token)
+
+
 @dataclass
 class RolloutBatch:
     """`n` sampled responses for each of P prompts, prompt-major (p0s0..p0s(n-1), p1s0, ...)."""
@@ -48,6 +62,11 @@ class RolloutBatch:
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def samples(self) -> list[Sample]:
+        """One `Sample` per response, in order (what reward functions may look at)."""
+        return [Sample(p, r, lab, f, len(pi), len(ri), tuple(ri)) for p, r, lab, f, pi, ri in zip(
+            self.prompt_text, self.response_text, self.label, self.finish_reason, self.prompt_ids, self.response_ids)]
 
     @property
     def n_groups(self) -> int:

@@ -90,7 +90,8 @@ class PendingEval:
 
 
 def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: float) -> tuple[ray.ObjectRef, ray.ObjectRef]:
-    sp = ro.sampling_params(es.temperature, es.top_p, es.top_k, es.max_new_tokens, [rt.eos_id])
+    sp = ro.sampling_params(es.temperature, es.top_p, es.top_k, es.max_new_tokens, [rt.eos_id],
+                            es.skip_special_tokens, es.no_stop_trim)
     gen = _generate.remote(rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key)
     summary = _score_and_record.remote(gen, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
                                        [p.index for p in es.prompts], rt.store, out_dir)

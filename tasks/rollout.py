@@ -6,6 +6,7 @@ because an ObjectRef is not a meaningful cache key.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import ray
@@ -33,6 +34,11 @@ def write_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
     return store.write_parquet(rel, ro.rollout_table(batch))
 
 
+@ray.remote(num_cpus=0)
+def _size(batch: RolloutBatch) -> int:
+    return len(batch)
+
+
 @dataclass
 class BatchRef:
     """A RolloutBatch that stays in the Ray object store, plus what the driver may look at."""
@@ -40,6 +46,7 @@ class BatchRef:
     ref: ray.ObjectRef
     stats: dict[str, float] = field(default_factory=dict)
     iteration: int | None = None  # set by `generate`; dynamic sampling draws its extra prompts from it
+    saving: tuple[ray.ObjectRef, ...] = ()  # stage records still being written (tasks/stage_cache.py)
 
 
 def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: int) -> list[Prompt]:
@@ -54,7 +61,8 @@ def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: i
 
 def _sp(rt: Runtime) -> dict:
     r = rt.cfg.rollout
-    return ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id])
+    return ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
+                              r.skip_special_tokens, r.no_stop_trim)
 
 
 def _cached(rt: Runtime, iteration: int, stage: str) -> BatchRef | None:
@@ -70,9 +78,11 @@ def _cached(rt: Runtime, iteration: int, stage: str) -> BatchRef | None:
 
 
 def _persist(rt: Runtime, batch: BatchRef, stage: str) -> BatchRef:
-    ray.get(stage_cache.save_stage.remote(batch.ref, rt.store, batch.iteration, stage,
-                                          stage_cache.stage_key(rt.cfg, stage), batch.stats))
-    return batch
+    """Start writing the stage's record and go on: the write overlaps the next stages, and `train`
+    waits for it before the update can crash (a re-run then finds it); so do the iteration's records."""
+    ref = stage_cache.save_stage.remote(batch.ref, rt.store, batch.iteration, stage,
+                                        stage_cache.stage_key(rt.cfg, stage), batch.stats)
+    return dataclasses.replace(batch, saving=(*batch.saving, ref))
 
 
 @task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_fault)
@@ -87,7 +97,8 @@ def generate(cfg: RunConfig, iteration: int) -> BatchRef:
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
                            iteration, cfg.rollout.request_timeout_s, seed, rt.api_key)
-    ray.wait([ref], fetch_local=False)
+    # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
+    ray.get(_size.remote(ref))
     stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated))}
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
@@ -122,7 +133,7 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
                                        cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key)
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
-    out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration)
+    out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration, batch.saving)
     return _persist(get_runtime(cfg), out, "scored") if batch.iteration is not None else out
 
 
@@ -131,4 +142,4 @@ def advantages(cfg: RunConfig, batch: BatchRef) -> BatchRef:
     """The algorithm's advantages (`cfg.algorithm.spec.advantages`) on the whole batch, inside Ray.
     With a critic (PPO), reflow.tasks.train.critic_values has put its values in the batch first."""
     ref, stats = _advantages.remote(batch.ref, cfg.algorithm)
-    return BatchRef(ref, {**batch.stats, **ray.get(stats)}, batch.iteration)
+    return BatchRef(ref, {**batch.stats, **ray.get(stats)}, batch.iteration, batch.saving)

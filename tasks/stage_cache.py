@@ -33,7 +33,8 @@ def stage_key(cfg: RunConfig, stage: str) -> str:
     r, a = cfg.rollout, cfg.algorithm
     parts = {"seed": cfg.seed, "model": cfg.model.path, "data": cfg.data.model_dump(),
              "sampling": {k: getattr(r, k) for k in ("prompts_per_iteration", "n_samples_per_prompt", "temperature",
-                                                     "top_p", "top_k", "max_new_tokens", "seeded_sampling")}}
+                                                     "top_p", "top_k", "max_new_tokens", "seeded_sampling",
+                                                     "skip_special_tokens", "no_stop_trim")}}
     if stage == "scored":
         parts["reward"] = {k: getattr(a, k) for k in ("dynamic_sampling", "max_sampling_rounds", "overlong_buffer",
                                                       "overlong_penalty")}

@@ -25,9 +25,12 @@ def train(cfg: RunConfig, batch: BatchRef) -> dict[str, float]:
     rt = get_runtime(cfg)
     refs = rt.trainers.train_iteration(batch.ref, minibatches=cfg.trainer.minibatches_per_iteration,
                                        pad_id=rt.pad_id, loss=loss_settings(cfg), algorithm=cfg.algorithm)
+    t0 = time.perf_counter()
+    ray.get(list(batch.saving))  # the scored rollouts are in storage before the update can crash (a re-run loads them)
+    waited = time.perf_counter() - t0
     if batch.iteration is not None:  # tests: the driver dies while the ranks are mid-update
         fault_point("KILL_DURING_TRAIN", batch.iteration)
-    return ray.get(refs)[0]
+    return {**ray.get(refs)[0], "train_stage_records_wait_seconds": waited}
 
 
 def actor_updates(cfg: RunConfig, iteration: int) -> bool:
@@ -42,7 +45,7 @@ def critic_values(cfg: RunConfig, batch: BatchRef) -> BatchRef:
     rt = get_runtime(cfg)
     ref = _attach_values.remote(batch.ref, *rt.critic.compute_values(batch.ref, pad_id=rt.pad_id))
     ray.wait([ref], fetch_local=False)
-    return BatchRef(ref, dict(batch.stats), batch.iteration)
+    return BatchRef(ref, dict(batch.stats), batch.iteration, batch.saving)
 
 
 @task(name="train-critic", cache_policy=NO_CACHE)
@@ -64,7 +67,7 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
     t0 = time.perf_counter()
     results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), push_settings(cfg), api_key=rt.api_key))
     stats = next((r for r in results if r), {})
-    return {"push_seconds": time.perf_counter() - t0, "push_eval_wait_seconds": eval_wait,
+    return {"push_call_seconds": time.perf_counter() - t0, "push_eval_wait_seconds": eval_wait,
             "engines_recreated": float(len(recreated)),
             **{f"push_{k}": float(v) for k, v in stats.items() if isinstance(v, (int, float))}}
 

@@ -9,3 +9,15 @@ def label_as_reward(prompt: str, response: str, label) -> float:
     """The row's label *is* the reward: a canary eval set whose score a test sets by rewriting the
     file, to force an evaluation to improve or regress through the real eval path."""
     return float(label)
+
+
+def finish_aware_reward(prompt: str, response: str, label, *, sample) -> float:
+    """A reward that needs more than the text: 1 only for the right answer that ended on a stop token
+    (not one cut at the length limit), minus 0.01 per response token."""
+    correct = response == str(label) and sample.finish_reason == "stop"
+    return float(correct) - 0.01 * sample.response_tokens
+
+
+async def async_sample_reward(prompt: str, response: str, label, sample=None) -> float:
+    """Async, `sample` with a default: still receives it."""
+    return float(sample.response_tokens) if sample is not None else -1.0

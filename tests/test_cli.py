@@ -37,3 +37,53 @@ def test_runs_show_with_nothing_to_show_ends_with_one_line(capsys, tmp_path, exp
     out, err = capsys.readouterr()
     assert (e.value.code, out) == (2, "")
     assert err == "reflow: " + line.format(root=tmp_path) + "\n", err
+
+
+def test_runs_show_prints_timings_and_eval_columns(capsys, tmp_path):
+    """From storage alone: per-iteration timings, and each set's pass@1 on the row of the iteration
+    that produced the evaluated policy (version 0's on a line of its own)."""
+    import json
+
+    root = tmp_path / "exp" / "iterations"
+    for i in range(3):
+        (root / f"{i:06d}").mkdir(parents=True)
+        (root / f"{i:06d}" / "metrics.json").write_text(json.dumps(
+            {"reward_mean": 0.1 * i, "loss": 0.5, "time_iteration": 2.0 + i, "time_generate": 0.25, "time_train": 0.5,
+             "time_push": 0.125, "time_report": 0.0625, "grad_norm": 1.0}))
+    for version, acc in ((0, 0.25), (2, 0.75)):
+        (root / f"{version:06d}" / "eval" / "heldout").mkdir(parents=True)
+        (root / f"{version:06d}" / "eval" / "heldout" / "summary.json").write_text(json.dumps({"pass@1": acc}))
+    main(["runs", "show", "--storage", str(tmp_path), "--experiment", "exp"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "before training (policy version 0): heldout pass@1 0.2500"
+    header = lines[2].split()
+    assert header[:3] == ["iteration", "reward_mean", "loss"]
+    assert header[header.index("time_iteration"):header.index("rollouts")] == [
+        "time_iteration", "time_generate", "time_train", "time_push", "time_report", "heldout", "pass@1"]
+    rows = [line.split() for line in lines[3:]]
+    assert [r[0] for r in rows] == ["0", "1", "2"]
+    assert rows[1][header.index("time_report")] == "0.0625" and rows[1][header.index("heldout")] == "0.7500"
+    assert len(rows[0]) == len(rows[1]) - 1  # no eval of versions 1 and 3: an empty cell
+
+
+def test_demo_data_is_what_demo_retrain_yaml_names_and_demo_yaml_holds_out(tmp_path):
+    """`make demo` / `reflow bootstrap` write the fixed eval file configs/demo-retrain.yaml reads: the same
+    200 problems as configs/demo.yaml's held-out split, and new problems of neither split."""
+    import json
+
+    from reflow.flows.cli import DEMO_DATA, _demo_data
+    from reflow.rl.demo_task import make_problems
+
+    retrain_cfg = load_config(str(DEMO_CONFIG.with_name("demo-retrain.yaml")), [])
+    assert [s.source for s in retrain_cfg.eval.sets] == [f"{DEMO_DATA}/heldout.jsonl"]
+    assert build_parser().parse_args(["bootstrap"]).data_out == DEMO_DATA
+    files = _demo_data(str(tmp_path / "demo"), 0, 2)
+    d = load_config(str(DEMO_CONFIG), []).data
+    train, heldout = make_problems(d.seed, d.num_train, d.num_eval, d.digits)
+    def rows(path) -> list[dict]:
+        return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+    incoming = rows(Path(files["incoming"]) / "batch-000.jsonl")
+    assert rows(files["heldout"]) == heldout and len(incoming) == 256
+    assert not {r["prompt"] for r in incoming} & {r["prompt"] for r in train + heldout}
+    assert _demo_data(str(tmp_path / "demo"), 0, 2)["heldout"] == files["heldout"]  # written once, then found

@@ -172,12 +172,15 @@ def test_train_deployment_run(stack):
 
 
 def test_bad_parameters_fail_validation(stack):
-    params = json.dumps({"config": {"file": "configs/demo.yaml", "overrides": ["rollout.top_p=0"]}})
+    """Named after the experiment (not Prefect's random name), the one-line reason first."""
+    params = json.dumps({"config": {"file": "configs/demo.yaml", "overrides": ["experiment=bad-params",
+                                                                              "rollout.top_p=0"]}})
     stack.cmd("prefect", "deployment", "run", "train/train", "--params", params, "--watch", "--watch-timeout", "200",
               timeout=260, check=False)
     run = [r for r in stack.post("/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 5})][0]
-    assert run["state_type"] == "FAILED", run["state"]
-    assert "rollout.top_p" in (run["state"]["message"] or ""), run["state"]["message"]
+    assert (run["name"], run["state_type"]) == ("bad-params", "FAILED"), run["state"]
+    assert (run["state"]["message"] or "").startswith(
+        "invalid configuration (configs/demo.yaml + overrides): rollout.top_p: Input should be greater than 0"), run
 
 
 def test_second_run_reuses_actors_and_continues(stack):
@@ -229,3 +232,75 @@ def test_cluster_down_releases_the_experiment(stack):  # last: releases the acto
     assert f"reflow-{EXP}/engine-0" in out.stdout and f"reflow-{EXP}/policy-trainer-0" in out.stdout
     assert stack.actors() == {}
     assert json.loads(stack.cmd("reflow", "cluster", "status", "--json").stdout)["up"] is True  # the head stays
+
+
+# ---------------------------------------------------------------- the README, as written
+
+SETUP = ["reflow cluster up", "export RAY_ADDRESS=127.0.0.1:6390 RAY_AUTH_MODE=token", "prefect server start --host "
+         "127.0.0.1 --port 4200 &", "export PREFECT_API_URL=http://127.0.0.1:4200/api",
+         "prefect work-pool create reflow --type process", "prefect --no-prompt deploy --all",
+         "prefect worker start --pool reflow &"]
+
+
+def _readme_commands() -> list[str]:
+    """The commands of the README's "Run on a Prefect server" block, continuation lines joined,
+    comments dropped."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Run on a Prefect server"):]
+    start = section.index("```bash\n") + len("```bash\n")
+    block = section[start:section.index("```", start)].replace("\\\n", " ")
+    return [" ".join(line.split(" #")[0].split()) for line in block.splitlines() if line.strip()]
+
+
+def _small(args: list[str], stack: Stack, data: dict[str, str]) -> list[str]:
+    """A README `prefect deployment run` at test size: the stack's policy, storage and batch sizes added
+    to the overrides, the experiment and config file kept; 2 iterations; the demo files from `data`."""
+    out = []
+    for arg in args:
+        if arg.startswith("{"):
+            params = json.loads(arg)
+            keep = [o for o in params["config"]["overrides"] if o.startswith("experiment=")]
+            size = [o for o in stack.overrides(2) if not o.startswith(("experiment=", "num_iterations="))]
+            if params["config"]["file"] == "configs/demo-retrain.yaml":
+                size.append(f'eval.sets=[{{name: heldout, source: "{data["heldout"]}", temperature: 0.0, '
+                            f'max_prompts: 8}}]')
+            params["config"]["overrides"] = keep + (["num_iterations=2"] if "num_iterations=40" in arg else []) + size
+            arg = json.dumps(params)
+        elif arg.startswith("new_data="):
+            arg = f"new_data={data['incoming']}"
+        elif arg == "iterations=10":
+            arg = "iterations=1"
+        out.append(arg)
+    return out
+
+
+def test_readme_server_walkthrough_runs_as_written(stack, tmp_path):
+    """Last (it ends with `reflow cluster down`): the README's commands after the set-up the stack made
+    (the same commands, on its own ports), one by one; each deployment run completes."""
+    import shlex
+
+    from reflow.rl.demo_task import write_demo_data
+
+    commands = _readme_commands()
+    assert [c[:len(s)] for c, s in zip(commands, SETUP)] == SETUP, commands[:len(SETUP)]
+    data = write_demo_data(tmp_path / "demo", num_train=64, num_eval=8, new_rows=16)
+    names = []
+    for command in commands[len(SETUP):]:
+        args = shlex.split(command.replace("$PWD", str(REPO)))
+        if args[:3] == ["prefect", "deployment", "run"]:
+            out = stack.cmd(*_small(args, stack, data), "--watch-timeout", "300", timeout=360, check=False)
+            run = [r for r in stack.post("/flow_runs/filter", {"sort": "EXPECTED_START_TIME_DESC", "limit": 20})
+                   if r["deployment_id"] is not None][0]  # the deployment's run, not its subflows
+            names.append(run["name"])
+            assert run["state_type"] == "COMPLETED", (command, run["state"], out.stdout[-2000:], out.stderr[-2000:])
+        else:
+            out = stack.cmd(*args)
+            if args[:3] == ["prefect", "deployment", "schedule"]:
+                assert "0 3 * * *" in out.stdout, out.stdout
+            if args[:3] == ["reflow", "cluster", "status"]:
+                assert "reflow-nightly" in out.stdout, out.stdout
+    assert names == ["nightly", "nightly-eval", "nightly-retrain"], names
+    champion = json.loads((stack.tmp / "runs" / "nightly" / "champion.json").read_text())
+    assert champion["step"] == 3 and champion["metric"] == "heldout/pass@1", champion
+    assert commands[-1] == "reflow cluster down"
+    assert json.loads(stack.cmd("reflow", "cluster", "status", "--json").stdout)["up"] is False

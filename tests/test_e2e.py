@@ -79,7 +79,7 @@ def _assert_what_the_ui_shows(names: dict, arts: list) -> None:
 def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_policy, tmp_path):
     from reflow.flows.train import train
 
-    cfg = e2e_config(tiny_policy, tmp_path)
+    cfg = e2e_config(tiny_policy, tmp_path, "tracking.tensorboard=true")
     summary = train(cfg)
     assert summary["iterations"] == 3
     assert sorted(summary["evals"]) == [0, 2, 3]
@@ -109,32 +109,43 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
         parts = [v for k, v in stored.items() if k.startswith("time_") and k != "time_iteration"]
         assert {"time_report", "time_orchestration"} <= set(stored)  # every timing is stored
         assert sum(parts) == pytest.approx(stored["time_iteration"], rel=1e-9)
+        # timed from the parent flow: creating the iteration's flow run counts as orchestration
+        assert 0 < stored["flow_run_start_seconds"] <= stored["time_orchestration"]
     assert len(pd.read_parquet(base / "iterations" / "000000" / "eval" / "heldout" / "samples.parquet")) == 16
     assert json.loads((base / "iterations" / "000002" / "eval" / "heldout" / "summary.json").read_text()) \
         == summary["evals"][2]["heldout"]
+    from tests.test_tracking import _scalars
+
+    tb = _scalars(base / "tracking" / "tensorboard")  # the train flow feeds the trackers (infra/tracking.py)
+    assert [step for step, _ in tb["train/reward_mean"]] == [0, 1, 2]
+    assert tb["eval/heldout/pass@1"] == [(v, pytest.approx(summary["evals"][v]["heldout"]["pass@1"])) for v in (0, 2, 3)]
     png = (base / "plots" / "curves.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 5000
     assert "e2e-curves" in keys
 
 
 def test_missing_checkpoint_is_named(prefect_server, tmp_path):
-    from reflow.engines.hf_io import CheckpointError
     from reflow.flows.train import train
+    from reflow.infra.preflight import PreflightError
 
     cfg = e2e_config(tmp_path / "no-such-policy", tmp_path, "experiment=e2e-missing")
-    with pytest.raises(CheckpointError, match="no-such-policy.*does not exist"):
+    with pytest.raises(PreflightError, match="^model.path: checkpoint folder .*no-such-policy.* does not exist"):
         train(cfg)
 
 
-def test_raising_reward_function_is_named(ray_cluster, prefect_server, tiny_policy, tmp_path):
+def test_raising_reward_function_is_named(prefect_server, tiny_policy, tmp_path):
+    """The flow's preflight scores a first row before any cluster starts (the run-time error path of
+    a reward function: tests/test_demo_task.py)."""
     from reflow.flows.train import train
+    from reflow.infra.preflight import PreflightError
 
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-badreward", "trainer.num_ranks=1",
                      "eval.before_train=false", "data.reward_fn=tests.reward_fixtures:raising_reward")
-    with pytest.raises(Exception) as e:
+    with pytest.raises(PreflightError) as e:
         train(cfg)
     msg = str(e.value)
     assert "raising_reward" in msg and "sample 0" in msg and "verifier has no answer key" in msg
+    assert not (tmp_path / "runs").exists()  # nothing in storage: the preflight's probe comes after the reward
 
 
 def test_debug_exit_after_stops_early(ray_cluster, prefect_server, tiny_policy, tmp_path):

@@ -1,0 +1,75 @@
+"""The background record writer (tasks/report.py `Recorder`) and the iteration flow run's settings
+(flows/iteration.py): jobs run in order off the caller's thread, `wait` returns only when all are done
+and raises the first failure once, API calls wait while the loop holds the API, and the iteration's
+flow run has no heartbeat thread. No Ray, Prefect server or DeepSpeed starts here."""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+
+from reflow.tasks.report import Recorder
+
+
+def test_jobs_run_in_order_off_the_callers_thread_and_wait_returns_when_all_are_done():
+    rec, go, done = Recorder(), threading.Event(), []
+    rec.submit(lambda: (go.wait(5), done.append(("first", threading.current_thread().name))))
+    rec.submit(lambda: done.append(("second", threading.current_thread().name)))
+    assert done == []  # submit returned while the first job is still blocked
+    go.set()
+    rec.wait()
+    assert [d[0] for d in done] == ["first", "second"]
+    assert all(name.startswith("reflow-records") and name != threading.current_thread().name for _, name in done)
+
+
+def test_wait_raises_the_first_failure_once_and_later_jobs_still_run():
+    rec, done = Recorder(), []
+
+    def fail():
+        raise OSError("storage is gone")
+
+    rec.submit(fail)
+    rec.submit(lambda: done.append(1))
+    with pytest.raises(OSError, match="storage is gone"):
+        rec.wait()
+    assert done == [1]
+    assert rec.wait() < 1.0  # nothing pending, nothing raised again
+
+
+def test_wait_without_raising_logs_the_failure(caplog):
+    rec = Recorder()
+    rec.submit(lambda: 1 / 0)
+    with caplog.at_level(logging.ERROR, logger="reflow.records"):
+        rec.wait(raise_errors=False)
+    assert any("ZeroDivisionError" in r.getMessage() for r in caplog.records)
+
+
+def test_api_calls_wait_while_the_loop_holds_the_api_and_seconds_are_counted():
+    rec, posted = Recorder(), threading.Event()
+    rec.hold_api()
+    rec.submit(lambda: (rec.api_turn(), posted.set()))
+    assert not posted.wait(0.3)  # held: the record waits
+    rec.free_api()
+    assert posted.wait(5)
+    rec.wait()
+    rec.submit(time.sleep, 0.05)
+    rec.wait()
+    assert 0.05 <= rec.take_seconds() < 5 and rec.take_seconds() == 0.0
+
+
+def test_the_iteration_flow_run_has_no_heartbeat_and_the_settings_come_back():
+    from prefect.settings import get_current_settings
+
+    from reflow.flows.iteration import _without_heartbeat
+
+    before = get_current_settings()
+    assert before.flows.heartbeat_frequency is not None  # Prefect's default: a heartbeat thread per flow run
+    with _without_heartbeat():
+        inside = get_current_settings()
+        assert inside.flows.heartbeat_frequency is None
+        assert inside.api.url == before.api.url
+    with _without_heartbeat():
+        assert get_current_settings() is inside  # built once, not per iteration
+    assert get_current_settings() is before
