@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
+from reflow.flows.train import refused
 from reflow.infra import checkpoint as ckpt
+from reflow.infra.config import ConfigError
 from reflow.infra.flow_params import FlowConfig, resolve_config
 from reflow.infra.runtime import shutdown_eval_runtime
 from reflow.tasks.checkpoint import experiment_store, resolve_checkpoint
@@ -28,7 +30,10 @@ from reflow.tasks.evaluate import launch_checkpoint_eval, record_eval
 def evaluate(config: FlowConfig, checkpoint: str = "latest", release_cluster: bool = True) -> dict[str, object]:
     """Evaluate `checkpoint` ("latest" or a checkpoint URL) on every eval set of `config.eval`."""
     log = get_run_logger()
-    config = resolve_config(config)  # the full config, or {"file": ..., "overrides": [...]}
+    try:
+        config = resolve_config(config)  # the full config, or {"file": ..., "overrides": [...]}
+    except ConfigError as e:
+        return refused(e)  # type: ignore[return-value]  # a returned State is the run's (flows/train.py)
     ck = resolve_checkpoint(config, checkpoint)
     cfg = config.model_copy(update={"model": config.model.model_copy(update={"path": ck["model"]})})
     try:

@@ -51,3 +51,13 @@ def test_retrain_with_new_data_refuses_a_heldout_eval_set(prefect_server, tmp_pa
     name, state, msg = _last_run()
     assert (name, state) == ("needs-fixed-eval-retrain", "FAILED")
     assert msg.startswith("retrain with new_data needs a fixed eval set"), msg
+
+
+def test_evaluate_run_is_named_after_its_experiment_and_says_why_first(prefect_server):
+    from reflow.flows.evaluate import evaluate
+
+    with pytest.raises(ConfigError):
+        evaluate({"file": str(DEMO_CONFIG), "overrides": ["experiment=bad-eval", "rollout.top_p=0"]})
+    name, state, msg = _last_run()
+    assert (name, state) == ("bad-eval-eval", "FAILED")
+    assert msg.startswith(f"invalid configuration ({DEMO_CONFIG} + overrides): rollout.top_p: "), msg
