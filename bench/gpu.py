@@ -195,6 +195,7 @@ def main() -> None:
                    help=f"comma list of trainer variants: {', '.join([*GT.VARIANTS, *GT.PLAINS])} "
                         f"(default: all on cuda; default,old-pass,plain with --tiny)")
     p.add_argument("--no-profile", dest="profile", action="store_false", help="skip the profiled trainer step")
+    p.add_argument("--nccl", action="store_true", help="only the two-GPU NCCL push (trainer GPU 0, engine GPU 1)")
     p.add_argument("--commit", default=None, help="the commit measured, for the JSON results (default: git's, "
                                                    "which a copy without .git does not have)")
     args = p.parse_args()
@@ -229,6 +230,11 @@ def main() -> None:
     trainer = make_trainer(folder, args) if "push" not in skip else None
     if {"engine", "push"} <= skip:
         return report(res, args)
+    if args.nccl:  # two GPUs: the distributed push over NCCL (bench/gpu_push.py)
+        res["nccl"] = GP.bench_nccl(trainer, folder, args)
+        if os.environ.get("OUT"):
+            Path(os.environ["OUT"], "gpu-nccl.json").write_text(json.dumps({"commit": args.commit, **res["nccl"]}))
+        return
     if "push" not in skip and args.device == "cuda" and trainer is not None:
         push_on_gpu(trainer, folder, cfg, res, args)  # first: the engine in-process below would hold memory
         skip.add("push")

@@ -201,3 +201,76 @@ def write(res: dict, args, out_dir: str | None) -> dict:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         Path(out_dir, "gpu-push.json").write_text(json.dumps(summary, indent=1, default=str))
     return summary
+
+
+def _engine_on_gpu1(folder: str, q, stop) -> None:
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = "1"  # as Ray gives an actor its GPU: the engine sees one, as cuda:0
+    _engine_main(folder, "cuda", q, stop)
+
+
+def _plain_rank(rank: int, nbytes: int, port: int, repeat: int, q) -> None:
+    """One side of the baseline: torch.distributed broadcasts of one flat buffer, GPU 0 -> GPU 1."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeat + 1):
+        dist.barrier()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dist.broadcast(buf, src=0)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        q.put(min(times[1:]))
+    dist.destroy_process_group()
+
+
+def bench_nccl(trainer, folder: Path, args) -> dict:
+    """mode=distributed, backend=nccl: the trainer on GPU 0, the engine (own process) on GPU 1, against a
+    plain NCCL broadcast of the same bytes between two fresh processes on the same two GPUs."""
+    import socket
+
+    from reflow.engines.rollout_client import EngineClient
+    from reflow.engines.weights.push import push_weights
+    from reflow.engines.weights.settings import PushSettings
+
+    ctx = mp.get_context("spawn")
+    q, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=_engine_on_gpu1, args=(str(folder), q, stop), daemon=True)
+    proc.start()
+    url, key = q.get(timeout=900)
+    client = EngineClient(url, timeout=900, api_key=key)
+    named = trainer._gathered(keep=True, on_device=True)
+    nbytes = sum(t.numel() * t.element_size() for _, t in named)
+    version = iter(range(1, 10**6))
+    s = PushSettings(mode="distributed", backend="nccl", verify="off", bucket_bytes=2 << 30)
+    try:
+        push_s = _best(lambda: push_weights([client], named, str(next(version)), s), args.repeat)
+        checked = push_weights([client], named, "nccl-verified", PushSettings(mode="distributed", backend="nccl",
+                                                                           verify="sample", bucket_bytes=2 << 30))
+    finally:
+        stop.set()
+        proc.join(120)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    bq = ctx.Queue()
+    ranks = [ctx.Process(target=_plain_rank, args=(r, nbytes, port, args.repeat, bq)) for r in range(2)]
+    for r in ranks:
+        r.start()
+    plain_s = bq.get(timeout=600)
+    for r in ranks:
+        r.join(120)
+    out = {"gb": nbytes / 1e9, "nccl_push_s": push_s, "nccl_plain_broadcast_s": plain_s,
+           "nccl_push_gbs": nbytes / 1e9 / push_s, "nccl_plain_gbs": nbytes / 1e9 / plain_s,
+           "nccl_ratio": plain_s / push_s, "verified_tensors": checked.get("verified_tensors")}
+    print(f"  nccl push {nbytes / 1e9:.2f} GB GPU0 -> GPU1: {push_s * 1e3:.1f} ms ({out['nccl_push_gbs']:.0f} GB/s) vs a "
+          f"plain broadcast {plain_s * 1e3:.1f} ms ({out['nccl_plain_gbs']:.0f} GB/s): ratio {out['nccl_ratio']:.2f}; "
+          f"verified {out['verified_tensors']} tensors", flush=True)
+    return out

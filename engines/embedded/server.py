@@ -317,14 +317,16 @@ def _init_group(state: EngineState, body: dict) -> str:
     if missing:
         raise ContractError(f"init_weights_update_group needs {missing}")
     name, backend = body.get("group_name") or "weight_update_group", body.get("backend", "nccl")
-    if backend != "gloo":
-        raise EngineStateError(f"backend {backend!r}: the embedded engine runs on CPU; use backend 'gloo'")
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and state.gen.device.type != "cuda"):
+        raise EngineStateError(f"backend {backend!r}: this embedded engine runs on {state.gen.device.type}; "
+                               f"use backend 'gloo'" + (" (or 'nccl' with the engine on a GPU)" if backend == "nccl" else ""))
     if name in state.groups:
         raise EngineStateError(f"weight-update group {name!r} already exists: destroy it first")
     try:
-        state.groups[name] = weight_group.open_group(body["master_address"], int(body["master_port"]),
-                                                     int(body["rank_offset"]), int(body["world_size"]), name,
-                                                     backend)
+        group = weight_group.open_group(body["master_address"], int(body["master_port"]),
+                                        int(body["rank_offset"]), int(body["world_size"]), name, backend)
+        state.groups[name] = group
+        group.device = str(state.gen.device) if backend == "nccl" else "cpu"  # where its buckets arrive
     except (RuntimeError, ValueError) as e:  # rendezvous timeout / refused: SGLang answers 400 too
         raise EngineStateError(f"Failed to initialize custom process group: {e}.") from e
     return "Succeeded to initialize custom process group."
@@ -338,7 +340,8 @@ def _update_from_distributed(state: EngineState, body: dict) -> str:
     if name not in state.groups:
         raise EngineStateError(f"Group {name} not in {list(state.groups)}. "
                                f"Please call `init_weights_update_group` first.")
-    named = weight_group.receive(state.groups[name], names, dtypes, shapes, body.get("load_format"))
+    group = state.groups[name]
+    named = weight_group.receive(group, names, dtypes, shapes, body.get("load_format"), group.device)
     with state.writing():
         state.gen.load_named_tensors(named)
         if body.get("weight_version") is not None:

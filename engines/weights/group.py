@@ -57,6 +57,7 @@ class WeightGroup:
     store: object
     rank: int
     world_size: int
+    device: str = "cpu"  # where a receiving engine allocates its buckets (nccl: the engine's GPU)
 
 
 def broadcast(group: WeightGroup, tensor: torch.Tensor, src: int = 0) -> None:
