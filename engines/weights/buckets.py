@@ -111,7 +111,6 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False,
     elif device.type == "cuda":  # packed where it is: the pickle carries a CUDA IPC handle (module docstring)
         flat = torch.empty(offset, dtype=torch.uint8, device=device)  # [N]
     elif shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
-        _use_file_system_sharing()
         flat = _shared_uint8(offset)  # [N]
     else:
         flat = torch.empty(offset, dtype=torch.uint8)  # [N]
@@ -209,7 +208,10 @@ BUFFERS = BufferPool()  # this process's (a trainer's rank 0 pushes one bucket a
 
 
 def _shared_uint8(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 [nbytes] tensor allocated in shared memory (one per bucket, freed by `release`)."""
+    """A fresh uint8 [nbytes] tensor allocated in shared memory (one per bucket, freed by `release`), as a
+    named file: allocated under torch's default fd strategy, its first pickle would copy it into a new
+    file segment (the pool's buffers went that way: allocated twice, copied once)."""
+    _use_file_system_sharing()
     try:
         storage = torch.UntypedStorage._new_shared(nbytes)
     except RuntimeError as e:  # "Broken pipe": the manager is gone; or /dev/shm is full
