@@ -77,6 +77,18 @@ def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     return host, done.synchronize
 
 
+def _distinct_prompts(rows: list[_Row]) -> tuple[list[list[int]], list[int]]:
+    """The distinct prompts among `rows` in first-seen order (samples of one prompt share its list
+    object: `_make_rows`), and each row's index into them; both prefill paths run a prompt once."""
+    index: dict[int, int] = {}  # id(prompt list) -> position among distinct prompts
+    prompts: list[list[int]] = []
+    for r in rows:
+        if id(r.prompt) not in index:
+            index[id(r.prompt)] = len(prompts)
+            prompts.append(r.prompt)
+    return prompts, [index[id(r.prompt)] for r in rows]
+
+
 @dataclass
 class _Row:
     """One sample being generated."""
@@ -310,43 +322,32 @@ class Generator:
     def _admit(self, dec: StaticDecoder, rows: list[_Row], first_slot: int) -> torch.Tensor:
         """Prefill `rows` into slots first_slot.. (a prompt sampled n times is run once, its cache copied to
         the other samples' slots); logits float32 [len(rows), V]."""
-        uniq: dict[int, int] = {}  # id(prompt list) -> index among distinct prompts
-        for r in rows:
-            uniq.setdefault(id(r.prompt), len(uniq))
-        first = {}  # distinct index -> the slot of its first sample
-        for s, r in enumerate(rows, start=first_slot):
-            first.setdefault(uniq[id(r.prompt)], s)
-        prompts = {uniq[id(r.prompt)]: r.prompt for r in rows}
+        prompts, picks = _distinct_prompts(rows)
+        first: dict[int, int] = {}  # distinct index -> the slot of its first sample
+        for slot, u in enumerate(picks, start=first_slot):
+            first.setdefault(u, slot)
         with self.lock:
-            logits = dec.prefill([prompts[u] for u in range(len(uniq))], [first[u] for u in range(len(uniq))],
-                                 self.pad_id)  # [U, V]
-        repeats = [(s, first[uniq[id(r.prompt)]]) for s, r in enumerate(rows, start=first_slot)
-                   if first[uniq[id(r.prompt)]] != s]
+            logits = dec.prefill(prompts, [first[u] for u in range(len(prompts))], self.pad_id)  # [U, V]
+        repeats = [(slot, first[u]) for slot, u in enumerate(picks, start=first_slot) if first[u] != slot]
         if repeats:
-            dec.move_slots([d for d, _ in repeats], [s for _, s in repeats], max(len(p) for p in prompts.values()))
-        return logits[torch.tensor([uniq[id(r.prompt)] for r in rows], device=logits.device)]
+            dec.move_slots([d for d, _ in repeats], [s for _, s in repeats], max(len(p) for p in prompts))
+        return logits[torch.tensor(picks, device=logits.device)]
 
     def _prefill(self, rows: list[_Row]):
         """Left-padded prefill of the distinct prompts; cache and logits repeated per row."""
-        uniq: dict[int, int] = {}  # id(prompt list) -> position among distinct prompts
-        for r in rows:
-            uniq.setdefault(id(r.prompt), len(uniq))
-        prompts = {id(r.prompt): r.prompt for r in rows}
-        order = sorted(uniq, key=uniq.get)
-        T = max(len(prompts[k]) for k in order)
-        ids = torch.full((len(order), T), self.pad_id, dtype=torch.long)  # [U, T]
-        mask = torch.zeros((len(order), T), dtype=torch.long)  # [U, T]
-        for u, k in enumerate(order):
-            p = prompts[k]
+        prompts, picks = _distinct_prompts(rows)
+        T = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), T), self.pad_id, dtype=torch.long)  # [U, T]
+        mask = torch.zeros((len(prompts), T), dtype=torch.long)  # [U, T]
+        for u, p in enumerate(prompts):
             ids[u, T - len(p):] = torch.tensor(p)
             mask[u, T - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         pos_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [U, T] positions restart at each prompt
         cache = _new_cache(capacity=T + max(r.max_new for r in rows))
         logits = self._forward(ids, mask, pos_ids, cache)  # [U, V]
-        picks = [uniq[id(r.prompt)] for r in rows]
         sel = torch.tensor(picks, device=self.device)  # [B]
-        if picks != list(range(len(order))):
+        if picks != list(range(len(prompts))):
             cache.batch_select_indices(sel)  # n > 1: repeat each prompt's cache per sample
         return cache, logits[sel], mask[sel], pos_ids[sel, -1]
 
