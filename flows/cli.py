@@ -18,6 +18,7 @@ from pathlib import Path
 from reflow.infra import console
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+GPU_DEMO_CONFIG = DEMO_CONFIG.with_name("gpu-demo.yaml")  # `reflow demo --gpu`: a ~113M policy, 3-digit addition
 DEMO_DATA = ".reflow/data/demo"  # the fixed eval file and new data configs/demo-retrain.yaml and the README name
 OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like the file, "
                   "e.g. trainer.lr=1e-4 rollout.n_samples_per_prompt=8 num_iterations=5")
@@ -77,13 +78,22 @@ def cmd_config(args) -> None:
 
 
 def cmd_bootstrap(args) -> None:
-    from reflow.rl.demo_policy import bootstrap
+    from reflow.rl.demo_policy import SIZES, WARMUP, bootstrap
 
-    kw = {"steps": args.steps} if args.steps is not None else {}
-    report = bootstrap(args.out, seed=args.seed, digits=args.digits, **kw)
+    kw = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch", args.batch),
+                            ("target_accuracy", args.target_accuracy)) if v is not None}
+    device = args.device if args.device != "auto" else ("cuda" if _cuda() else "cpu")
+    report = bootstrap(args.out, seed=args.seed, digits=args.digits, device=device, **SIZES[args.size],
+                       **{**WARMUP[args.size], **kw})
     if args.data_out:
         report["data"] = _demo_data(args.data_out, args.seed, args.digits)
     print(json.dumps(report, indent=2))
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _demo_data(folder: str, seed: int, digits: int) -> dict[str, str]:
@@ -142,30 +152,47 @@ def cmd_runs_show(args) -> None:
           if points else format_table(df))
 
 
-def _demo_policy(seed: int, digits: int, named: str) -> Path:
+def _demo_policy(seed: int, digits: int, named: str, size: str = "tiny") -> Path:
     """Seed 0 uses the folder configs/demo.yaml names (`named`, where `reflow bootstrap` writes by
     default), so the README's deployment steps find the policy `make demo` built; other seeds get
-    folders of their own."""
-    from reflow.rl.demo_policy import bootstrap
+    folders of their own. `size` "gpu": the GPU demo's policy, warmed up on the GPU."""
+    from reflow.rl.demo_policy import SIZES, WARMUP, bootstrap
 
     out = Path(named) if seed == 0 else Path(f"{named}-d{digits}-s{seed}")
     if not (out / "config.json").is_file():
         print(f"reflow: bootstrapping the demo policy into {out} (once per seed)", file=sys.stderr)
-        bootstrap(out, seed=seed, digits=digits)
+        device = "cuda" if size == "gpu" else "cpu"
+        bootstrap(out, seed=seed, digits=digits, device=device, **SIZES[size], **WARMUP[size])
     return out
+
+
+def _stage_line(history: list[dict]) -> str:
+    """Mean seconds per stage and generation/training throughput over the run's iterations."""
+    def total(key: str) -> float:
+        return sum(float(m.get(key, 0.0)) for m in history)
+
+    n = max(len(history), 1)
+    stages = " ".join(f"{k}={total('time_' + k) / n:.2f}s" for k in ("generate", "train", "push"))
+    tokens_per_s = total("response_tokens") / max(total("time_generate"), 1e-9)
+    samples_per_s = total("samples") / max(total("time_iteration"), 1e-9)
+    return f"demo: per-iteration {stages} tokens_per_s={tokens_per_s:.0f} samples_per_s={samples_per_s:.1f}"
 
 
 def cmd_demo(args) -> None:
     t0 = time.perf_counter()
-    base = _config(str(DEMO_CONFIG), [])
+    if args.gpu and not _cuda():
+        raise UsageError("reflow demo --gpu trains on a GPU, and torch sees none here: run `reflow demo` "
+                         "(the CPU demo), or check CUDA_VISIBLE_DEVICES and that torch is a CUDA build")
+    config = GPU_DEMO_CONFIG if args.gpu else DEMO_CONFIG
+    base = _config(str(config), [])
     # A fresh experiment per invocation, so running the demo twice trains twice (every run
     # keeps its own checkpoints and records); pass experiment=NAME --resume auto to continue one.
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment=demo-s{args.seed}-{stamp}"]
-    policy = _demo_policy(args.seed, base.data.digits, base.model.path)
-    if args.seed == 0:  # the files configs/demo-retrain.yaml names (the README's retrain example)
+    overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment={base.experiment}-s{args.seed}-{stamp}"]
+    policy = _demo_policy(args.seed, base.data.digits, base.model.path, "gpu" if args.gpu else "tiny")
+    if args.seed == 0 and not args.gpu:  # the files configs/demo-retrain.yaml names (the README's retrain example)
         _demo_data(DEMO_DATA, 0, base.data.digits)
-    cfg = _config(str(DEMO_CONFIG), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
+    cfg = _config(str(config), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
     _preflight(cfg)
     with console.terminal(args.verbose):
         from reflow.flows.train import train  # after terminal(), as in cmd_train
@@ -176,6 +203,7 @@ def cmd_demo(args) -> None:
         return
     evals = summary["evals"]  # policy version -> {eval set: summary}; the demo's one set is `heldout`
     before, after = (next(iter(evals[v].values()))["pass@1"] for v in (min(evals), max(evals)))
+    print(_stage_line(summary["history"]))
     print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
           f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}")
 
@@ -222,6 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Build (once) a tiny warmed-up policy for 2-digit addition, train it with "
                                    "GRPO using configs/demo.yaml, and print held-out accuracy before and after.")
     d.add_argument("--seed", type=int, default=0, help="seed of the task, the policy and the run (default 0)")
+    d.add_argument("--gpu", action="store_true",
+                   help="the GPU demo instead: a ~113M policy warmed up on the GPU, 3-digit addition, "
+                        "configs/gpu-demo.yaml (one GPU colocated; see bench/RESULTS.md for two)")
     d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     d.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
     d.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
@@ -264,7 +295,16 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default=".reflow/models/demo-policy", help="output folder (default %(default)s)")
     b.add_argument("--seed", type=int, default=0, help="seed (default 0)")
     b.add_argument("--digits", type=int, default=2, help="digits per operand (default 2)")
-    b.add_argument("--steps", type=int, default=None, help="warm-up optimizer steps (default: tuned value)")
+    b.add_argument("--steps", type=int, default=None, help="warm-up optimizer steps at most (default: tuned value)")
+    b.add_argument("--size", choices=["tiny", "gpu"], default="tiny",
+                   help="model shape: tiny (~1M parameters, the CPU demo) or gpu (~113M, configs/gpu-demo.yaml)")
+    b.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="where the warm-up runs (default: a GPU when torch sees one)")
+    b.add_argument("--lr", type=float, default=None, help="warm-up learning rate (default 1e-3)")
+    b.add_argument("--batch", type=int, default=None, help="warm-up rows per step (default 64)")
+    b.add_argument("--target-accuracy", type=float, default=None,
+                   help="stop the warm-up once greedy train accuracy reaches this (default 0.4: partly competent, "
+                        "so GRPO groups have mixed rewards)")
     b.add_argument("--data-out", default=DEMO_DATA,
                    help="also write the task's held-out split as a fixed eval file and a batch of new problems "
                         "here, for configs/demo-retrain.yaml (default %(default)s; '' skips them)")

@@ -35,6 +35,21 @@ def bundles(num_ranks: int, num_engines: int, gpu: bool, critic: bool) -> list[d
     return out
 
 
+def gpus_on(setting: str, sglang: bool, cluster_gpus: float) -> bool:
+    """Whether trainer ranks and engines take GPUs (cluster.gpus; SGLang engines always run on GPUs)."""
+    if setting == "off" and not sglang:
+        return False
+    return setting == "on" or sglang or cluster_gpus > 0
+
+
+def check_gpus(need: float, cluster_gpus: float, layout: str) -> None:
+    """Refuse a layout the cluster cannot hold before any actor asks (Ray would leave them pending)."""
+    if need > cluster_gpus:
+        raise PlacementError(f"{layout} needs {need:g} GPU(s) but the Ray cluster has {cluster_gpus:g}: lower "
+                             f"trainer.num_ranks / rollout.num_engines, set cluster.colocate=true (engines share the "
+                             f"trainers' GPUs) or cluster.gpus=off (CPU only)")
+
+
 def group(spec: list[dict[str, float]], namespace: str, detached: bool, timeout_s: float = 120.0):
     """Get (a detached one left by an earlier flow run, when its bundles match) or create the group."""
     name = f"{NAME}-{namespace}"  # one per experiment: group names are shared by every driver of a job namespace

@@ -111,10 +111,14 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
     speak SGLang's HTTP API, so nothing after this point knows which one runs."""
     r = cfg.rollout
     if r.backend == "embedded":
-        actor_cls, options = ray.remote(EmbeddedEngine), {"num_cpus": 1}
+        gpu = _engine_gpus(cfg) if use_gpus(cfg) else 0.0
+        actor_cls, options = ray.remote(EmbeddedEngine), {"num_cpus": 1, "num_gpus": gpu}
         storage, files = model_source(cfg)
+        # On a GPU the engine computes in the trainer's precision (bf16 pushes land unchanged); on CPU in fp32.
+        dtype = cfg.trainer.precision if gpu else "fp32"
         kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host,
-                      api_key=api_key, storage=storage, model_files=files)
+                      api_key=api_key, storage=storage, model_files=files, device="cuda" if gpu else "cpu",
+                      dtype=dtype)
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
@@ -160,10 +164,29 @@ def _start_router(cfg: RunConfig, namespace: str, urls: list[str], api_key: str)
     return router, [ray.get(router.url.remote())] * len(urls)
 
 
+def use_gpus(cfg: RunConfig) -> bool:
+    """Whether this run's trainer ranks and engines take GPUs (cluster.gpus against the connected cluster)."""
+    return placement.gpus_on(cfg.cluster.gpus, cfg.rollout.backend == "sglang",
+                             ray.cluster_resources().get("GPU", 0.0))
+
+
+def _check_gpu_room(cfg: RunConfig) -> None:
+    """Refuse, before any actor is created, a GPU layout the cluster cannot hold."""
+    if not use_gpus(cfg):
+        return
+    ranks = cfg.trainer.num_ranks * (2 if cfg.algorithm.spec.needs_critic else 1)
+    if cfg.cluster.colocate:
+        need, layout = max(cfg.trainer.num_ranks, cfg.rollout.num_engines), "colocated mode (one GPU per bundle)"
+    else:
+        need = ranks + cfg.rollout.num_engines * _engine_gpus(cfg)
+        layout = "the split layout (a GPU per trainer rank, critic rank and engine)"
+    placement.check_gpus(need, ray.cluster_resources().get("GPU", 0.0), layout)
+
+
 def _engine_gpus(cfg: RunConfig) -> float:
-    """GPUs Ray reserves per SGLang engine: its TP width, or a share of a trainer's GPU when colocated."""
+    """GPUs Ray reserves per engine: its TP width (embedded: one), or a share of a trainer's GPU when colocated."""
     if not cfg.cluster.colocate:
-        return float(cfg.rollout.tp_size)
+        return float(cfg.rollout.tp_size if cfg.rollout.backend == "sglang" else 1)
     if cfg.rollout.tp_size != 1:
         raise NotImplementedError("cluster.colocate with rollout.tp_size > 1 needs several placement-group bundles "
                                   "per engine and a base GPU id per engine, which reflow does not build yet; use "
@@ -190,14 +213,15 @@ def _colocation(cfg: RunConfig, namespace: str, detached: bool):
     """The placement group engines and trainers share in colocated mode (infra/placement.py), else None."""
     if not cfg.cluster.colocate:
         return None
-    spec = placement.bundles(cfg.trainer.num_ranks, cfg.rollout.num_engines, cfg.rollout.backend == "sglang",
+    spec = placement.bundles(cfg.trainer.num_ranks, cfg.rollout.num_engines, use_gpus(cfg),
                              cfg.algorithm.spec.needs_critic)
     return placement.group(spec, namespace, detached)
 
 
-def _rank_options(pg, num_ranks: int, gpu_share: float) -> dict:
+def _rank_options(pg, num_ranks: int, gpu_share: float, gpu: bool) -> dict:
+    """Ray options of trainer/critic ranks: a whole GPU each (split layout), or a share of their bundle's."""
     if pg is None:
-        return {}
+        return {"num_gpus_per_rank": 1.0} if gpu else {}
     gpu = gpu_share if "GPU" in pg.bundle_specs[0] else 0.0
     return {"num_gpus_per_rank": gpu, "options_per_rank": [placement.in_bundle(pg, r) for r in range(num_ranks)]}
 
@@ -208,7 +232,7 @@ def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=N
     return TrainerGroup.create(
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="policy", num_cpus_per_rank=1,
         model_path=cfg.model.path, settings=policy_rank_settings(cfg), ref_model_path=ref, detached=detached,
-        wait=wait, **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU))
+        wait=wait, **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU, use_gpus(cfg)))
 
 
 def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) -> CriticGroup | None:
@@ -220,7 +244,7 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
     return CriticGroup.create(
         num_ranks=n, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
         model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg), wait=wait,
-        **_rank_options(pg, n, placement.CRITIC_GPU))
+        **_rank_options(pg, n, placement.CRITIC_GPU, use_gpus(cfg)))
 
 
 def build_runtime(cfg: RunConfig) -> Runtime:
@@ -236,6 +260,7 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     persistent = attached_to_running_cluster()
     record, before_ids = actors.prepare_namespace(cfg, namespace) if persistent else (None, {})
     reusable = bool(before_ids)
+    _check_gpu_room(cfg)
     pg = _colocation(cfg, namespace, persistent)
     api_key = runtime_api_key(namespace, cfg.rollout.num_engines)
     # Engines, policy ranks and critic ranks load at the same time (each is seconds of imports and

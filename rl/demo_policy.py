@@ -75,7 +75,7 @@ def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tens
 
 
 def _sft_step(model, opt, tokenizer, rows: list[dict]) -> float:
-    ids, attn, labels = _answer_batch(tokenizer, rows)  # [B, T] each
+    ids, attn, labels = (t.to(model.device) for t in _answer_batch(tokenizer, rows))  # [B, T] each
     loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -133,12 +133,12 @@ def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int,
     """Greedy continuations of equal-length prompts (no padding needed), KV-cached, stop at eos."""
     from transformers import DynamicCache
 
-    ids = torch.tensor(prompt_ids, dtype=torch.long)  # [B, P]
+    ids = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)  # [B, P]
     # transformers 5.x renamed `past_key_values` to `cache`; the cache object is updated in place
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     kv = {key: DynamicCache(config=model.config), "use_cache": True}
     out, new = model(input_ids=ids, **kv), []
-    done = torch.zeros(len(prompt_ids), dtype=torch.bool)  # [B]
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=model.device)  # [B]
     for _ in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(-1)  # [B]
         new.append(nxt)
@@ -176,9 +176,18 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
     return correct / len(rows)
 
 
+# Model shapes of `reflow bootstrap --size`: the CPU demo's ~1M-parameter policy, and a ~113M one
+# (12 layers of 768) for configs/gpu-demo.yaml, warmed up on a GPU in about a minute.
+SIZES = {"tiny": {"hidden": 128, "layers": 4, "heads": 4, "mlp": 512},
+         "gpu": {"hidden": 768, "layers": 12, "heads": 12, "mlp": 3072}}
+# Their warm-ups (bootstrap's defaults for tiny): the larger model needs a lower rate and larger batches.
+WARMUP = {"tiny": {}, "gpu": {"lr": 3e-4, "batch": 256, "steps": 3000}}
+
+
 def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: int = 5000, num_eval: int = 200,
               steps: int = 500, batch: int = 64, lr: float = 1e-3, target_accuracy: float | None = 0.4,
-              hidden: int = 128, layers: int = 4, heads: int = 4, mlp: int = 512, progress: bool = True) -> dict:
+              hidden: int = 128, layers: int = 4, heads: int = 4, mlp: int = 512, progress: bool = True,
+              device: str = "cpu") -> dict:
     """Build the demo policy, warm it up on the train split, save it (HF folder) + bootstrap.json.
 
     Warm-up stops once greedy accuracy on the first `num_eval` train rows reaches
@@ -196,16 +205,16 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
     t0 = time.perf_counter()
     train, held_out = make_problems(seed, num_train, num_eval, digits)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, seed=seed)
+    model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, seed=seed).to(device)
     max_new = digits + 2  # longest answer (digits + 1) plus eos
     before = greedy_accuracy(model, tokenizer, held_out, max_new)
     metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
                      stop_accuracy=target_accuracy, check_rows=train[:num_eval])
     after = greedy_accuracy(model, tokenizer, held_out, max_new)
-    out = save_policy(model, tokenizer, out_dir)
+    out = save_policy(model.cpu(), tokenizer, out_dir)
     report = {"seed": seed, "digits": digits, "num_train": num_train, "num_eval": num_eval,
               "eval_accuracy_before": before, "eval_accuracy_after": after,
               "num_parameters": sum(p.numel() for p in model.parameters()),
-              "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out)}
+              "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out), "device": device}
     (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
     return report

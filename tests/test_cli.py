@@ -87,3 +87,23 @@ def test_demo_data_is_what_demo_retrain_yaml_names_and_demo_yaml_holds_out(tmp_p
     assert rows(files["heldout"]) == heldout and len(incoming) == 256
     assert not {r["prompt"] for r in incoming} & {r["prompt"] for r in train + heldout}
     assert _demo_data(str(tmp_path / "demo"), 0, 2)["heldout"] == files["heldout"]  # written once, then found
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_gpu_demo_without_a_gpu_is_refused_in_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["demo", "--gpu"])
+    out, err = capsys.readouterr()
+    assert (e.value.code, out) == (2, "")
+    assert err.startswith("reflow: reflow demo --gpu trains on a GPU, and torch sees none here") and err.count("\n") == 1
+
+
+def test_stage_line_reports_means_and_throughput():
+    from reflow.flows.cli import _stage_line
+
+    history = [{"time_generate": 1.0, "time_train": 2.0, "time_push": 0.5, "response_tokens": 300, "samples": 64,
+                "time_iteration": 4.0},
+               {"time_generate": 3.0, "time_train": 2.0, "time_push": 0.5, "response_tokens": 500, "samples": 64,
+                "time_iteration": 6.0}]
+    assert _stage_line(history) == ("demo: per-iteration generate=2.00s train=2.00s push=0.50s tokens_per_s=200 "
+                                    "samples_per_s=12.8")

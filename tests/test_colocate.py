@@ -78,3 +78,34 @@ def test_colocation_bundles():
     assert bundles(2, 1, gpu=True, critic=True) == [{"CPU": 3.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
     # 1 rank, 2 engines on CPU: the second engine gets a bundle of its own
     assert bundles(1, 2, gpu=False, critic=False) == [{"CPU": 2.0}, {"CPU": 1.0}]
+
+
+def test_gpu_use_follows_the_setting_and_the_cluster():
+    from reflow.infra.placement import gpus_on
+
+    assert gpus_on("auto", sglang=False, cluster_gpus=2.0) and not gpus_on("auto", sglang=False, cluster_gpus=0.0)
+    assert not gpus_on("off", sglang=False, cluster_gpus=8.0)  # CPU only, GPUs or not
+    assert gpus_on("on", sglang=False, cluster_gpus=0.0)  # asked for: the room check then refuses it clearly
+    assert gpus_on("off", sglang=True, cluster_gpus=0.0)  # SGLang engines run on GPUs whatever the setting
+
+
+def test_a_layout_the_cluster_cannot_hold_is_refused_with_the_ways_out():
+    from reflow.infra.placement import PlacementError, check_gpus
+
+    check_gpus(2.0, 2.0, "the split layout")  # exactly enough
+    with pytest.raises(PlacementError) as e:
+        check_gpus(3.0, 2.0, "the split layout")
+    assert "needs 3 GPU(s) but the Ray cluster has 2" in str(e.value)
+    assert "cluster.colocate=true" in str(e.value) and "cluster.gpus=off" in str(e.value)
+
+
+def test_split_gpu_layout_gives_each_rank_and_engine_a_whole_gpu():
+    from reflow.infra.config import RunConfig
+    from reflow.infra.placement import ENGINE_GPU
+    from reflow.infra.runtime import _engine_gpus, _rank_options
+
+    cfg = RunConfig()
+    assert _engine_gpus(cfg) == 1.0 and _rank_options(None, 2, 0.4, gpu=True) == {"num_gpus_per_rank": 1.0}
+    assert _rank_options(None, 2, 0.4, gpu=False) == {}  # CPU: no GPU asked, so Ray hides every GPU
+    colocated = RunConfig.model_validate({"cluster": {"colocate": True}})
+    assert _engine_gpus(colocated) == ENGINE_GPU < 1  # a share of the bundle's GPU, next to the trainer rank's

@@ -5,6 +5,8 @@
 # it refuses to install a wheel whose parts are incomplete (the joined file must open as a zip).
 set -euo pipefail
 src=${1:-.gpuwheels}; target=${2:-/tmp/site}
+# The wheels arrive in numbered subfolders (one per call, prepare.py --bin-mb); gather them first.
+find "$src" -mindepth 2 -type f -name '*.whl*' -exec mv -t "$src" {} +
 for first in "$src"/*.whl.part00; do
   [ -e "$first" ] || continue
   whl=${first%.part00}

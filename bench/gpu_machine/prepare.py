@@ -101,6 +101,22 @@ def split(out: Path, part_mb: int) -> list[Path]:
     return parts
 
 
+def bins(out: Path, limit_mb: int) -> list[Path]:
+    """Move the files into numbered subfolders out/1, out/2, ... of at most `limit_mb` each (largest first,
+    first fit): carry one subfolder per call, each a separate `carry` path, so earlier ones stay on the warm
+    machine while the next travels."""
+    loads: list[int] = []
+    for f in sorted((f for f in out.iterdir() if f.is_file()), key=lambda f: -f.stat().st_size):
+        size = f.stat().st_size
+        k = next((i for i, used in enumerate(loads) if used + size <= limit_mb << 20), len(loads))
+        if k == len(loads):
+            loads.append(0)
+        loads[k] += size
+        (out / str(k + 1)).mkdir(exist_ok=True)
+        f.rename(out / str(k + 1) / f.name)
+    return [out / str(k + 1) for k in range(len(loads))]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=".gpuwheels", help="folder for the wheels (git-ignored)")
@@ -108,6 +124,7 @@ def main() -> None:
     p.add_argument("--extras", default="", help="reflow extras to include too, comma-separated (e.g. tracking)")
     p.add_argument("--have", default=None, help="file listing the target's installed packages (default: HAVE)")
     p.add_argument("--part-mb", type=int, default=60, help="largest file carried whole (one transfer is 64 MiB)")
+    p.add_argument("--bin-mb", type=int, default=60, help="size of each numbered subfolder (one call's carry)")
     args = p.parse_args()
     have = {norm(x.split("==")[0].split()[0]) for x in Path(args.have).read_text().split("\n") if x.strip()} \
         if args.have else {norm(x) for x in HAVE}
@@ -117,9 +134,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     missing = download(pins, out, args.python)
     parts = split(out, args.part_mb)
-    total = sum(f.stat().st_size for f in out.iterdir()) / 2**20
-    print(f"{len(pins) - len(missing)} wheels in {out} ({total:.0f} MiB, {len(parts)} parts of split wheels); "
-          f"add reflow's own: git archive HEAD | tar -x -C /tmp/x && pip wheel --no-deps -w {out} /tmp/x")
+    total = sum(f.stat().st_size for f in out.iterdir() if f.is_file()) / 2**20
+    folders = bins(out, args.bin_mb)
+    print(f"{len(pins) - len(missing)} wheels in {out} ({total:.0f} MiB, {len(parts)} parts of split wheels), "
+          f"in {len(folders)} folders to carry one per call: {', '.join(str(f) for f in folders)}")
     if missing:
         print("no wheel for the target (carry another way or drop): " + ", ".join(missing))
 
