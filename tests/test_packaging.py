@@ -21,7 +21,7 @@ LAYERS = ("flows", "tasks", "engines", "infra", "rl")
 def test_wheel_installs_one_reflow_namespace(tmp_path):
     src = tmp_path / "src"  # a copy: setuptools leaves build/ and *.egg-info in the tree it builds
     src.mkdir()
-    for name in ("pyproject.toml", "README.md", "reflow", *LAYERS):
+    for name in ("pyproject.toml", "README.md", "reflow", "configs", *LAYERS):
         copy = shutil.copytree if (REPO / name).is_dir() else shutil.copy
         copy(
             REPO / name,
@@ -54,6 +54,8 @@ def test_wheel_installs_one_reflow_namespace(tmp_path):
         "reflow/engines/train/group.py",
         "reflow/engines/embedded/engine.py",
         "reflow/rl/algorithms/grpo.py",
+        "reflow/configs/demo.yaml",  # `reflow demo` reads it beside its package (flows/cli.py DEMO_CONFIG)
+        "reflow/configs/gpu-demo.yaml",
     } <= members
 
     venv = tmp_path / "venv"
@@ -77,7 +79,8 @@ def test_wheel_installs_one_reflow_namespace(tmp_path):
     # editable install of this checkout among them) are not processed, so only the wheel provides reflow.
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     code = (
-        "import importlib.util, reflow, reflow.flows.train, reflow.engines.train.group; "
+        "import importlib.util, reflow, reflow.flows.train, reflow.engines.train.group, reflow.flows.cli as cli; "
+        "assert cli.DEMO_CONFIG.is_file() and cli.GPU_DEMO_CONFIG.is_file(), cli.DEMO_CONFIG; "
         "print(reflow.__file__); "
         f"print([m for m in {LAYERS!r} if importlib.util.find_spec(m) is not None])"
     )
