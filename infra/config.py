@@ -132,8 +132,15 @@ class ClusterConfig(_Strict):
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started cluster (default: all).")
     namespace_prefix: str = Field("reflow", description="Actors live in namespace `<prefix>-<experiment>`.")
     bind_host: str = Field("127.0.0.1", description="Address engines and the router listen on: loopback for one machine; 0.0.0.0 on a multi-node cluster (they then advertise the node's IP).")
+    gpus: Literal["auto", "on", "off"] = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
     colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
     release_tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(["weights", "kv_cache", "cuda_graph"], min_length=1, description="colocate: what engines release between rollout and train (SGLang's memory tags); resumed weights first, then the rest.")
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _yaml_bool(cls, v):
+        """YAML reads a bare on/off as true/false: take those as the words meant."""
+        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class StorageConfig(_Strict):
@@ -142,15 +149,8 @@ class StorageConfig(_Strict):
     retries: int = Field(10, ge=0, le=20, description="At most this many retries of one storage operation after a transient error (connection refused, timeout, 5xx); with the defaults, outage_budget_s ends the retrying first. Permanent errors (missing object, access denied, disk full, read-only filesystem) are never retried.")
     retry_backoff_s: float = Field(0.5, gt=0.0, le=60.0, description="Wait before the first retry; doubles on each further retry (capped at 30 s, and cut short so that the last retry falls at the end of outage_budget_s).")
     outage_budget_s: float = Field(60.0, gt=0.0, le=3600.0, description="How long one storage operation keeps retrying transient errors, counted from its first attempt: storage that is back within it costs time, not the run; past it the operation fails with a StorageError naming this setting. An attempt in flight is not cut short: a hung endpoint holds it as long as the S3 client waits (slow_call_warn_s makes that visible).")
-    gpus: Literal["auto", "on", "off"] = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
     slow_call_warn_s: float = Field(10.0, gt=0.0, description="Log a warning when one storage call has run this long (while it still runs, so a hung endpoint shows) and its duration when it ends.")
 
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _yaml_bool(cls, v):
-        """YAML reads a bare on/off as true/false: take those as the words meant."""
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 class CheckpointConfig(_Strict):
     save_interval: int | None = Field(None, ge=1, description="Save every this many completed iterations; a checkpoint is always saved after the last iteration.")
