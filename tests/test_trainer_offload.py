@@ -46,6 +46,20 @@ if offload:
     out["weights_kept"] = all(p.untyped_storage().nbytes() > 0 for p in rank.engine.module.parameters())
     copies.reload()
     out["restored"] = digest() == before and [id(s) for s in optimizer_storages(opt, rank.engine.device)] == ids
+    # A checkpoint taken while the state is away (colocated: saves fall between a push and the next rollout)
+    # must hold the state itself: torch.save of the emptied storages wrote 0 bytes for full-size tensors and
+    # the resume failed in torch.load ("Trying to resize storage that is not resizable", seen on an H200).
+    import glob, tempfile
+    from reflow.infra.config import StorageConfig
+    from reflow.infra.storage import ExperimentStore
+    rank._move_states(offload=True)
+    root = tempfile.mkdtemp()
+    rank.save_checkpoint(ExperimentStore.from_config(StorageConfig(root="file://" + root), "x"), "ckpt")
+    out["away_after_save"] = sum(s.nbytes() for s in storages) == 0
+    saved = [torch.load(f, weights_only=False) for f in glob.glob(root + "/**/*optim_states.pt", recursive=True)]
+    out["saved_states_load"] = len(saved)
+    rank._move_states(offload=False)
+    out["restored_after_save"] = digest() == before
 rank.train_iteration(batch, **_train_kw(pad))
 out["weights"] = rank.weights_checksum()
 print("RESULT " + json.dumps(out))
@@ -68,3 +82,5 @@ def test_bf16_zero1_optimizer_state_leaves_and_returns_bit_exact(tiny_policy):
     assert moved["moved"] >= 16 * moved["params"], moved
     assert moved["left"] == 0 and moved["weights_kept"] and moved["restored"]
     assert moved["weights"] == plain["weights"]  # the next step is the one an un-offloaded trainer takes
+    # saved while offloaded: the optimizer files load, the state went away again after, and came back intact
+    assert moved["saved_states_load"] >= 1 and moved["away_after_save"] and moved["restored_after_save"], moved

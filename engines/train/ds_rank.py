@@ -16,6 +16,7 @@ import hashlib
 import math
 import os
 import random
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -290,7 +291,25 @@ class DeepSpeedRank:
         """Upload this rank's part of a checkpoint under `prefix`; {relative path: sha256/bytes}. Collective."""
         from reflow.engines.train import checkpoint as trainer_ckpt
 
-        return trainer_ckpt.save(self, store, prefix)
+        with self._states_in_place():
+            return trainer_ckpt.save(self, store, prefix)
+
+    @contextmanager
+    def _states_in_place(self):
+        """Colocated mode saves between a push and the next rollout, with the optimizer state offloaded: put
+        it back for the save. (reflow.engines.train.offload empties the storages; torch.save then wrote 0 bytes
+        for full-size tensors and the resume failed in torch.load, "Trying to resize storage that is not
+        resizable", on an H200.) It leaves again after, so the engines keep their memory."""
+        copies = getattr(self, "_host_states", None)
+        away = bool(copies is not None and copies.moved) or (
+            getattr(self, "_offloaded", False) and self.engine.device.type != "cpu")
+        if away:
+            self._move_states(offload=False)
+        try:
+            yield
+        finally:
+            if away:
+                self._move_states(offload=True)
 
     def fetch_checkpoint(self, store, prefix: str, manifest: dict[str, dict]) -> str:
         """Download + sha256-check what this rank needs (not collective); ChecksumError on a mismatch."""
