@@ -4,13 +4,22 @@
 # GRPOTrainer from the same initial policy for the same wall-clock (bench/trl_baseline.py), both policies
 # scored by one evaluator. Writes demo logs and trl.json under $OUT, then bench/results/gpu-loop.json's
 # fields as one JSON line (`gpu-loop: {...}`).
-#   bash bench/gpu_machine/compare.sh [iterations] [overrides...]
+#   bash bench/gpu_machine/compare.sh [iterations] [overrides...]   # all three (over 10 minutes at 100)
+#   STEP=reflow bash bench/gpu_machine/compare.sh 100; STEP=trl bash bench/gpu_machine/compare.sh
+#     (two calls on one warm machine: the second reads what the first left in /tmp/gpurun/compare.env)
 set -euo pipefail
+step=${STEP:-all}
 cd "$(dirname "$0")/../.."
 iters=${1:-100}; shift || true
 out=$(realpath "${OUT:-gpu-out}"); mkdir -p "$out"
 repo=$PWD
+[ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site > "$out/install.log"
 [ -e /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuwheels/trl/*.whl
+if [ "$step" != trl ]; then
+# The policy first (the demo would build it inside its timed run): `seconds=` is then start-up + training + evals.
+[ -e /tmp/gpurun/.reflow/models/gpu-demo-policy/config.json ] || (mkdir -p /tmp/gpurun && cd /tmp/gpurun &&
+  PYTHONPATH=/tmp/site python3 -m reflow.flows.cli bootstrap --size gpu --digits 3 --data-out '' \
+    --out .reflow/models/gpu-demo-policy > "$out/bootstrap.json" 2>/dev/null)
 exp=gpu-cmp-$(date +%H%M%S)
 OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$iters" "$@" >/dev/null
 cp "$out/demo-one.log" "$out/demo-$exp.log"
@@ -18,8 +27,12 @@ grep '^demo:' "$out/demo-$exp.log"
 OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$((iters + 10))" --resume auto "$@" \
   >/dev/null || echo "resume: FAILED (see demo-one.log)"
 grep -E '^demo:|resum' "$out/demo-one.log" | tail -3 || true
-cd /tmp/gpurun
 seconds=$(grep -o 'seconds=[0-9]*' "$out/demo-$exp.log" | tail -1 | cut -d= -f2)
+printf 'exp=%s\niters=%s\nseconds=%s\n' "$exp" "$iters" "$seconds" > /tmp/gpurun/compare.env
+fi
+[ "$step" = reflow ] && exit 0
+. /tmp/gpurun/compare.env
+cd /tmp/gpurun
 ckpt=$(ls -d .reflow/runs/$exp/checkpoints/iter_$(printf %06d "$iters"))
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 "$repo/bench/trl_baseline.py" --policy .reflow/models/gpu-demo-policy --reflow-model "$ckpt/model" \
