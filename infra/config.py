@@ -118,6 +118,7 @@ class TrainerConfig(_Strict):
 
 class WeightSyncConfig(_Strict):
     verify: Literal["full", "sample", "logprobs", "off"] = Field("sample", description="Check engines after each push (each also checks weight_version). full/sample: read every tensor, or a sample, back through /get_weights_by_name and compare (bit-exact at verify_atol=0: proves the values read); engines that cannot answer it whole (SGLang's Qwen2/Qwen3 classes, TP > 1) are checked by logprobs instead, reported in the push stats (verify_method, verify_fallback; metrics push_logprob_engines, push_logprob_max_diff). logprobs: every engine scores a fixed probe batch and its logprobs must match the trainer's at the pushed weights within the coarser dtype's noise (proves the engine computes with the pushed model, for any model and TP size; cannot see differences below that noise). off: no check.")
+    verify_every: int = Field(1, ge=1, description="Run the `verify` check on policy versions divisible by this (version 0, the initial push, always); the other pushes check weight_version only. Reading tensors back costs ~0.35 s a push for a 113M model on an H200 (bench/RESULTS.md section 9), a large share of a short iteration.")
     verify_sample: int = Field(4, ge=1, description="Tensors compared when verify=sample.")
     verify_rows: int | None = Field(64, ge=1, description="verify=sample: compare the first this many rows of each sampled tensor (SGLang's truncate_size; the answer is JSON, so whole embedding matrices cost seconds); null compares them whole.")
     bucket_mb: int = Field(512, ge=1, description="Flattened bucket size of a tensor or distributed push.")
@@ -138,7 +139,7 @@ class ClusterConfig(_Strict):
 
     @field_validator("gpus", mode="before")
     @classmethod
-    def _yaml_bool(cls, v):
+    def _yaml_bool(cls, v: Any) -> Any:
         """YAML reads a bare on/off as true/false: take those as the words meant."""
         return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 

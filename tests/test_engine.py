@@ -547,3 +547,17 @@ def test_push_between_two_ray_actors(ray_cluster, tiny_policy, tok):
         ray.get(engine.shutdown.remote(), timeout=10)
         ray.kill(engine)
         ray.kill(pusher)
+
+
+def test_verify_every_checks_due_versions_in_full_and_the_others_by_version(fresh_engine, tok):
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    named = list(build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=3).state_dict().items())
+    every = PushSettings(bucket_bytes=1 << 20, verify="full", verify_every=2)
+    assert push_weights([c], named, "3", every)["verify_method"] == "version"  # not due: weight_version only
+    due = push_weights([c], named, "4", every)
+    assert due["verify_method"] == "weights" and due["verified_tensors"] == len(named)
+    assert push_weights([c], named, "v5", every)["verified_tensors"] == len(named)  # not a number: always checked
+    from reflow.engines.weights.verify import versions_only
+
+    with pytest.raises(WeightSyncError, match="weight_version 'v5', expected '6'"):
+        versions_only([c], "6")  # what a push whose check is not due still proves

@@ -31,5 +31,5 @@ out=$(realpath "$out")
 mkdir -p /tmp/gpurun && cd /tmp/gpurun
 python3 -m reflow.flows.cli demo --gpu "${extra[@]}" "$@" 2>&1 | tee "$out/demo-$layout.log"
 # The run's per-iteration metrics and evals, for RESULTS.md (small: JSON only).
-run=$(ls -td .reflow/runs/gpu-demo-* | head -1)
+run=$(ls -td .reflow/runs/*/ | head -1); run=${run%/}  # the newest run, whatever experiment= named it
 tar -czf "$out/records-$layout.tgz" --exclude='checkpoints' --exclude='*.parquet' -C "$(dirname "$run")" "$(basename "$run")"

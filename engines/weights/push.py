@@ -51,6 +51,7 @@ from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, ver
     WeightSyncError,
     verify_push,
     verify_weights,
+    versions_only,
 )
 
 log = logging.getLogger(__name__)
@@ -308,11 +309,19 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
         else:
             buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
-    checked = verify_push(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol, s.verify_rows,
-                          probe, s.verify_logprob_tol)
+    if verify_due(version, s.verify_every):
+        checked = verify_push(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol,
+                              s.verify_rows, probe, s.verify_logprob_tol)
+    else:
+        checked = versions_only(clients, version)
     return {"mode": s.mode, "bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
             "buckets": buckets, "engines": len(clients), **checked,
             "verify_seconds": time.perf_counter() - t0 - seconds}
+
+
+def verify_due(version: str, every: int) -> bool:
+    """weight_sync.verify_every: check versions divisible by `every` (numeric ones; others always)."""
+    return every <= 1 or not str(version).isdigit() or int(version) % every == 0
 
 
 def group_device(backend: str) -> torch.device:

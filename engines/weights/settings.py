@@ -18,6 +18,7 @@ class PushSettings:
     verify_sample: int = 4  # tensors compared when verify=sample
     verify_rows: int | None = None  # first rows of each sampled tensor; None = whole tensors
     verify_atol: float = 0.0  # 0 = bit-exact
+    verify_every: int = 1  # verify versions divisible by this (and non-numeric ones); others: weight_version only
     verify_logprob_tol: float | None = None  # mean |engine - trainer| logprob allowed; None: by dtype (verify.LOGPROB_TOLERANCE)
     backend: Literal["gloo", "nccl"] = "gloo"  # mode=distributed: the broadcast group's backend
     disk_dir: str | None = None  # mode=disk: where the versioned HF folders go (default: a local temp dir)

@@ -91,6 +91,13 @@ def _check_version(client: EngineClient, version: str) -> None:
         raise WeightSyncError(f"engine {client.url} reports weight_version {got!r}, expected {version!r}")
 
 
+def versions_only(clients: list[EngineClient], version: str) -> dict:
+    """A push whose full check is not due (weight_sync.verify_every): every engine's weight_version still."""
+    for c in clients:
+        _check_version(c, version)
+    return {"verified_tensors": 0, "verify_method": "version"}
+
+
 def sharded_readback(server_info: dict) -> str | None:
     """Why /get_weights_by_name cannot prove a push on this engine (None: it can): at TP > 1 SGLang
     answers rank 0's shard of every split tensor."""
