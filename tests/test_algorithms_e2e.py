@@ -1,4 +1,4 @@
-"""Every estimator (and the DAPO rollout options, and PPO with its critic) runs 3 iterations of a
+"""Every estimator (and the DAPO rollout options, and PPO with its critic) runs 2 iterations of a
 tiny demo end to end on real Ray + DeepSpeed + Prefect without NaN or error. One trainer rank, one
 engine, tiny batches."""
 from __future__ import annotations
@@ -34,18 +34,18 @@ PPO_METRICS = ["value_loss", "value_clip_frac", "values_mean", "returns_mean", "
 
 def _config(policy, tmp_path, name, extra):
     return load_config(None, [
-        f"experiment=algo-{name}", f"model.path={policy}", "num_iterations=3", "eval.before_train=false",
+        f"experiment=algo-{name}", f"model.path={policy}", "num_iterations=2", "eval.before_train=false",
         "data.num_train=64", "data.num_eval=8", "rollout.prompts_per_iteration=4", "rollout.n_samples_per_prompt=4",
         "rollout.max_new_tokens=4", "trainer.num_ranks=1", "trainer.micro_batch_size=16", "trainer.lr=1e-3",
         "weight_sync.verify=sample", f"storage.root=file://{tmp_path}/runs", *extra])
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_estimator_three_iterations(ray_cluster, prefect_server, tiny_policy, tmp_path, name):
+def test_estimator_two_iterations(ray_cluster, prefect_server, tiny_policy, tmp_path, name):
     from reflow.flows.train import train
 
     summary = train(_config(tiny_policy, tmp_path, name, CASES[name]))
-    assert summary["iterations"] == 3
+    assert summary["iterations"] == 2
     for i, m in enumerate(summary["history"]):
         warmup = name == "ppo" and i == 0  # the policy does not update during the critic's warm-up
         keys = (PPO_METRICS if name == "ppo" else []) + ([] if warmup else METRICS)

@@ -135,7 +135,7 @@ def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, sec
 
 
 def test_s3_outage_then_kill_then_resume_exactly(env, baseline, s3, tiny_policy, tmp_path):
-    """On moto's S3 server: the server goes away for 30 s once iteration 1 is recorded (the run waits
+    """On moto's S3 server: the server goes away for 10 s once iteration 1 is recorded (the run waits
     and retries within `storage.outage_budget_s`, 60 s by default), the run is SIGKILLed after
     checkpoint 3, the resumed run completes; every iteration's records are present and the result
     equals the uninterrupted file:// run."""
@@ -144,7 +144,7 @@ def test_s3_outage_then_kill_then_resume_exactly(env, baseline, s3, tiny_policy,
     store = _s3_store(s3, "s3-run")
     proc = run_train(cfg, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"}, background=True)
     try:
-        _outage_when(store, "iterations/000001/metrics.json", s3, proc, seconds=30.0)
+        _outage_when(store, "iterations/000001/metrics.json", s3, proc, seconds=10.0)
         proc.wait(timeout=240)
     finally:
         reap(proc)
