@@ -31,7 +31,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	test -x $(BIN)/uv || $(PIP) uv || echo "uv unavailable: installing with pip"
 	$(INSTALL) $(TORCH_PIP_ARGS) "$(TORCH)"
-	$(INSTALL) -e .
+	$(INSTALL) -e '.[lora]'
 	touch $@
 
 # Test extras, plus SGLang's own request/response/bucket code for the contract tests: the

@@ -90,9 +90,11 @@ def bearer(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
-def auth_refusal(method: str, path: str, authorization: str | None, api_key: str) -> str | None:
-    """None when SGLang's rule lets the request through, else why not (never echoing what was sent)."""
-    if method == "OPTIONS" or path.startswith(PROBE_PREFIXES):
+def auth_refusal(method: str, path: str, authorization: str | None, api_key: str,
+                 open_prefixes: tuple[str, ...] = PROBE_PREFIXES) -> str | None:
+    """None when SGLang's rule lets the request through, else why not (never echoing what was sent).
+    `open_prefixes`: paths served without a key (SGLang's probes; none for reflow's control API)."""
+    if method == "OPTIONS" or (open_prefixes and path.startswith(open_prefixes)):
         return None
     if not authorization:
         return "Unauthorized: this endpoint needs an 'Authorization: Bearer <api key>' header; none was sent"
@@ -110,8 +112,10 @@ class HttpGuard:
     A body whose Content-Length exceeds `max_body_bytes` is refused before it is read (uvicorn
     holds the body to its declared length); a chunked body is read up to the cap, then replayed."""
 
-    def __init__(self, app, api_key: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(self, app, api_key: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 open_prefixes: tuple[str, ...] = PROBE_PREFIXES):
         self.app, self.api_key, self.max_body_bytes = app, check_api_key(api_key), int(max_body_bytes)
+        self.open_prefixes = tuple(open_prefixes)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] not in ("http", "websocket"):
@@ -121,7 +125,7 @@ class HttpGuard:
             headers.setdefault(k.lower(), v)  # the first of repeated headers, as Starlette reads them
         authz = headers.get(b"authorization")
         refusal = auth_refusal(scope.get("method", "GET"), scope["path"],
-                               None if authz is None else authz.decode("latin-1"), self.api_key)
+                               None if authz is None else authz.decode("latin-1"), self.api_key, self.open_prefixes)
         if refusal is not None:
             if scope["type"] == "websocket":
                 return await send({"type": "websocket.close", "code": 1008})

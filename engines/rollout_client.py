@@ -151,6 +151,16 @@ class EngineClient:
     def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> dict:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
+    def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
+                                       serialized_named_tensors: Sequence[str], load_format: str | None = None) -> dict:
+        """A PEFT adapter's tensors (one payload per TP rank) and its adapter_config, as SGLang 0.5.23 takes them."""
+        return self._call("POST", "/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config_dict,
+            "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format})
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        return self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
         """Relabel the loaded weights (no weights move); SGLang aborts running requests unless told not to."""
         return self._call("POST", "/update_weight_version", {

@@ -7,14 +7,18 @@ HTTP API, so the same code drives the embedded engine and a real SGLang server.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any
 
 import pandas as pd
 
 from reflow.engines.rollout_client import EngineClient, generate_batch
+from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
+from reflow.engines.rollout_fns import ONE_TURN, TurnLimits, result_logprobs, rollout_with_fn
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
-from reflow.rl.rewards import compute_rewards, load_reward_fn
+from reflow.rl.reward_http import HttpReward
+from reflow.rl.rewards import load_reward_fn, score_with_metrics
 from reflow.rl.types import Prompt, RolloutBatch
 
 
@@ -41,11 +45,18 @@ def sample_seeds(seed: int, version: int, count: int) -> list[int]:
 
 
 def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
-             timeout: float, seed: int | None = None, api_key: str | None = None) -> RolloutBatch:
+             timeout: float, seed: int | None = None, api_key: str | None = None,
+             generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
+             limits: TurnLimits = ONE_TURN) -> RolloutBatch:
     """n samples per prompt, prompt-major. With `seed`, every sample gets its own sampling_seed
-    (see `sample_seeds`); without, the engines' own random state decides. `api_key`: the runtime's."""
-    clients = [EngineClient(u, timeout=timeout, api_key=api_key) for u in urls]
+    (see `sample_seeds`); without, the engines' own random state decides. `api_key`: the runtime's.
+    `generate_fn` (rollout.generate_fn): the default single-turn rollout goes as one batched request
+    per engine; any other function runs once per sample (engines/rollout_fns.py)."""
     seeds = sample_seeds(seed, version, len(prompts) * n) if seed is not None else None
+    if generate_fn != DEFAULT_ROLLOUT_FN:
+        return rollout_with_fn(generate_fn, urls, prompts, sp, n, version, timeout, seeds, api_key, max_concurrent,
+                               limits)
+    clients = [EngineClient(u, timeout=timeout, api_key=api_key) for u in urls]
     outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds)
     if len(outs) != len(prompts) * n:
         raise RuntimeError(f"engines returned {len(outs)} samples for {len(prompts)} prompts x n={n}")
@@ -56,21 +67,26 @@ def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int,
         prompt_ids=[prompts[g].input_ids for g in gi],
         response_text=[o["text"] for o in outs],
         response_ids=[list(o["output_ids"]) for o in outs],
-        rollout_logprobs=[[lp[0] for lp in o["meta_info"].get("output_token_logprobs", [])] for o in outs],
+        rollout_logprobs=[result_logprobs(o) for o in outs],
         finish_reason=[o["meta_info"]["finish_reason"]["type"] for o in outs],
         label=[prompts[g].label for g in gi],
         policy_version=version,
     )
 
 
-def score(batch: RolloutBatch, reward_fn: str, max_new_tokens: int = 0, overlong_buffer: int = 0,
+def score(batch: RolloutBatch, reward_fn: str | HttpReward, max_new_tokens: int = 0, overlong_buffer: int = 0,
           overlong_factor: float = 0.0) -> tuple[RolloutBatch, dict[str, float]]:
     """Rewards from the reward function plus DAPO's soft overlong penalty (0 when the buffer is 0).
 
-    `reward_mean` reports the reward function alone (task accuracy); the batch carries the sum.
+    `reward_fn` is `module:function`, or a reward server (`reflow.rl.reward_http.HttpReward`).
+    `reward_mean` reports the reward function alone (task accuracy); the batch carries the sum, and
+    the stats the means of the extra metrics a scorer returned (`reward/<key>`).
     """
-    fn = load_reward_fn(reward_fn)
-    rewards = compute_rewards(fn, batch.prompt_text, batch.response_text, batch.label, batch.samples())
+    if isinstance(reward_fn, HttpReward):
+        rewards, metrics = reward_fn.score(batch.samples())
+    else:
+        rewards, metrics = score_with_metrics(load_reward_fn(reward_fn), batch.prompt_text, batch.response_text,
+                                              batch.label, batch.samples())
     lengths = [len(r) for r in batch.response_ids]
     penalty = [overlong_penalty(n, max_new_tokens, overlong_buffer, overlong_factor) for n in lengths]
     stats = {
@@ -79,14 +95,16 @@ def score(batch: RolloutBatch, reward_fn: str, max_new_tokens: int = 0, overlong
         "response_len_mean": sum(lengths) / max(len(lengths), 1),
         "response_len_max": float(max(lengths, default=0)),
         "truncated_frac": sum(f == "length" for f in batch.finish_reason) / max(len(batch), 1),
+        **metrics,
     }
     return batch.with_(rewards=[r + p for r, p in zip(rewards, penalty)]), stats
 
 
 def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[Prompt]], sp: dict[str, Any],
-                 n: int, version: int, timeout: float, reward_fn: str, score_kw: dict[str, Any],
-                 target_groups: int, seed: int | None = None,
-                 api_key: str | None = None) -> tuple[RolloutBatch, dict[str, float]]:
+                 n: int, version: int, timeout: float, reward_fn: str | HttpReward, score_kw: dict[str, Any],
+                 target_groups: int, seed: int | None = None, api_key: str | None = None,
+                 generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
+                 limits: TurnLimits = ONE_TURN) -> tuple[RolloutBatch, dict[str, float]]:
     """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
     scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
     the rounds run out), then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`).
@@ -97,8 +115,8 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
         if informative >= target_groups:
             break
         round_seed = None if seed is None else seed + 7919 * r
-        scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed, api_key), reward_fn,
-                          **score_kw)
+        scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed, api_key, generate_fn,
+                                   max_concurrent, limits), reward_fn, **score_kw)
         rounds.append(scored)
         informative += len(groups_with_spread(scored)[0])
     batch, filler = fill_groups(rounds, target_groups)
@@ -124,4 +142,15 @@ def rollout_table(batch: RolloutBatch) -> pd.DataFrame:
         "finish_reason": batch.finish_reason,
         "label": [str(x) for x in batch.label],
         "policy_version": [batch.policy_version] * len(batch),
+        **_trajectory_columns(batch),
     })
+
+
+def _trajectory_columns(batch: RolloutBatch) -> dict[str, list]:
+    """Multi-turn rollouts only: each response's loss mask, its policy-token count and the rollout
+    function's reward info (JSON), so turns and tool calls show in rollouts.parquet."""
+    if batch.response_mask is None:
+        return {}
+    info = batch.reward_info or [{}] * len(batch)
+    return {"response_mask": [list(m) for m in batch.response_mask], "policy_tokens": batch.policy_tokens(),
+            "rollout_info": [json.dumps(i, default=str, sort_keys=True) for i in info]}

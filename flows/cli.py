@@ -18,6 +18,7 @@ from pathlib import Path
 from reflow.infra import console
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
+TOOLS_DEMO_CONFIG = DEMO_CONFIG.with_name("demo-tools.yaml")  # `reflow demo --task tools`
 GPU_DEMO_CONFIG = DEMO_CONFIG.with_name("gpu-demo.yaml")  # `reflow demo --gpu`: a ~113M policy, 3-digit addition
 DEMO_DATA = ".reflow/data/demo"  # the fixed eval file and new data configs/demo-retrain.yaml and the README name
 OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like the file, "
@@ -152,6 +153,29 @@ def cmd_runs_show(args) -> None:
           if points else format_table(df))
 
 
+def cmd_lineage(args) -> None:
+    from reflow.infra import lineage
+
+    try:
+        nodes = lineage.walk(args.checkpoint, args.endpoint_url)
+    except (ValueError, OSError, RuntimeError) as e:  # not a checkpoint URL, not committed, unreadable
+        raise UsageError(f"{args.checkpoint}: {e}") from e
+    print(json.dumps([vars(n) for n in nodes], indent=1) if args.json else lineage.format_chain(nodes))
+
+
+def cmd_export_merged(args) -> None:
+    from reflow.infra.export import export_merged
+    from reflow.infra.storage import ExperimentStore
+
+    try:
+        like = ExperimentStore.open(args.checkpoint.rstrip("/").rpartition("/")[0], "export",
+                                    endpoint_url=args.endpoint_url, retries=2)
+        done = export_merged(args.checkpoint, args.out, like, base=args.base)
+    except (ValueError, OSError, RuntimeError, KeyError, AttributeError) as e:  # no adapter, bad folder, mismatch
+        raise UsageError(f"export-merged {args.checkpoint}: {e}") from e
+    print(json.dumps(done, indent=2))
+
+
 def _demo_policy(seed: int, digits: int, named: str, size: str = "tiny") -> Path:
     """Seed 0 uses the folder configs/demo.yaml names (`named`, where `reflow bootstrap` writes by
     default), so the README's deployment steps find the policy `make demo` built; other seeds get
@@ -178,21 +202,39 @@ def _stage_line(history: list[dict]) -> str:
     return f"demo: per-iteration {stages} tokens_per_s={tokens_per_s:.0f} samples_per_s={samples_per_s:.1f}"
 
 
+def _tools_demo(seed: int) -> list[str]:
+    """`reflow demo --task tools`: the task's files and the tool-trace policy (once per seed), as overrides."""
+    from reflow.rl.tool_demo import bootstrap_tools, write_tool_data
+
+    data = write_tool_data(f".reflow/data/tools-s{seed}", seed)
+    out = Path(f".reflow/models/tools-policy-s{seed}")
+    if not (out / "config.json").is_file():
+        print(f"reflow: bootstrapping the tools demo policy into {out} (once per seed)", file=sys.stderr)
+        bootstrap_tools(out, data, seed=seed)
+    return [f"model.path={out}", f"data.path={data['train']}", f"data.eval_path={data['heldout']}"]
+
+
 def cmd_demo(args) -> None:
     t0 = time.perf_counter()
+    if args.task == "tools" and args.gpu:
+        raise UsageError("reflow demo --task tools runs on CPU only; drop --gpu")
     if args.gpu and not _cuda():
         raise UsageError("reflow demo --gpu trains on a GPU, and torch sees none here: run `reflow demo` "
                          "(the CPU demo), or check CUDA_VISIBLE_DEVICES and that torch is a CUDA build")
-    config = GPU_DEMO_CONFIG if args.gpu else DEMO_CONFIG
+    config = GPU_DEMO_CONFIG if args.gpu else TOOLS_DEMO_CONFIG if args.task == "tools" else DEMO_CONFIG
     base = _config(str(config), [])
     # A fresh experiment per invocation, so running the demo twice trains twice (every run
     # keeps its own checkpoints and records); pass experiment=NAME --resume auto to continue one.
     stamp = time.strftime("%Y%m%d-%H%M%S")
     overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment={base.experiment}-s{args.seed}-{stamp}"]
-    policy = _demo_policy(args.seed, base.data.digits, base.model.path, "gpu" if args.gpu else "tiny")
-    if args.seed == 0 and not args.gpu:  # the files configs/demo-retrain.yaml names (the README's retrain example)
+    if args.task == "tools":
+        overrides += _tools_demo(args.seed)
+    else:
+        policy = _demo_policy(args.seed, base.data.digits, base.model.path, "gpu" if args.gpu else "tiny")
+        overrides.append(f"model.path={policy}")
+    if args.seed == 0 and not args.gpu and args.task == "addition":  # the files configs/demo-retrain.yaml names
         _demo_data(DEMO_DATA, 0, base.data.digits)
-    cfg = _config(str(config), overrides + [f"model.path={policy}"] + args.overrides + _resume_override(args))
+    cfg = _config(str(config), overrides + args.overrides + _resume_override(args))
     _preflight(cfg)
     with console.terminal(args.verbose):
         from reflow.flows.train import train  # after terminal(), as in cmd_train
@@ -206,6 +248,23 @@ def cmd_demo(args) -> None:
     print(_stage_line(summary["history"]))
     print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
           f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}")
+
+
+def cmd_ctl(args) -> None:
+    """One request to the live run's control API (infra/control.py); its answer printed."""
+    import httpx
+
+    from reflow.infra import control
+
+    try:
+        r = control.request(args.experiment, args.action)
+    except (control.NoLiveRun, ValueError) as e:  # ValueError: not an experiment name (infra/guards.py)
+        raise UsageError(str(e)) from e
+    except (OSError, httpx.HTTPError) as e:  # a server gone since the record was written, an unreadable token file
+        raise UsageError(f"experiment {args.experiment!r}: its run's control API did not answer ({e})") from e
+    if r.status_code != 200:
+        raise UsageError(f"experiment {args.experiment!r}: {args.action} answered {r.status_code}: {r.text}")
+    print(r.text.rstrip("\n") if args.action == "metrics" else json.dumps(r.json(), indent=2))
 
 
 def cmd_cluster(args) -> None:
@@ -239,6 +298,15 @@ def _status_text(st: dict) -> str:
     return "\n".join(lines)
 
 
+def _checkpoint_command(sub, name: str, fn, help_: str, description: str) -> argparse.ArgumentParser:
+    """A subcommand that reads one checkpoint from storage (no Prefect, no Ray)."""
+    p = sub.add_parser(name, help=help_, description=description)
+    p.add_argument("checkpoint", help="checkpoint URL (…/<experiment>/checkpoints/iter_NNNNNN)")
+    p.add_argument("--endpoint-url", default=None, help="S3-compatible endpoint override (credentials: AWS chain)")
+    p.set_defaults(fn=fn)
+    return p
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="reflow",
@@ -253,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gpu", action="store_true",
                    help="the GPU demo instead: a ~113M policy warmed up on the GPU, 3-digit addition, "
                         "configs/gpu-demo.yaml (one GPU colocated; see bench/RESULTS.md for two)")
+    d.add_argument("--task", choices=["addition", "tools"], default="addition",
+                   help="addition (default) or tools: multi-turn 2-digit multiplication with a calculator "
+                        "tool, configs/demo-tools.yaml")
     d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     d.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
     d.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
@@ -289,6 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     rs.add_argument("--csv", action="store_true", help="print every metric as CSV")
     rs.set_defaults(fn=cmd_runs_show)
 
+    lg = _checkpoint_command(sub, "lineage", cmd_lineage, "print a checkpoint's chain of ancestors back to the "
+                             "initial model", "Read LINEAGE.json of a checkpoint and of each ancestor (parent, config, "
+                             "code and data digests, flow runs, promoting retrain decisions); storage only.")
+    lg.add_argument("--json", action="store_true", help="print the chain as JSON")
+    x = _checkpoint_command(sub, "export-merged", cmd_export_merged, "merge a LoRA checkpoint's adapter into its "
+                            "base: a plain HF folder", "Write base model + the checkpoint's adapter (adapter/) merged, "
+                            "as the engines merge it, into a new folder that AutoModelForCausalLM.from_pretrained loads.")
+    x.add_argument("out", help="new (or empty) local folder to write")
+    x.add_argument("--base", default=None, help="base model folder or URL (default: the run's model.path, "
+                                                "as the adapter records it)")
+
     b = sub.add_parser("bootstrap", help="build the demo policy: tiny Llama + char tokenizer, warmed up, HF format",
                        description="Build a tiny causal LM and tokenizer, warm it up on the synthetic addition "
                                    "task and save it as an HF checkpoint folder (config, safetensors, tokenizer).")
@@ -309,6 +391,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also write the task's held-out split as a fixed eval file and a batch of new problems "
                         "here, for configs/demo-retrain.yaml (default %(default)s; '' skips them)")
     b.set_defaults(fn=cmd_bootstrap)
+
+    ct = sub.add_parser("ctl", help="control a live train run: health, metrics, pause, resume, save, stop",
+                        description="Talk to the control API of the experiment's live `train` run on this machine "
+                                    "(its address and token file are recorded next to the experiment's lease). "
+                                    "pause: no new iteration after the current one until resume; save: a checkpoint "
+                                    "after the current iteration; stop: finish it, save, end the run (COMPLETED).")
+    ct.add_argument("experiment", help="experiment name")
+    ct.add_argument("action", choices=["health", "metrics", "pause", "resume", "save", "stop"])
+    ct.set_defaults(fn=cmd_ctl)
 
     cl = sub.add_parser("cluster", help="a long-lived local Ray head whose actors later flow runs reuse",
                         description="Start, inspect or stop a Ray head for reflow (loopback only, token "

@@ -20,6 +20,7 @@ from prefect.context import FlowRunContext, SettingsContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
 from reflow.infra.config import RunConfig
+from reflow.infra.control import enter_stage
 from reflow.tasks import report
 from reflow.tasks.colocate import to_engines, to_trainer
 from reflow.tasks.rollout import advantages, generate, reward
@@ -35,6 +36,7 @@ class StageTimer:
 
     @contextmanager
     def __call__(self, stage: str):
+        enter_stage(stage)  # what the control API's /health shows (infra/control.py)
         t0 = time.perf_counter()
         try:
             yield

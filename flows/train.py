@@ -9,19 +9,23 @@
     see tasks/evaluate.py)
 
 `num_iterations` is the run's total: a run resumed after k iterations runs iterations k..n-1.
+While it runs, `reflow ctl` reaches its control API (infra/control.py: health, metrics, pause, resume,
+save, stop); a trainer rank that dies mid-iteration is rebuilt from the latest checkpoint (flows/recovery.py).
 """
 from __future__ import annotations
 
 import time
+from functools import partial
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from reflow.flows.iteration import run_iteration
+from reflow.flows.recovery import run_recovering
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import leases
 from reflow.infra.config import ConfigError, RunConfig
+from reflow.infra.control import RunControl, enter_stage, start_control
 from reflow.infra.flow_params import ExperimentFile, FlowConfig, InvalidConfig, resolve_config
 from reflow.infra.preflight import PreflightError, one_line, preflight, warnings_for
 from reflow.infra.runtime import shutdown_runtime
@@ -45,6 +49,17 @@ def _save_due(config: RunConfig, done: int, last: int, minutes_since_save: float
     return (done == last or (c.save_interval is not None and done % c.save_interval == 0)
             or (c.save_every_minutes is not None and minutes_since_save >= c.save_every_minutes)
             or ckpt.sentinel_present(c.sentinel))
+
+
+def _save(config: RunConfig, control: RunControl, done: int) -> float:
+    """Commit a checkpoint of `done` iterations (removing the sentinel file, if any); returns when."""
+    enter_stage("checkpoint")
+    RECORDS.wait()  # a checkpoint is committed only after the records of the iterations it holds
+    get_run_logger().info("checkpoint: %s", save_checkpoint(config, done))
+    control.saved(done)
+    if ckpt.sentinel_present(config.checkpoint.sentinel):
+        ckpt.remove_sentinel(config.checkpoint.sentinel)
+    return time.monotonic()
 
 
 def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
@@ -103,11 +118,13 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
     if found and found[0][0].step >= config.num_iterations:
         return _already_done(config, found[0][0].step, found[0][0].url)
     progress: Progress | None = None
+    control: RunControl | None = None
     try:
         log.info("cluster: %s", start_cluster(config))
         leases.record(config.experiment)
         restored = restore(config, found)
         start = restored["step"]
+        control = start_control(config, flow_run.id, start)  # control API (`reflow ctl`), stack dumps
         initial_push(config, start, restored["loaded"])
         evals: dict[int, dict[str, dict]] = {}  # policy version -> {eval set: summary}
         pending: list = []  # launched evals not recorded yet
@@ -121,28 +138,35 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
         for i in range(start, last):
-            m = run_iteration(config, i)  # its records are written in the background (tasks/report.py)
+            enter_stage(f"iteration {i}")
+            m = run_recovering(config, i, control)  # a dead trainer rank: rebuilt, re-run (flows/recovery.py)
+            control.finished(i, m)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
-            if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60):
-                RECORDS.wait()  # a checkpoint is committed only after the records of the iterations it holds
-                log.info("checkpoint: %s", save_checkpoint(config, i + 1))
-                saved_at = time.monotonic()
-                if ckpt.sentinel_present(config.checkpoint.sentinel):
-                    ckpt.remove_sentinel(config.checkpoint.sentinel)
+            if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
+                last = i + 1
+            if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60) or control.take_save():
+                saved_at = _save(config, control, i + 1)
             if _eval_due(config, i + 1, last):
                 pending.append(launch_eval(config, i + 1))
             evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
             progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
+            if i + 1 == last or control.hold(partial(_save, config, control, i + 1)):  # paused: waits for /resume
+                last = i + 1  # hold() is True on /stop: the iterations done are saved by now
+                break
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
         RECORDS.wait()  # and every iteration's records
         log.info("curves: %s", progress.finish(evals))
-        if last < config.num_iterations:
+        if control.stopping:
+            log.warning("stopped by the control API after %d of %d iterations", last, config.num_iterations)
+        elif last < config.num_iterations:
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
                         config.debug_exit_after, last, config.num_iterations)
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
                 "seconds": time.perf_counter() - t0}
     finally:
+        if control is not None:
+            control.close()
         if progress is not None:
             progress.abort()  # trackers still open here: the run failed (finish() closed them otherwise)
         RECORDS.wait(raise_errors=False)  # a failed run: the records it queued are still written

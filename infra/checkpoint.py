@@ -5,6 +5,7 @@
         critic/{model,optim,rng}/            PPO only: the same from the critic ranks (engines/train/critic.py)
         state.json                           step, data cursor, ranks, time
         config.yaml                          the resolved run config (no credentials: none are in it)
+        LINEAGE.json                         parent, config/code/data digests, flow runs (infra/lineage.py)
         MANIFEST.json                        {relative path: {sha256, bytes}} of every file above
         SIGNATURE                            {alg, key_id, hmac}: HMAC-SHA256 of MANIFEST.json's bytes
         COMMITTED                            sha256 of MANIFEST.json; written only after all of it
@@ -109,13 +110,16 @@ def begin(ck: Checkpoint) -> None:
 
 
 def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str,
-           keys: signing.Keyring | None = None) -> str:
-    """Write state + config, then MANIFEST and its SIGNATURE (with `keys`' signing key; default: the
-    experiment's key from infra/signing.keyring), then COMMITTED, then move `latest`. Returns the URL."""
+           keys: signing.Keyring | None = None, lineage: dict | None = None) -> str:
+    """Write state + config (+ `lineage` as LINEAGE.json, infra/lineage.py), then MANIFEST and its
+    SIGNATURE (with `keys`' signing key; default: the experiment's key from infra/signing.keyring),
+    then COMMITTED, then move `latest`. Returns the URL."""
     kid, key = (keys or signing.keyring(ck.store.experiment)).signing_key()
     files = dict(files)
-    for name, data in ((STATE, json.dumps(state, indent=2, sort_keys=True).encode()),
-                       ("config.yaml", config_yaml.encode())):
+    docs = [(STATE, json.dumps(state, indent=2, sort_keys=True).encode()), ("config.yaml", config_yaml.encode())]
+    if lineage is not None:
+        docs.append(("LINEAGE.json", json.dumps(lineage, indent=2, sort_keys=True).encode()))
+    for name, data in docs:
         ck.store.write_bytes(ck.rel(name), data)
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     manifest = json.dumps({"step": ck.step, "files": files}, indent=2, sort_keys=True).encode()

@@ -64,6 +64,29 @@ class DataConfig(_Strict):
     num_eval: int = Field(200, ge=1, description="Synthetic task: number of held-out prompts.")
     digits: int = Field(2, ge=1, le=6, description="Synthetic task: digits per operand.")
     max_prompt_len: int = Field(64, ge=1, description="Prompts longer than this many tokens are rejected with an error.")
+    chat_template: bool = Field(False, description="Prompts are chat messages (a list of {role, content}, or a string = one user message) rendered by the tokenizer's chat template with the generation prompt; the same token ids go to rollout, training and eval.")
+    system_prompt: str | None = Field(None, description="chat_template: a system message put first in every prompt that does not start with its own.")
+
+
+class RewardConfig(_Strict):
+    """How samples are scored: `function` (data.reward_fn), `builtin` (reflow.rl.verifiers) or `http`
+    (a reward-model server, reflow.rl.reward_http: its wire contract, retries and errors)."""
+
+    type: Literal["function", "http", "builtin"] = Field("function", description="`function`: data.reward_fn; `builtin`: the verifier named by `builtin`; `http`: POST batches of samples to `url`.")
+    builtin: Literal["exact_match", "math"] = Field("exact_match", description="type=builtin: `exact_match` (stripped response == label) or `math` (final answer equal to the label by math-verify; pip install 'reflow[math]').")
+    url: str | None = Field(None, description="type=http: the reward server's endpoint (http:// or https://).")
+    token_env: str | None = Field(None, min_length=1, description="type=http: environment variable (on the driver) holding a bearer token sent to the server; the token itself never goes into the config.")
+    timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description="type=http: timeout of one batch request.")
+    retries: int = Field(3, ge=0, le=20, description="type=http: retries of a batch after a timeout, connection error, 429 or 5xx (exponential backoff).")
+    backoff_s: float = Field(0.5, ge=0.0, le=60.0, description="type=http: wait before the first retry; doubled for each further one.")
+    max_concurrency: int = Field(4, ge=1, le=256, description="type=http: most batch requests in flight at once.")
+    batch_size: int = Field(64, ge=1, le=100000, description="type=http: samples per request.")
+
+    @model_validator(mode="after")
+    def _http_needs_url(self) -> RewardConfig:
+        if self.type == "http" and not (self.url or "").startswith(("http://", "https://")):
+            raise ValueError(f"reward.type=http needs reward.url, an http:// or https:// URL (got {self.url!r})")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -81,6 +104,18 @@ class RolloutConfig(_Strict):
     max_batch_size: int = Field(256, ge=1, description="Largest batch an engine decodes at once.")
     engine_threads: int = Field(1, ge=1, description="torch threads of each engine process.")
     request_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one generate request.")
+    generate_fn: str = Field("reflow.engines.rollout_fns:single_turn", min_length=3, description="`module:function`, an `async def (request, engine) -> Trajectory` rolling out one sample (multi-turn, tools: reflow.engines.rollout_fns); the default single-turn one is served as batched requests.")
+    max_concurrent_requests: int = Field(256, ge=1, description="A custom generate_fn: most /generate requests in flight at once over all engines.")
+    max_turns: int = Field(4, ge=1, le=100, description="A multi-turn generate_fn: most policy turns per trajectory (each turn's own limit is max_new_tokens).")
+    max_response_tokens: int | None = Field(None, ge=1, description="A multi-turn generate_fn: most tokens after the prompt (policy and tool tokens together); default max_turns * max_new_tokens.")
+    tool_timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="A multi-turn generate_fn: a tool call running longer ends the trajectory (reward info `tool_error`), not the run.")
+
+    def turn_limits(self) -> Any:
+        """The multi-turn bounds as the rollout functions take them (reflow.engines.rollout_fns.TurnLimits)."""
+        from reflow.engines.rollout_fns import TurnLimits
+
+        return TurnLimits(self.max_turns, self.max_response_tokens or self.max_turns * self.max_new_tokens,
+                          self.tool_timeout_s)
     router: bool = Field(False, description="Serve /generate through one router over all engines (backend=sglang: sglang-router when installed; otherwise reflow's least-loaded proxy) that retries a request on another engine when one dies.")
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
@@ -95,6 +130,13 @@ class CriticConfig(_Strict):
     lr: float = Field(1e-3, gt=0.0, description="Critic learning rate (constant).")
     warmup_iterations: int = Field(0, ge=0, description="The critic trains alone for this many first iterations; the policy is not updated.")
     micro_batch_size: int | None = Field(None, ge=1, description="Samples per critic forward/backward on one rank; default trainer.micro_batch_size.")
+
+
+class LoraConfig(_Strict):
+    rank: int = Field(0, ge=0, description="LoRA rank r; 0 = off (full fine-tuning). On: only the adapters are trained and held in the optimizer, checkpoints store the adapter (adapter/), pushes send only adapter tensors (weight_sync.mode=tensor), and `reflow export-merged` writes a merged HF folder.")
+    alpha: float = Field(16.0, gt=0.0, description="LoRA alpha: the update B @ A is scaled by alpha / rank.")
+    dropout: float = Field(0.0, ge=0.0, le=0.0, description="LoRA dropout. Only 0: the trainer scores the batch with dropout off (old and new log-probs must score the same function), so a dropout would never act.")
+    target_modules: list[str] = Field(["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, description="Names of the linear modules that get adapters (peft's target_modules, matched against module name suffixes).")
 
 
 class TrainerConfig(_Strict):
@@ -114,6 +156,7 @@ class TrainerConfig(_Strict):
     old_logprob_pass: Literal["auto", "always"] = Field("auto", description="auto: with one mini-batch per iteration (and no advantages finished in the trainer), old log-probs come from the training forward itself, saving a full forward; always: a separate no-grad pass first.")
     grad_accum_dtype: Literal["fp32", "bf16"] = Field("fp32", description="precision=bf16: dtype micro-batch gradients are summed in (bf16 is cheaper but rounds away small gradients over many micro-batches).")
     immediate_grad_update: bool = Field(False, description="precision=bf16, ZeRO-1, grad_accum_dtype=fp32: fold each gradient into fp32 as backward produces it (DeepSpeed's BF16_Optimizer option).")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Low-rank adapters (peft) instead of full fine-tuning.")
 
 
 class WeightSyncConfig(_Strict):
@@ -218,6 +261,26 @@ class EvalConfig(_Strict):
         return self
 
 
+class ControlConfig(_Strict):
+    """The run's control API (infra/control.py, `reflow ctl`): health, metrics, pause/resume/save/stop."""
+
+    enabled: bool = Field(True, description="Serve the control API while the train flow runs.")
+    host: str = Field("127.0.0.1", description="Address it listens on (loopback: this machine only). Every request needs the run's bearer token, kept in a file readable by the run's user only.")
+    port: int = Field(0, ge=0, le=65535, description="TCP port; 0 lets the OS pick a free one. The port and the token's file are recorded next to the experiment's lease (infra/leases.py), where `reflow ctl` finds them.")
+
+
+class DebugConfig(_Strict):
+    """Diagnosing a run (infra/stack_dumps.py)."""
+
+    stack_dump_interval_s: float | None = Field(None, gt=0.0, description="Every this many seconds, dump the Python stacks of the driver, trainer ranks and engines (py-spy) into <experiment>/debug/stacks/ in the run's storage, for diagnosing hangs; null: off.")
+
+
+class FaultToleranceConfig(_Strict):
+    """What the train flow does when a trainer rank dies mid-iteration (infra/recovery.py)."""
+
+    max_trainer_recoveries: int = Field(2, ge=0, le=100, description="Times per run a dead trainer rank is answered by rebuilding the trainer group from the latest committed checkpoint and re-running from there; past it the run fails with the reason. 0: a dead rank fails the run.")
+
+
 class RunConfig(_Strict):
     """One experiment: what to train, on what, how, and where results go."""
 
@@ -231,6 +294,7 @@ class RunConfig(_Strict):
     debug_exit_after: int | None = Field(None, ge=1, description="Stop after this many iterations of this invocation (debugging).")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
     rollout: RolloutConfig = RolloutConfig()
     algorithm: AlgorithmConfig = Field(default_factory=GRPOConfig, description="Advantage estimator and policy-loss options, by `type` (grpo, rloo, reinforce_pp, reinforce_pp_baseline, gspo, ppo); each type has its own options (rl/algorithms/), docs/ALGORITHMS.md maps each to its paper.")
     critic: CriticConfig = CriticConfig()
@@ -241,6 +305,9 @@ class RunConfig(_Strict):
     checkpoint: CheckpointConfig = CheckpointConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
+    control: ControlConfig = ControlConfig()
+    debug: DebugConfig = DebugConfig()
+    fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
 
     @model_validator(mode="before")
     @classmethod
@@ -297,6 +364,14 @@ class RunConfig(_Strict):
                 f"through SGLang's update_weights_from_disk, which reads only local folders (or hub ids), not "
                 f"storage URLs. Set weight_sync.disk_dir to a folder every engine node can read (a local path or a "
                 f"shared filesystem mount, e.g. /mnt/shared/weights), or use weight_sync.mode=tensor or distributed")
+        return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> RunConfig:
+        if self.trainer.lora.rank and (self.weight_sync.mode != "tensor" or self.rollout.backend != "embedded"):
+            raise ValueError("trainer.lora.rank > 0 pushes adapter tensors (load_lora_adapter_from_tensors), which "
+                             "reflow implements for weight_sync.mode=tensor with rollout.backend=embedded only: set "
+                             "those, or trainer.lora.rank=0")
         return self
 
     @model_validator(mode="after")

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from reflow.infra.config import EvalSetConfig, RunConfig
 from reflow.infra.settings import storage_access
-from reflow.rl.data import Reader, read_rows, tokenize_prompts
+from reflow.rl.data import PromptFormat, Reader, read_rows, tokenize_prompts
+from reflow.rl.reward_http import HttpReward, reward_source
 from reflow.rl.rewards import load_reward_fn
 from reflow.rl.types import Prompt
 
@@ -21,7 +22,7 @@ class EvalSet:
 
     name: str
     prompts: list[Prompt]
-    reward_fn: str  # `module:function`
+    reward_fn: str | HttpReward  # `module:function`, or a reward server
     correct_threshold: float
     n: int  # samples per prompt
     temperature: float
@@ -47,7 +48,8 @@ def _prompts(s: EvalSetConfig, where: str, cfg: RunConfig, tokenizer, heldout: l
     else:
         rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key, where, read)
         try:
-            prompts = tokenize_prompts(rows[: s.max_prompts], tokenizer, cfg.data.max_prompt_len)
+            prompts = tokenize_prompts(rows[: s.max_prompts], tokenizer, cfg.data.max_prompt_len,
+                                       PromptFormat.of(cfg.data))
         except ValueError as e:
             raise ValueError(f"{where} ({s.name}, {s.source}): {e}") from None
     if not prompts:
@@ -61,10 +63,11 @@ def load_eval_sets(cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[Eva
     out, read = [], storage_access(cfg).read_bytes
     for i, s in enumerate(cfg.eval.sets):
         where = f"eval.sets.{i}"
-        reward_fn = s.reward_fn or cfg.data.reward_fn
-        # the field the user set: the set's own reward_fn, or data.reward_fn that it falls back to
-        load_reward_fn(reward_fn, f"{where}.reward_fn ({s.name})" if s.reward_fn else
-                       f"data.reward_fn (used by {where}: {s.name})")
+        # the set's own reward_fn, or the run's reward (reward.type: data.reward_fn, a builtin, a server)
+        reward_fn = s.reward_fn or reward_source(cfg.reward, cfg.data.reward_fn)
+        if isinstance(reward_fn, str):  # errors name the field the user set
+            load_reward_fn(reward_fn, f"{where}.reward_fn ({s.name})" if s.reward_fn else
+                           f"data.reward_fn (used by {where}: {s.name})")
         sp = s.sampling(cfg.rollout)
         out.append(EvalSet(name=s.name, prompts=_prompts(s, where, cfg, tokenizer, heldout, read), reward_fn=reward_fn,
                            correct_threshold=s.correct_threshold, n=sp["n"], temperature=sp["temperature"],

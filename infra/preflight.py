@@ -125,11 +125,11 @@ def _reader(access: StorageAccess, field: str) -> Callable[[str], bytes]:
     return read
 
 
-def _first_prompts(rows: list[dict], tokenizer, max_len: int, where: str) -> list:
-    from reflow.rl.data import tokenize_prompts
+def _first_prompts(rows: list[dict], tokenizer, data, where: str) -> list:
+    from reflow.rl.data import PromptFormat, tokenize_prompts
 
     try:
-        return tokenize_prompts(rows[:FIRST_ROWS], tokenizer, max_len)
+        return tokenize_prompts(rows[:FIRST_ROWS], tokenizer, data.max_prompt_len, PromptFormat.of(data))
     except ValueError as e:
         raise PreflightError(f"{where}: {one_line(e)}") from e
 
@@ -150,8 +150,8 @@ def check_data(cfg: RunConfig, tokenizer, access: StorageAccess):
     except ValueError as e:  # rl/data's messages name the file and the field
         raise PreflightError(one_line(e)) from e
     where = f"data.path={d.path!r}" if d.task == "file" else f"data.task={d.task!r}"
-    prompts = _first_prompts(train_rows, tokenizer, d.max_prompt_len, where)
-    heldout = _first_prompts(eval_rows, tokenizer, d.max_prompt_len, f"data.eval_path={d.eval_path!r}"
+    prompts = _first_prompts(train_rows, tokenizer, d, where)
+    heldout = _first_prompts(eval_rows, tokenizer, d, f"data.eval_path={d.eval_path!r}"
                              if d.eval_path else where + " (held-out rows)")
     if not prompts:
         raise PreflightError(f"{where} holds no prompts; give data.path a file with rows")
@@ -194,7 +194,7 @@ def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: Sto
         except ValueError as e:
             raise PreflightError(f"{where}.source: {one_line(e)}") from e
         source = f"{where}.source={s.source!r}"
-        prompts = _first_prompts(rows, tokenizer, cfg.data.max_prompt_len, source)
+        prompts = _first_prompts(rows, tokenizer, cfg.data, source)
     if not prompts:
         raise PreflightError(f"{source} holds no prompts; give {where}.source a file with rows")
     field = f"{where}.reward_fn" if s.reward_fn else f"data.reward_fn (used by {where}: {s.name})"

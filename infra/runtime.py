@@ -35,7 +35,7 @@ from reflow.infra.eval_sets import EvalSet, load_eval_sets
 from reflow.infra.ray_connect import attached_to_running_cluster, connect, namespace_for
 from reflow.infra.settings import critic_rank_settings, policy_rank_settings, push_settings, storage_access
 from reflow.infra.storage import ExperimentStore
-from reflow.rl.data import load_prompt_rows, tokenize_prompts
+from reflow.rl.data import PromptFormat, load_prompt_rows, tokenize_prompts
 from reflow.rl.rewards import load_reward_fn
 from reflow.rl.types import Prompt
 
@@ -86,8 +86,9 @@ def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     train_rows, eval_rows = load_prompt_rows(d.task, d.path, d.prompt_key, d.label_key, d.seed,
                                              d.num_train, d.num_eval, d.digits, d.eval_path,
                                              storage_access(cfg).read_bytes)
-    return (tokenize_prompts(train_rows, tokenizer, d.max_prompt_len),
-            tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len))
+    fmt = PromptFormat.of(d)  # one rendering (plain or chat template) for training, rollout and eval
+    return (tokenize_prompts(train_rows, tokenizer, d.max_prompt_len, fmt),
+            tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len, fmt))
 
 
 def runtime_api_key(namespace: str, num_engines: int, timeout_s: float = 30.0) -> str:

@@ -3,7 +3,7 @@ whole (the run config itself stays on the driver)."""
 from __future__ import annotations
 
 from reflow.engines.storage_access import StorageAccess
-from reflow.engines.train.settings import RankSettings
+from reflow.engines.train.settings import LoraSettings, RankSettings
 from reflow.engines.weights.settings import PushSettings
 from reflow.infra.config import RunConfig
 from reflow.rl.losses import LossSettings
@@ -38,7 +38,8 @@ def policy_rank_settings(cfg: RunConfig) -> RankSettings:
         warmup_steps=t.warmup_steps, total_steps=total_steps(cfg), weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed,
         compile=t.compile, old_logprob_pass=t.old_logprob_pass, grad_accum_dtype=t.grad_accum_dtype,
-        immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg))
+        immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg),
+        lora=LoraSettings(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules)) if t.lora.rank else None)
 
 
 def critic_rank_settings(cfg: RunConfig) -> RankSettings:

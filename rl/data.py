@@ -1,6 +1,8 @@
 """Prompt data: load rows, validate and tokenize them, and sample batches resumably.
 
-Rows handed between these functions are dicts `{"prompt": str, "label": Any}` (label optional).
+Rows handed between these functions are dicts `{"prompt": str, "label": Any}` (label optional);
+with `data.chat_template` the prompt may also be a list of `{"role", "content"}` messages, rendered
+by the tokenizer's chat template (`render_chat`).
 
 Sources (`load_prompt_rows`):
   * task "addition": the synthetic task of `reflow.rl.demo_task` (seed, num_train, num_eval, digits).
@@ -14,7 +16,8 @@ Sources (`load_prompt_rows`):
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -126,16 +129,74 @@ def encode_prompt(tokenizer, texts: Sequence[str]) -> list[list[int]]:
     return tokenizer(list(texts), add_special_tokens=True)["input_ids"]
 
 
-def _row_problem(row: Any) -> str | None:
+@dataclass(frozen=True)
+class PromptFormat:
+    """How a row's prompt becomes token ids (data.chat_template, data.system_prompt): plain text with
+    the tokenizer's own specials, or messages rendered by the tokenizer's chat template."""
+
+    chat_template: bool = False
+    system_prompt: str | None = None
+
+    @classmethod
+    def of(cls, data: Any) -> PromptFormat:
+        """From a `data:` config section (anything with `chat_template` and `system_prompt`)."""
+        return cls(bool(getattr(data, "chat_template", False)), getattr(data, "system_prompt", None))
+
+
+def _messages(prompt: Any) -> list | None:
+    """A chat prompt as a list (parquet gives numpy arrays of dicts), or None when it is not a list."""
+    if hasattr(prompt, "tolist") and not isinstance(prompt, str):
+        prompt = prompt.tolist()
+    return list(prompt) if isinstance(prompt, (list, tuple)) else None
+
+
+def _message_problem(prompt: Any) -> str | None:
+    msgs = _messages(prompt)
+    if msgs is None:
+        return None if isinstance(prompt, str) and prompt.strip() else \
+            f"prompt is a {type(prompt).__name__}, not a list of {{role, content}} messages or a string"
+    if not msgs:
+        return "prompt is an empty list of messages"
+    for j, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            return f"message {j} is not a {{\"role\": str, \"content\": str}} object: {str(m)[:80]}"
+    return None
+
+
+def _row_problem(row: Any, fmt: PromptFormat = PromptFormat()) -> str | None:
     if not isinstance(row, dict):
         return f"is a {type(row).__name__}, not a mapping"
     if "prompt" not in row:
         return "has no prompt (missing key or empty cell)"
+    if fmt.chat_template:
+        return _message_problem(row["prompt"])
     if not isinstance(row["prompt"], str):
-        return f"prompt is a {type(row['prompt']).__name__}, not a string"
+        hint = "; set data.chat_template=true for chat messages" if _messages(row["prompt"]) is not None else ""
+        return f"prompt is a {type(row['prompt']).__name__}, not a string{hint}"
     if not row["prompt"].strip():
         return "prompt is empty"
     return None
+
+
+def render_chat(tokenizer, prompts: Sequence[Any], system_prompt: str | None) -> tuple[list[str], list[list[int]]]:
+    """(texts, token ids) of chat prompts rendered by the tokenizer's chat template with the generation
+    prompt appended; a plain string is one user message; `system_prompt` goes first unless the
+    messages start with their own. The ids are the template's own tokenization (never a re-encoding
+    of the text), and every stage (training, rollout, eval) uses these same ids."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("data.chat_template=true, but the tokenizer of model.path has no chat template: add "
+                         "`chat_template` to its tokenizer_config.json (or chat_template.jinja), or set "
+                         "data.chat_template=false and give prompts as text")
+    texts, ids = [], []
+    for prompt in prompts:
+        msgs = _messages(prompt) or [{"role": "user", "content": prompt}]
+        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        if system_prompt and msgs[0]["role"] != "system":
+            msgs = [{"role": "system", "content": system_prompt}, *msgs]
+        texts.append(tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
+        out = tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
+        ids.append(list(out["input_ids"] if isinstance(out, Mapping) else out))
+    return texts, ids
 
 
 def _raise_bad(bad: list[tuple[int, str]], total: int) -> None:
@@ -144,23 +205,30 @@ def _raise_bad(bad: list[tuple[int, str]], total: int) -> None:
     raise ValueError(f"{len(bad)} of {total} prompt rows are invalid: {listed}{more}")
 
 
-def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_len: int) -> list[Prompt]:
-    """Validate and tokenize every row; one `Prompt` per row, `index` = row position.
+def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_len: int,
+                     fmt: PromptFormat = PromptFormat()) -> list[Prompt]:
+    """Validate and tokenize every row; one `Prompt` per row, `index` = row position. With
+    `fmt.chat_template`, prompts are message lists rendered by `render_chat` (the Prompt's text is
+    the rendered template).
 
     Nothing is dropped silently: all malformed rows (not a dict, missing/non-string/empty prompt)
     and prompts longer than `max_prompt_len` tokens (data.max_prompt_len) are collected and
     reported together in one ValueError.
     """
-    bad = [(i, msg) for i, row in enumerate(rows) if (msg := _row_problem(row))]
+    bad = [(i, msg) for i, row in enumerate(rows) if (msg := _row_problem(row, fmt))]
     if bad:
         _raise_bad(bad, len(rows))
-    ids = encode_prompt(tokenizer, [row["prompt"] for row in rows]) if rows else []
+    if fmt.chat_template:
+        texts, ids = render_chat(tokenizer, [row["prompt"] for row in rows], fmt.system_prompt)
+    else:
+        texts = [row["prompt"] for row in rows]
+        ids = encode_prompt(tokenizer, texts) if rows else []
     too_long = [(i, f"{len(x)} tokens > data.max_prompt_len={max_prompt_len}")
                 for i, x in enumerate(ids) if len(x) > max_prompt_len]
     if too_long:
         _raise_bad(too_long, len(rows))
-    return [Prompt(index=i, text=row["prompt"], input_ids=list(x), label=row.get("label"))
-            for i, (row, x) in enumerate(zip(rows, ids))]
+    return [Prompt(index=i, text=text, input_ids=list(x), label=row.get("label"))
+            for i, (row, text, x) in enumerate(zip(rows, texts, ids))]
 
 
 class PromptSampler:

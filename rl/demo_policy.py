@@ -74,8 +74,8 @@ def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tens
     return ids, attn, labels
 
 
-def _sft_step(model, opt, tokenizer, rows: list[dict]) -> float:
-    ids, attn, labels = (t.to(model.device) for t in _answer_batch(tokenizer, rows))  # [B, T] each
+def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None) -> float:
+    ids, attn, labels = (t.to(model.device) for t in (batch_fn or _answer_batch)(tokenizer, rows))  # [B, T] each
     loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -85,14 +85,16 @@ def _sft_step(model, opt, tokenizer, rows: list[dict]) -> float:
 
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
-           check_rows: list[dict] | None = None, check_every: int = 25) -> dict:
+           check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None, accuracy_fn=None) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
     Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
     `stop_accuracy`, every `check_every` steps the greedy accuracy on `check_rows` (default: the
     first 200 train rows) is measured and training stops once it reaches the target, so `steps`
     is then a maximum. Why: accuracy rises steeply and the step where it does varies by ~±50
-    between seeds, so a fixed step count lands anywhere from 0.15 to 0.55.
+    between seeds, so a fixed step count lands anywhere from 0.15 to 0.55. Another task (the tools
+    demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`
+    and `accuracy_fn(model, tokenizer, rows) -> float`.
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
     "seconds"}.
     """
@@ -110,11 +112,12 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     for step in range(1, steps + 1):
         model.train()
         pick = torch.randint(len(train_rows), (batch,), generator=gen).tolist()
-        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick]))
+        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick], batch_fn))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
         if stop_accuracy is not None and step % check_every == 0:
-            acc = greedy_accuracy(model, tokenizer, check_rows, max_new)
+            acc = (accuracy_fn(model, tokenizer, check_rows) if accuracy_fn is not None
+                   else greedy_accuracy(model, tokenizer, check_rows, max_new))
             if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
                 bar.set_description_str(f"warm-up: accuracy {acc:.2f} reached the target {stop_accuracy} at step {step}")
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{acc:.2f}", refresh=False)

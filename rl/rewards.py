@@ -1,7 +1,8 @@
 """Loading and calling reward functions (the `data.reward_fn` extension point).
 
 Contract (see `reflow.rl.demo_task`): `fn(prompt: str, response: str, label) -> float`, sync or
-`async def`. A function that also declares a parameter named `sample` (keyword-only, or with a
+`async def`; or a dict with a `score` (the reward) and other numbers, reported as the iteration's
+`reward/<key>` metrics. A function that also declares a parameter named `sample` (keyword-only, or with a
 default) is called with `sample=` a `reflow.rl.types.Sample`: the same three plus the finish reason
 ("stop" or "length": did the response end with eos or hit rollout.max_new_tokens?), the prompt and
 response token counts and the response's token ids. Plain three-argument functions keep working.
@@ -17,7 +18,7 @@ import importlib
 import inspect
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # annotations only: loading a reward function imports no torch
@@ -73,16 +74,38 @@ def _import(spec: str, mod_name: str, field: str):
                          f"fix that module (run `python -c 'import {mod_name}'` to see where)") from e
 
 
-def _check_value(fn: Callable, i: int, prompt: str, response: str, value: Any) -> float:
+def _check_value(who: str, i: int, prompt: str, response: str, value: Any, what: str = "") -> float:
     bad = None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        bad = f"returned {type(value).__name__} {_short(repr(value), 60)}, expected a float"
+        bad = f"returned {what}{type(value).__name__} {_short(repr(value), 60)}, expected a float"
     elif not math.isfinite(float(value)):
-        bad = f"returned {value}, expected a finite float"
+        bad = f"returned {what}{value}, expected a finite float"
     if bad:
-        raise RewardError(f"reward function {_fn_name(fn)} {bad} for sample {i} "
+        raise RewardError(f"{who} {bad} for sample {i} "
                           f"(prompt={_short(prompt)!r}, response={_short(response)!r})")
     return float(value)
+
+
+def split_value(who: str, i: int, prompt: str, response: str, value: Any) -> tuple[float, dict[str, float]]:
+    """(reward, extra metrics) of one returned value: a float, or a dict with a `score` and other
+    numbers that become the iteration's `reward/<key>` metrics (means over the samples reporting them).
+    `who` names the scorer in errors ("reward function m:f", "reward server URL")."""
+    if not isinstance(value, Mapping):
+        return _check_value(who, i, prompt, response, value), {}
+    if "score" not in value:
+        raise RewardError(f"{who} returned a dict without a 'score' key (keys: "
+                          f"{sorted(map(str, value))[:8]}) for sample {i} (prompt={_short(prompt)!r})")
+    extra = {str(k): _check_value(who, i, prompt, response, v, f"{k!r} = ") for k, v in value.items() if k != "score"}
+    return _check_value(who, i, prompt, response, value["score"], "score "), extra
+
+
+def metric_means(extras: Sequence[dict[str, float]]) -> dict[str, float]:
+    """{"reward/<key>": mean over the samples that reported <key>}."""
+    sums: dict[str, list[float]] = {}
+    for e in extras:
+        for k, v in e.items():
+            sums.setdefault(k, []).append(v)
+    return {f"reward/{k}": sum(v) / len(v) for k, v in sorted(sums.items())}
 
 
 def _wrap_error(fn: Callable, i: int, prompt: str, response: str, exc: BaseException) -> RewardError:
@@ -127,6 +150,12 @@ def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[st
                     labels: Sequence[Any], samples: Sequence[Sample] | None = None) -> list[float]:
     """Score each (prompt, response, label); one float per sample, in order. `samples` (one per
     response) are what a function with a `sample` parameter receives; required for such a function."""
+    return score_with_metrics(fn, prompts, responses, labels, samples)[0]
+
+
+def score_with_metrics(fn: RewardFn, prompts: Sequence[str], responses: Sequence[str], labels: Sequence[Any],
+                       samples: Sequence[Sample] | None = None) -> tuple[list[float], dict[str, float]]:
+    """`compute_rewards`, plus the means of the extra metrics of functions that return dicts."""
     if not (len(prompts) == len(responses) == len(labels)) or (samples is not None and len(samples) != len(prompts)):
         raise ValueError(f"compute_rewards: {len(prompts)} prompts, {len(responses)} responses, {len(labels)} labels"
                          f"{'' if samples is None else f', {len(samples)} samples'}; expected equal lengths")
@@ -143,4 +172,6 @@ def compute_rewards(fn: RewardFn, prompts: Sequence[str], responses: Sequence[st
                 values.append(fn(p, r, lab, **kw))
             except Exception as e:  # re-raised with the sample named; not swallowed
                 raise _wrap_error(fn, i, p, r, e) from e
-    return [_check_value(fn, i, p, r, v) for i, (p, r, v) in enumerate(zip(prompts, responses, values))]
+    who = f"reward function {_fn_name(fn)}"
+    split = [split_value(who, i, p, r, v) for i, (p, r, v) in enumerate(zip(prompts, responses, values))]
+    return [s for s, _ in split], metric_means([e for _, e in split])

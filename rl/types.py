@@ -22,6 +22,7 @@ class Prompt:
     text: str
     input_ids: list[int]
     label: Any = None  # ground truth handed to the reward function
+    metadata: dict[str, Any] = field(default_factory=dict)  # the row's other columns, for a rollout function
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,8 @@ class Sample:
     prompt_tokens: int
     response_tokens: int  # of `response_ids`
     response_ids: tuple[int, ...] = ()  # as the engine returned them (the embedded engine keeps the stop token)
+    # What a rollout function (rollout.generate_fn) reported about the trajectory, e.g. tool calls.
+    reward_info: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -59,14 +62,26 @@ class RolloutBatch:
     values: list[list[float]] | None = None
     token_advantages: list[list[float]] | None = None
     returns: list[list[float]] | None = None
+    # Multi-turn rollouts (engines/rollout_fns.py): one 0/1 per response token, 1 where the policy
+    # generated it, 0 on tool/environment tokens (no loss, no advantage). None: every token is the policy's.
+    response_mask: list[list[int]] | None = None
+    reward_info: list[dict[str, Any]] | None = None  # per sample, from the rollout function
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
     def samples(self) -> list[Sample]:
         """One `Sample` per response, in order (what reward functions may look at)."""
-        return [Sample(p, r, lab, f, len(pi), len(ri), tuple(ri)) for p, r, lab, f, pi, ri in zip(
-            self.prompt_text, self.response_text, self.label, self.finish_reason, self.prompt_ids, self.response_ids)]
+        info = self.reward_info or [{}] * len(self)
+        return [Sample(p, r, lab, f, len(pi), len(ri), tuple(ri), inf) for p, r, lab, f, pi, ri, inf in zip(
+            self.prompt_text, self.response_text, self.label, self.finish_reason, self.prompt_ids, self.response_ids,
+            info)]
+
+    def policy_tokens(self) -> list[int]:
+        """Per sample, how many response tokens the policy generated (all of them without a mask)."""
+        if self.response_mask is None:
+            return [len(r) for r in self.response_ids]
+        return [sum(1 for m in row if m) for row in self.response_mask]
 
     @property
     def n_groups(self) -> int:
@@ -88,6 +103,7 @@ class RolloutBatch:
             policy_version=self.policy_version, rewards=pick(self.rewards),
             advantages=pick(self.advantages), extra=dict(self.extra), values=pick(self.values),
             token_advantages=pick(self.token_advantages), returns=pick(self.returns),
+            response_mask=pick(self.response_mask), reward_info=pick(self.reward_info),
         )
 
 
@@ -95,8 +111,10 @@ def to_train_tensors(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor
     """Right-padded tensors for a causal LM forward pass over prompt+response.
 
     Position t of the `[B, T-1]` tensors scores token t+1 of `input_ids` (the usual shift):
-    `loss_mask` is 1 exactly where that token is a response token. Token-level fields (PPO) land on
-    the same positions: `old_values`, `returns`, and `advantages` as [B, T-1] instead of [B].
+    `loss_mask` is 1 exactly where that token is a response token the policy generated (a
+    `response_mask` 0 — a tool/environment token of a multi-turn rollout — leaves it 0, so that token
+    gets no loss, no gradient and no weight in any aggregation). Token-level fields (PPO) land on
+    every response position: `old_values`, `returns`, and `advantages` as [B, T-1] instead of [B].
     """
     seqs = [p + r for p, r in zip(batch.prompt_ids, batch.response_ids)]
     B, T = len(seqs), max(len(s) for s in seqs)
@@ -109,10 +127,12 @@ def to_train_tensors(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor
         input_ids[i, :n] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, :n] = 1
         if r:
-            loss_mask[i, len(p) - 1 : n - 1] = 1.0
+            loss_mask[i, len(p) - 1 : n - 1] = _response_mask(batch, i)
             rollout_lp[i, len(p) - 1 : n - 1] = torch.tensor(batch.rollout_logprobs[i], dtype=torch.float32)
     out = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask,
            "rollout_logprobs": rollout_lp}
+    if batch.response_mask is not None:  # every response position, tool tokens included (the critic's values)
+        out["response_positions"] = _on_response_tokens([[1.0] * len(r) for r in batch.response_ids], batch, T)
     if batch.advantages is not None:
         out["advantages"] = torch.tensor(batch.advantages, dtype=torch.float32)  # [B]
     for key, rows in (("old_values", batch.values), ("returns", batch.returns),
@@ -120,6 +140,17 @@ def to_train_tensors(batch: RolloutBatch, pad_id: int) -> dict[str, torch.Tensor
         if rows is not None:
             out[key] = _on_response_tokens(rows, batch, T)  # [B, T-1]
     return out
+
+
+def _response_mask(batch: RolloutBatch, i: int) -> torch.Tensor | float:
+    """Sample i's loss mask over its response tokens: 1.0, or its `response_mask` row as floats."""
+    if batch.response_mask is None:
+        return 1.0
+    row = batch.response_mask[i]
+    if len(row) != len(batch.response_ids[i]):
+        raise ValueError(f"sample {i}: response_mask has {len(row)} entries for {len(batch.response_ids[i])} "
+                         f"response tokens")
+    return torch.tensor([1.0 if m else 0.0 for m in row], dtype=torch.float32)
 
 
 def _on_response_tokens(rows: list[list[float]], batch: RolloutBatch, T: int) -> torch.Tensor:

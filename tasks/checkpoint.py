@@ -9,18 +9,27 @@ each task from the config, so the key is never a Prefect parameter or result.
 """
 from __future__ import annotations
 
+import os
+
 import ray
-from prefect import get_run_logger, task
+from prefect import get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.infra import checkpoint as ckpt
-from reflow.infra import signing
+from reflow.infra import lineage, signing
 from reflow.infra.config import RunConfig, dump_config
 from reflow.infra.runtime import get_runtime, recreate_trainers
+from reflow.infra.settings import storage_access
 from reflow.infra.storage import ExperimentStore
+from reflow.tasks import report
 from reflow.tasks.faults import fault_point
 
 CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a checkpoint
+
+
+# experiment -> the checkpoint the live trainer weights continue (None: model.path). Set by `restore`
+# (the one place that knows what was loaded) and by each save; read by the next save's lineage.
+_parents: dict[str, lineage.Parent | None] = {}
 
 
 class ResumeError(RuntimeError):
@@ -141,6 +150,7 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
     reused = any(n.startswith("policy-trainer-") for n in rt.reused)
     if reused and found and _holds(rt.trainers, *found[0]):
         log.info("trainer ranks from the previous flow run hold %s exactly: not loading it again", found[0][0].url)
+        _parents[cfg.experiment] = lineage.parent_of(*found[0])
         if rt.critic is not None:  # the critic is never reused: load it alone
             ck, files = found[0]
             if (why := _load(ck, _parts(ck, files, rt.trainers, rt.critic)[1:])) is not None:
@@ -149,14 +159,16 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
     if not found:
         if reused:  # they trained past the (missing) checkpoint: start them again from model.path
             recreate_trainers(cfg)
+        _parents[cfg.experiment] = None
         return {"step": 0, "loaded": reused}
     ck = load_first_valid(rt.trainers, found, cfg.trainer.num_ranks, rt.critic)
+    _parents[cfg.experiment] = lineage.parent_of(ck, next(files for c, files in found if c == ck))
     log.info("resumed from %s: %d iterations done", ck.url, ck.step)
     return {"step": ck.step, "loaded": True}
 
 
 def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: str,
-         keep_last: int, critic=None, keys: signing.Keyring | None = None) -> str:
+         keep_last: int, critic=None, keys: signing.Keyring | None = None, lineage_doc: dict | None = None) -> str:
     """Every rank uploads its part (the PPO critic's ranks under critic/, alongside), then
     MANIFEST -> SIGNATURE (with `keys`, default the experiment's key) -> COMMITTED -> latest; then retention."""
     ck = ckpt.at_step(store, step)
@@ -168,7 +180,7 @@ def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: 
     for rank_files in ray.get(critic_refs):
         files.update({CRITIC + rel: meta for rel, meta in rank_files.items()})
     fault_point("KILL_DURING_SAVE", step)
-    url = ckpt.commit(ck, files, state, config_yaml, keys)
+    url = ckpt.commit(ck, files, state, config_yaml, keys, lineage_doc)
     fault_point("KILL_AFTER_COMMIT", step)
     ckpt.apply_retention(store, keep_last)
     return url
@@ -179,8 +191,43 @@ def save_checkpoint(cfg: RunConfig, step: int) -> str:
     rt = get_runtime(cfg)
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
     state["weights_sha256"] = ray.get(rt.trainers.weights_checksum())[0]  # lets a reused trainer skip a reload
-    return save(rt.trainers, rt.store, step, state, dump_config(cfg), cfg.checkpoint.keep_last, critic=rt.critic,
-                keys=keyring(cfg))
+    config_yaml, parent = dump_config(cfg), _parents.get(cfg.experiment)
+    runs = _flow_runs(cfg.experiment, 0 if parent is None else parent.step, step)
+    initial = cfg.model.path if "://" in cfg.model.path else os.path.abspath(cfg.model.path)
+    doc = lineage.record(parent, initial, config_yaml, _data_lineage(cfg, parent, step), runs)
+    url = save(rt.trainers, rt.store, step, state, config_yaml, cfg.checkpoint.keep_last, critic=rt.critic,
+               keys=keyring(cfg), lineage_doc=doc)
+    _parents[cfg.experiment] = lineage.Parent(url, step, lineage.manifest_sha256(ckpt.at_step(rt.store, step)), doc)
+    _link_runs(cfg.experiment, url, step, runs)
+    return url
+
+
+def _data_lineage(cfg: RunConfig, parent: lineage.Parent | None, step: int) -> dict[str, object]:
+    """The training data since the parent: the prompt file (task=file) with its digest, and the cursor."""
+    files = []
+    if cfg.data.task == "file" and cfg.data.path:
+        path = cfg.data.path if "://" in cfg.data.path else os.path.abspath(cfg.data.path)
+        files.append(lineage.file_digest(path, storage_access(cfg)))
+    return lineage.data_record(cfg.data.task, files, cfg.data.seed, 0 if parent is None else parent.step, step,
+                               cfg.rollout.prompts_per_iteration)
+
+
+def _flow_runs(experiment: str, first: int, step: int) -> dict[str, object]:
+    """The Prefect runs that made a checkpoint: this `train` flow run and the `iteration` flow runs of
+    iterations [first, step) that ran in this process (earlier ones belong to the parent's runs)."""
+    its = {str(i): report.ITERATION_RUNS[(experiment, i)] for i in range(first, step)
+           if (experiment, i) in report.ITERATION_RUNS}
+    return {"train": str(runtime.flow_run.id) if runtime.flow_run.id else None, "iterations": its}
+
+
+def _link_runs(experiment: str, url: str, step: int, runs: dict) -> None:
+    """The other direction: a markdown artifact naming the checkpoint on the train flow run and on the
+    iteration flow run whose update it holds last."""
+    text = f"# {experiment}: checkpoint {ckpt.name_of(step)}\n\n`{url}`\n\nIts chain: `reflow lineage {url}`"
+    last = runs["iterations"].get(str(step - 1))
+    for run_id in dict.fromkeys(r for r in (last, runs["train"]) if r):
+        report.create_artifact("markdown", report.artifact_key(experiment, "checkpoint"), text,
+                               f"{experiment}: checkpoint {ckpt.name_of(step)} (policy version {step})", run_id)
 
 
 @task(name="resolve-checkpoint", cache_policy=NO_CACHE)
@@ -193,8 +240,25 @@ def resolve_checkpoint(config: RunConfig, checkpoint: str) -> dict[str, object]:
         if not found:
             raise ckpt.CheckpointInvalid(f"no valid committed checkpoint under {store.url(ckpt.ROOT)}; "
                                          f"train first, or pass checkpoint=<URL of …/checkpoints/iter_NNNNNN>")
-        ck = found[0][0]
+        ck, files = found[0][0], found[0][1]
     else:
         ck = ckpt.from_url(checkpoint, store)
-        ckpt.check(ck, signature=False)  # committed, and every file the manifest lists is there with its size
+        files = ckpt.check(ck, signature=False)  # committed, and every file the manifest lists is there with its size
+    if "adapter/adapter_config.json" in files:  # a LoRA run's: evaluated merged (infra/export.py)
+        return {"url": ck.url, "step": ck.step, "model": _merged(config, ck)}
     return {"url": ck.url, "step": ck.step, "model": ck.store.url(ck.rel("model"))}
+
+
+def _merged(config: RunConfig, ck: ckpt.Checkpoint) -> str:
+    """A local merged copy of a LoRA checkpoint, named by its manifest digest (so made once per checkpoint)."""
+    import tempfile
+    from pathlib import Path
+
+    from reflow.infra.export import export_merged
+
+    out = Path(tempfile.gettempdir()) / f"reflow-merged-{lineage.manifest_sha256(ck)[:24]}"
+    if not out.is_dir():  # written beside it, then renamed: a crash never leaves a half folder under this name
+        tmp = Path(tempfile.mkdtemp(prefix=out.name + "-", dir=out.parent))
+        export_merged(ck.url, tmp, ck.store, storage=storage_access(config))
+        tmp.rename(out)
+    return str(out)

@@ -35,6 +35,7 @@ from reflow.infra.eval_sets import EvalSet
 from reflow.infra.runtime import Runtime, get_eval_runtime, get_runtime
 from reflow.infra.storage import ExperimentStore
 from reflow.rl.metrics import eval_summary
+from reflow.rl.reward_http import HttpReward
 from reflow.rl.types import RolloutBatch
 from reflow.tasks.report import artifact_key
 
@@ -60,7 +61,7 @@ def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold
 
 
 @ray.remote(num_cpus=0)
-def _score_and_record(batch: RolloutBatch, name: str, reward_fn: str, threshold: float, ks: list[int], n: int,
+def _score_and_record(batch: RolloutBatch, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
                       prompt_index: list[int], store: ExperimentStore, out_dir: str) -> dict:
     """Score one set's samples, compute its metrics and write its records (inside Ray: the batch
     never reaches the driver). Returns the summary."""
@@ -92,7 +93,9 @@ class PendingEval:
 def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: float) -> tuple[ray.ObjectRef, ray.ObjectRef]:
     sp = ro.sampling_params(es.temperature, es.top_p, es.top_k, es.max_new_tokens, [rt.eos_id],
                             es.skip_special_tokens, es.no_stop_trim)
-    gen = _generate.remote(rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key)
+    r = rt.cfg.rollout  # eval sets roll out with the run's rollout function too
+    gen = _generate.remote(rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key,
+                           r.generate_fn, r.max_concurrent_requests, r.turn_limits())
     summary = _score_and_record.remote(gen, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
                                        [p.index for p in es.prompts], rt.store, out_dir)
     return gen, summary

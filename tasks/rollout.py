@@ -18,6 +18,7 @@ from reflow.infra.config import RunConfig
 from reflow.infra.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.storage import ExperimentStore
 from reflow.rl.data import PromptSampler
+from reflow.rl.reward_http import reward_source
 from reflow.rl.types import Prompt, RolloutBatch
 from reflow.tasks import stage_cache
 from reflow.tasks.faults import transient_fault
@@ -96,7 +97,8 @@ def generate(cfg: RunConfig, iteration: int) -> BatchRef:
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
-                           iteration, cfg.rollout.request_timeout_s, seed, rt.api_key)
+                           iteration, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
+                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits())
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
     ray.get(_size.remote(ref))
     stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated))}
@@ -120,7 +122,7 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
         return cached
     score_kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, overlong_buffer=a.overlong_buffer,
                     overlong_factor=a.overlong_penalty)
-    ref, stats = _score.remote(batch.ref, cfg.data.reward_fn, **score_kw)
+    ref, stats = _score.remote(batch.ref, reward_source(cfg.reward, cfg.data.reward_fn), **score_kw)
     refs = [stats]
     if a.dynamic_sampling:
         if batch.iteration is None:
@@ -128,9 +130,10 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
         rt = get_runtime(cfg)
         ref, ds = _dynamic_fill.remote(ref, rt.generate_urls, extra_prompt_rounds(cfg, rt.train_prompts, batch.iteration),
                                        _sp(rt), cfg.rollout.n_samples_per_prompt, batch.iteration,
-                                       cfg.rollout.request_timeout_s, cfg.data.reward_fn, score_kw,
+                                       cfg.rollout.request_timeout_s, reward_source(cfg.reward, cfg.data.reward_fn), score_kw,
                                        cfg.rollout.prompts_per_iteration,
-                                       cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key)
+                                       cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key,
+                                       cfg.rollout.generate_fn, cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits())
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
     out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration, batch.saving)

@@ -35,6 +35,8 @@ def stage_key(cfg: RunConfig, stage: str) -> str:
              "sampling": {k: getattr(r, k) for k in ("prompts_per_iteration", "n_samples_per_prompt", "temperature",
                                                      "top_p", "top_k", "max_new_tokens", "seeded_sampling",
                                                      "skip_special_tokens", "no_stop_trim")}}
+    if r.generate_fn != type(r).model_fields["generate_fn"].default:  # default: the key records made before it had
+        parts["generate_fn"] = r.generate_fn
     if stage == "scored":
         parts["reward"] = {k: getattr(a, k) for k in ("dynamic_sampling", "max_sampling_rounds", "overlong_buffer",
                                                       "overlong_penalty")}

@@ -21,3 +21,12 @@ def finish_aware_reward(prompt: str, response: str, label, *, sample) -> float:
 async def async_sample_reward(prompt: str, response: str, label, sample=None) -> float:
     """Async, `sample` with a default: still receives it."""
     return float(sample.response_tokens) if sample is not None else -1.0
+
+
+def dict_reward(prompt: str, response: str, label, *, sample) -> dict:
+    """A score plus an extra metric (`reward/tokens` in the iteration's metrics)."""
+    return {"score": float(response == label), "tokens": sample.response_tokens}
+
+
+def dict_without_score(prompt: str, response: str, label) -> dict:
+    return {"correct": 1.0}

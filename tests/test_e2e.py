@@ -157,3 +157,15 @@ def test_debug_exit_after_stops_early(ray_cluster, prefect_server, tiny_policy, 
     assert summary["iterations"] == 1 and len(summary["history"]) == 1
     assert sorted(summary["evals"]) == [1]  # the last iteration of this invocation is evaluated
     assert not (tmp_path / "runs" / "e2e-debug" / "iterations" / "000001" / "metrics.json").exists()
+    # Resumed with a rollout function that raises: the iteration fails naming the function and the
+    # sample, and the committed checkpoint of iteration 1 is still the latest.
+    base = tmp_path / "runs" / "e2e-debug" / "checkpoints"
+    before = (sorted(p.name for p in base.iterdir()), (base / "latest").read_text())
+    bad = e2e_config(tiny_policy, tmp_path, "experiment=e2e-debug", "trainer.num_ranks=1", "rollout.num_engines=1",
+                     "eval.before_train=false", "rollout.generate_fn=tests.rollout_fixtures:raising_rollout")
+    with pytest.raises(Exception, match=r"rollout function tests\.rollout_fixtures:raising_rollout on sample 2 "
+                                        r"\(prompt \d+: .*\) raised ConnectionRefusedError"):
+        train(bad)
+    assert (sorted(p.name for p in base.iterdir()), (base / "latest").read_text()) == before
+    assert (base / "iter_000001" / "COMMITTED").exists()
+    assert not (tmp_path / "runs" / "e2e-debug" / "iterations" / "000001" / "metrics.json").exists()

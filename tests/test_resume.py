@@ -77,6 +77,15 @@ def _assert_matches_baseline(store: ExperimentStore, baseline, tmp: Path) -> Non
         assert set(df.policy_version) == {i}
 
 
+def _artifacts(flow_run_id: str, key: str) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
+                                                                    key=ArtifactFilterKey(any_=[key])))
+
+
 def _state(flow_run_id: str):
     from prefect.client.orchestration import get_client
 
@@ -110,10 +119,31 @@ def test_kill_after_commit_and_mid_save_resume_exactly(env, baseline, tiny_polic
     rc, out = run_train(cfg, env)
     assert rc == 0 and f"{ckpt.name_of(4)}: 4 iterations done" in out, out[-3000:]
     _assert_matches_baseline(store, baseline, tmp_path)
+    _assert_lineage_after_resumes(store, str(tiny_policy))
 
     rc, out = run_train(cfg, env)  # the run already reached num_iterations: says so, trains nothing
     assert rc == 0 and "already completed 6 of num_iterations=6" in out, out[-3000:]
     assert "Started a local Ray instance" not in out
+
+
+def _assert_lineage_after_resumes(store: ExperimentStore, initial: str) -> None:
+    """Three runs (killed after commit 3, killed saving 5, completed): one chain 6..1 back to the
+    initial model, each checkpoint naming the train flow run that saved it, and consuming one iteration."""
+    from reflow.infra import lineage
+
+    nodes = lineage.chain(store.url(ckpt.ROOT, ckpt.name_of(N)), store)
+    assert [n.step for n in nodes] == list(range(N, 0, -1)) and nodes[-1].lineage["initial_model"] == initial
+    assert [n.live for n in nodes] == [True, True] + [False] * (N - 2)  # keep_last=2: the rest from records
+    train_runs = [n.lineage["flow_runs"]["train"] for n in nodes]  # the flow runs that saved 6, 5, .., 1
+    assert train_runs[0] == train_runs[1] and train_runs[3] == train_runs[4] == train_runs[5], train_runs
+    assert len(set(train_runs)) == 3 and None not in train_runs, train_runs  # run 2 saved 4 alone, from 3
+    cursors = [n.lineage["data"]["cursor"] for n in nodes]
+    assert [(c["from_iteration"], c["to_iteration"]) for c in cursors] == [(s - 1, s) for s in range(N, 0, -1)]
+    its = nodes[0].lineage["flow_runs"]["iterations"]
+    assert list(its) == [str(N - 1)] and _state(its[str(N - 1)]).type.value == "COMPLETED"
+    for run_id in (its[str(N - 1)], train_runs[0]):  # and each run names the checkpoint back
+        assert any(nodes[0].url in (a.data or "") for a in _artifacts(run_id, "killed-checkpoint")), run_id
+    assert len({n.manifest_sha256 for n in nodes}) == N
 
 
 def _outage_when(store: ExperimentStore, rel: str, server: LoopbackS3, proc, seconds: float) -> None:

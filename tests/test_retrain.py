@@ -85,3 +85,22 @@ def test_retrain_gate_and_ledger(ray_cluster, prefect_server, tiny_policy, tmp_p
     better = retrain(cfg, **kw)
     assert better["promoted"] and better["step"] == 3, better
     assert champion()["step"] == 3 and champion()["checkpoint"].endswith("iter_000003")
+    _assert_champion_lineage(champion()["checkpoint"], [first, worse, better], tiny_policy)
+
+
+def _assert_champion_lineage(url: str, runs: list[dict], initial) -> None:
+    """`reflow lineage` of the champion: 3 <- 2 <- 1 <- initial model, each trained on its retrain run's
+    prompts file (digest recorded), 3 and 1 naming the retrain decision that promoted them."""
+    import hashlib
+    from pathlib import Path
+
+    from reflow.infra import lineage
+
+    nodes = lineage.walk(url)
+    assert [n.step for n in nodes] == [3, 2, 1] and nodes[-1].lineage["initial_model"] == str(initial)
+    assert [[p["run"] for p in n.promotions] for n in nodes] == [[runs[2]["run"]], [], [runs[0]["run"]]]
+    for node, run in zip(nodes, reversed(runs)):
+        (f,) = node.lineage["data"]["files"]
+        assert f["url"].endswith(f"retrain/runs/{run['run']}/prompts.jsonl"), f
+        assert f["sha256"] == hashlib.sha256(Path(f["url"].removeprefix("file://")).read_bytes()).hexdigest()
+    assert len({n.lineage["config_sha256"] for n in nodes}) == 3  # each run's data.path differs

@@ -77,6 +77,7 @@ def _wandb_history(folder) -> tuple[list[dict], dict]:
     return rows, config
 
 
+@pytest.mark.slow  # wandb starts its wandb-core service process, which may outlive the test by a moment
 def test_every_tracker_gets_the_metrics_evals_and_config(tmp_path, monkeypatch):
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")  # nothing may land in the working directory (MLflow's ./mlruns default)

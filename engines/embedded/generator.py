@@ -124,6 +124,7 @@ class Generator:
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.weight_version = "default"
+        self.weight_writes = 0  # bumped by each load_named_tensors: tells a merged LoRA adapter its base changed
         self.lock = threading.RLock()  # held for each forward pass and each weight write
         cfg = model.config
         self.vocab_size = int(cfg.vocab_size)
@@ -441,6 +442,7 @@ class Generator:
                 raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
                                  f"engine has {tuple(p.shape)}")
         with self.lock, torch.no_grad():
+            self.weight_writes += 1
             dst = [self._params[name].data for name, _ in named_tensors]
             if self.device.type == "cuda" and all(t.device == self.device for _, t in named_tensors):
                 torch._foreach_copy_(dst, [t for _, t in named_tensors])  # one launch group, not one per tensor

@@ -32,6 +32,7 @@ from reflow.engines.embedded.contract import (
     parse_generate,
 )
 from reflow.engines.embedded.generator import Generator, SamplingConfig
+from reflow.engines.embedded.lora import add_routes as lora_routes
 from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
 from reflow.engines.hf_io import load_causal_lm
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, HttpGuard
@@ -98,7 +99,9 @@ def build_app(generator: Generator, server_info: dict, api_key: str, *,
     _data_plane(app, state)
     _info_routes(app, state)
     _control_routes(app, state)
-    _weight_routes(app, state, weight_bytes_limit(generator) if max_weight_bytes is None else max_weight_bytes)
+    limit = weight_bytes_limit(generator) if max_weight_bytes is None else max_weight_bytes
+    _weight_routes(app, state, limit)
+    lora_routes(app, state, limit)  # LoRA adapters, merged on receipt (engines/embedded/lora.py)
     return app
 
 

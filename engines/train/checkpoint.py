@@ -31,6 +31,11 @@ DS_TAG = "optim"
 _NUMPY_RNG_GLOBALS = [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
+def _lora(tr) -> bool:
+    """Whether the rank trains LoRA adapters (its checkpoints then hold only the trainable parameters)."""
+    return getattr(tr, "lora", None) is not None
+
+
 def rng_state() -> dict:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
@@ -66,8 +71,10 @@ def save(tr, store, prefix: str) -> dict[str, dict]:
         torch.save(rng_state(), tmp / "rng" / f"rank_{tr.rank:05d}.pt")
         client = {"reflow_scheduler": tr.scheduler.state_dict(), "reflow_trainer_iteration": tr.iteration,
                   "reflow_world_size": tr.world_size}
-        tr.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False)
-        tr.save_hf(str(tmp / "model"))  # collective gather; rank 0 writes
+        # LoRA: the frozen base is left out (it comes back from model.path); only adapters and their optimizer state
+        tr.engine.save_checkpoint(str(tmp), tag=DS_TAG, client_state=client, save_latest=False,
+                                  exclude_frozen_parameters=_lora(tr))
+        tr.save_hf(str(tmp / getattr(tr, "hf_folder", "model")))  # collective gather; rank 0 writes (LoRA: adapter/)
         return _upload_tree(store, tmp, prefix)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -110,7 +117,7 @@ def load(tr) -> dict:
         raise RuntimeError(f"trainer rank {tr.rank}: load_checkpoint called before fetch_checkpoint")
     try:
         path, client = tr.engine.load_checkpoint(local, tag=DS_TAG, load_optimizer_states=True,
-                                                 load_lr_scheduler_states=False)
+                                                 load_lr_scheduler_states=False, load_module_strict=not _lora(tr))
         if path is None:
             raise RuntimeError(f"trainer rank {tr.rank}: DeepSpeed found no checkpoint under {local}/{DS_TAG}")
         tr.scheduler.load_state_dict(client["reflow_scheduler"])

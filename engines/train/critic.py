@@ -107,7 +107,8 @@ class CriticRank(DeepSpeedRank):
         out: list[list[float]] = []
         for s, e in self._micro_slices(shard["input_ids"].shape[0]):
             mb = _rows(shard, s, e)
-            v, mask = self._values(mb).cpu(), mb["loss_mask"].cpu() != 0  # [b, L-1]
+            # A value for every response token, tool tokens of a multi-turn rollout included (GAE skips them).
+            v, mask = self._values(mb).cpu(), mb.get("response_positions", mb["loss_mask"]).cpu() != 0  # [b, L-1]
             out += [v[i][mask[i]].tolist() for i in range(v.shape[0])]
         return out
 

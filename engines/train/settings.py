@@ -9,6 +9,15 @@ from reflow.engines.storage_access import StorageAccess
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """Low-rank adapters on the policy (peft); see reflow.engines.train.lora."""
+
+    rank: int
+    alpha: float
+    target_modules: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RankSettings:
     """How one DeepSpeed rank (policy or critic) is built and optimised."""
 
@@ -33,3 +42,4 @@ class RankSettings:
     grad_accum_dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: micro-batch gradients summed in bf16
     immediate_grad_update: bool = False  # bf16, ZeRO-1: fold each gradient into fp32 as backward produces it
     storage: StorageAccess | None = None  # how model folders in object storage are reached (None: defaults)
+    lora: LoraSettings | None = None  # policy only: train adapters instead of every weight

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.train import lora
 from reflow.engines.train.compiled import compile_layers, compiled_graphs, length_bucket, use_compile
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
 from reflow.engines.train.settings import RankSettings
@@ -111,7 +112,9 @@ class TrainerRank(DeepSpeedRank):
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
-        self._build_engine(load_causal_lm(model_path, dtype=s.precision, storage=s.storage), cfg, s.lr, s.weight_decay,
+        model = load_causal_lm(model_path, dtype=s.precision, storage=s.storage)
+        self.lora, self.hf_folder = s.lora, "adapter" if s.lora else "model"  # LoRA: engines/train/lora.py
+        self._build_engine(lora.wrap(model, s.lora) if s.lora else model, cfg, s.lr, s.weight_decay,
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
         self.old_logprob_pass = s.old_logprob_pass
         self._round_up = None  # compiled layers: micro-batch lengths padded to a bucket (compiled.py)
@@ -319,6 +322,12 @@ class TrainerRank(DeepSpeedRank):
         from reflow.engines.weights.push import publish_folder, push_weights
 
         clients = [EngineClient(u, api_key=api_key) for u in urls]
+        if self.lora is not None:  # adapter-only push, verified against the effective weights
+            from reflow.engines.weights.adapter_push import push_adapter
+
+            adapter, effective = lora.split(named, self.lora)
+            return push_adapter(clients, adapter, lora.config(self.lora, self.model_path), effective, version,
+                                settings, master_address=ray.util.get_node_ip_address(), probe=probe)
 
         def push(s: PushSettings) -> dict:
             path = None
@@ -344,7 +353,15 @@ class TrainerRank(DeepSpeedRank):
             log.warning("weight push %s: %s", version, self._shm_lost)
             return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
 
+    def named_weights(self) -> list[tuple[str, torch.Tensor]]:
+        """(HF name, full CPU tensor) of the weights the engines compute with (LoRA: merged). Collective."""
+        named = self._gathered(keep=True)
+        return lora.split(named, self.lora)[1] if self.lora is not None else named
+
     def _write_hf(self, named: list[tuple[str, torch.Tensor]], out: Path) -> None:
+        if self.lora is not None:  # the adapter alone (PEFT folder); `reflow export-merged` merges it
+            lora.write_adapter(lora.split(named, self.lora)[0], self.lora, self.model_path, out)
+            return
         self.engine.module.save_pretrained(out, state_dict=dict(named))
         load_tokenizer(self.model_path, storage=self.storage).save_pretrained(out)
 

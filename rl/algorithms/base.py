@@ -134,7 +134,7 @@ def sequence_level(estimate: Callable[[Tensor, Tensor, Tensor, Any], Tensor]) ->
             raise ValueError("advantages need batch.rewards: score the batch first")
         r = torch.tensor(batch.rewards, dtype=torch.float32)  # [N]
         g = torch.tensor(batch.group_index, dtype=torch.long)  # [N]
-        lengths = torch.tensor([len(x) for x in batch.response_ids], dtype=torch.float32)  # [N]
+        lengths = torch.tensor(batch.policy_tokens(), dtype=torch.float32)  # [N] tool tokens not counted
         adv = estimate(r, g, lengths, cfg)  # [N]
         spread = sum(1 for k in range(batch.n_groups) if torch.unique(r[g == k]).numel() > 1)
         stats = {"adv_abs_mean": adv.abs().mean().item() if len(adv) else 0.0,

@@ -60,7 +60,8 @@ def concat(batches: list[RolloutBatch]) -> RolloutBatch:
         return None if getattr(first, name) is None else [x for b in batches for x in getattr(b, name)]
 
     fields = ("prompt_text", "prompt_ids", "response_text", "response_ids", "rollout_logprobs",
-              "finish_reason", "label", "rewards", "advantages", "values", "token_advantages", "returns")
+              "finish_reason", "label", "rewards", "advantages", "values", "token_advantages", "returns",
+              "response_mask", "reward_info")
     return first.with_(group_index=gi, **{f: cat(f) for f in fields})
 
 

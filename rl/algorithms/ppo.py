@@ -37,8 +37,11 @@ def gae_batch(batch: RolloutBatch, gamma: float, lam: float) -> tuple[RolloutBat
     rewards, values, mask = torch.zeros(B, T), torch.zeros(B, T), torch.zeros(B, T)  # [B, T] response tokens
     for i, (n, v) in enumerate(zip(lengths, batch.values)):
         if n:
-            values[i, :n], mask[i, :n] = torch.tensor(v, dtype=torch.float32), 1.0
-            rewards[i, n - 1] = batch.rewards[i]
+            values[i, :n] = torch.tensor(v, dtype=torch.float32)
+            # Tool tokens (response_mask 0) are holes the recursion skips (gae.py); the reward sits on
+            # the last response token, so on a trajectory ending in tool output it is carried back.
+            mask[i, :n] = 1.0 if batch.response_mask is None else torch.tensor(batch.response_mask[i], dtype=torch.float32)
+            rewards[i, _last_kept(mask[i, :n])] = batch.rewards[i]
     adv, ret = gae_advantages(rewards, values, mask, gamma, lam)  # [B, T]
     white = whiten_from_moments(adv, mask, moments(adv, mask))  # [B, T]
     if not bool(torch.isfinite(white).all()):
@@ -50,6 +53,12 @@ def gae_batch(batch: RolloutBatch, gamma: float, lam: float) -> tuple[RolloutBat
     out = batch.with_(token_advantages=rows(white), returns=rows(ret),
                       advantages=[float(white[i, 0]) if n else 0.0 for i, n in enumerate(lengths)])
     return out, gae_stats(values, ret, white, mask)
+
+
+def _last_kept(row: torch.Tensor) -> int:
+    """Index of the last policy token of a response mask row (the last token when there is none)."""
+    kept = (row != 0).nonzero()
+    return int(kept[-1]) if len(kept) else len(row) - 1
 
 
 def gae_stats(values: torch.Tensor, returns: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor) -> Stats:

@@ -1,0 +1,123 @@
+"""Bootstrap of the tools demo (`reflow demo --task tools`): the tiny character-level policy warmed up
+on a few calculator-use traces (reflow.rl.tool_task.trace) until it solves some held-out problems,
+so that GRPO has groups with mixed rewards to learn from; and the task's data files.
+
+The warm-up's loss is on the policy's own segments (the call, the answer, eos), never on the
+tool's output, as the RL loss mask does later. Accuracy here is greedy, with the same tool loop as
+the rollout (reflow.engines.tool_rollout) run on the HF model directly.
+"""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from reflow.rl import tool_task
+from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer, save_policy, warmup
+
+
+def _trace_ids(tokenizer, row: dict) -> tuple[list[int], list[int]]:
+    """(token ids of prompt + trace + eos, per-token 1 where the policy wrote it)."""
+    ids = tokenizer(row["prompt"])["input_ids"]
+    mask = [0] * len(ids)
+    for text, policy in tool_task.trace(row):
+        seg = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + seg, mask + [int(policy)] * len(seg)
+    return ids + [tokenizer.eos_token_id], mask + [1]
+
+
+def trace_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded traces [B, T] with labels on the policy's tokens only (-100 elsewhere)."""
+    seqs = [_trace_ids(tokenizer, r) for r in rows]
+    T = max(len(s) for s, _ in seqs)
+    ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
+    attn = torch.zeros((len(seqs), T), dtype=torch.long)  # [B, T]
+    labels = torch.full((len(seqs), T), -100, dtype=torch.long)  # [B, T]
+    for i, (s, m) in enumerate(seqs):
+        ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
+        labels[i, : len(s)] = torch.where(torch.tensor(m) == 1, torch.tensor(s), torch.tensor(-100))
+    return ids, attn, labels
+
+
+@torch.no_grad()
+def _greedy_turns(model, contexts: list[list[int]], max_new: int, stops: set[int]) -> list[list[int]]:
+    """One greedy turn for each context, batched over contexts of equal length (no padding needed):
+    the new tokens of each, up to a stop token or `max_new`."""
+    out: list[list[int]] = [[] for _ in contexts]
+    groups: dict[int, list[int]] = {}
+    for i, c in enumerate(contexts):
+        groups.setdefault(len(c), []).append(i)
+    for idx in groups.values():
+        live = list(idx)
+        for _ in range(max_new):
+            ids = torch.tensor([contexts[i] + out[i] for i in live], device=model.device)  # [b, L]
+            nxt = model(input_ids=ids).logits[:, -1].argmax(-1).tolist()  # [b]
+            for i, t in zip(live, nxt):
+                out[i].append(int(t))
+            live = [i for i in live if out[i][-1] not in stops]
+            if not live:
+                break
+    return out
+
+
+def tool_accuracy(model, tokenizer, rows: list[dict], max_turns: int = 3, max_new: int = 12) -> float:
+    """Share of rows solved greedily with the calculator loop (the answer turn ends with eos)."""
+    model.eval()
+    close, eos = tokenizer.convert_tokens_to_ids(tool_task.CALL_CLOSE), tokenizer.eos_token_id
+    contexts = {i: tokenizer(r["prompt"])["input_ids"] for i, r in enumerate(rows)}  # rows still calling tools
+    solved = 0
+    for _ in range(max_turns):
+        if not contexts:
+            break
+        keys = list(contexts)
+        turns = _greedy_turns(model, [contexts[k] for k in keys], max_new, {close, eos})
+        for k, turn in zip(keys, turns):
+            text = tokenizer.decode(turn, skip_special_tokens=True)
+            call = tool_task.last_call(text) if turn and turn[-1] == close else None
+            if call is None:  # the answer turn (or a turn that neither answered nor called)
+                solved += int(bool(turn) and turn[-1] == eos and text == rows[k]["label"])
+                del contexts[k]
+                continue
+            try:
+                contexts[k] = contexts[k] + turn + tokenizer(tool_task.calculator(call),
+                                                             add_special_tokens=False)["input_ids"]
+            except tool_task.ToolError:
+                del contexts[k]
+    return solved / max(len(rows), 1)
+
+
+def write_tool_data(folder: str | Path, seed: int = 0, num_train: int = 4000, num_eval: int = 200) -> dict[str, str]:
+    """The task's train and held-out files (jsonl; data.path and data.eval_path of configs/demo-tools.yaml)."""
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    train, held = tool_task.make_problems(seed, num_train, num_eval)
+    paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl"}
+    for key, rows in (("train", train), ("heldout", held)):
+        paths[key].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def bootstrap_tools(out_dir: str | Path, data: dict[str, str], seed: int = 0, steps: int = 600, batch: int = 64,
+                    lr: float = 2e-4, target_accuracy: float = 0.2, check_rows: int = 40, check_every: int = 5,
+                    progress: bool = True) -> dict:
+    """Build the tiny policy, warm it up on tool traces of the train file until greedy tool-loop
+    accuracy on its first `check_rows` rows reaches `target_accuracy`, save it + bootstrap.json.
+    The protocol is learned in a burst (measured: below 0.3 at step 85, 0.575 at step 90 with these
+    defaults), so the policy usually starts above the target; a low target and frequent checks
+    keep that overshoot small."""
+    t0 = time.perf_counter()
+    rows = [json.loads(line) for line in Path(data["train"]).read_text().splitlines()]
+    held = [json.loads(line) for line in Path(data["heldout"]).read_text().splitlines()]
+    tokenizer = build_tokenizer()
+    model = build_model(tokenizer, **SIZES["tiny"], seed=seed)
+    metrics = warmup(model, tokenizer, rows, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
+                     stop_accuracy=target_accuracy, check_rows=rows[:check_rows], check_every=check_every,
+                     batch_fn=trace_batch, accuracy_fn=tool_accuracy)
+    after = tool_accuracy(model, tokenizer, held)
+    out = save_policy(model, tokenizer, out_dir)
+    report = {"task": "tools", "seed": seed, "eval_accuracy_after": after, "warmup": metrics,
+              "seconds": time.perf_counter() - t0, "path": str(out)}
+    (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
+    return report

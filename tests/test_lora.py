@@ -1,0 +1,166 @@
+"""LoRA (issue 20, points 1-2) without Ray: the merge against peft's own, the embedded engine's
+adapter endpoints (merged on receipt, re-merged from its base copy on every push) against SGLang
+0.5.23's request class, and an adapter push verified against the effective weights. The trainer,
+checkpoints, resume and export run in tests/test_lora_e2e.py."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from reflow.engines.hf_io import load_causal_lm
+from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.train import lora as train_lora
+from reflow.engines.train.settings import LoraSettings
+from reflow.engines.weights import lora
+from reflow.engines.weights.adapter_push import ADAPTER_NAME, push_adapter
+from reflow.engines.weights.buckets import SharedBucket
+from reflow.engines.weights.push import WeightSyncError
+from reflow.engines.weights.settings import PushSettings
+from tests.test_engine import KEY
+from tests.test_engine import fresh_engine as _fresh_engine_fixture
+
+fresh_engine = _fresh_engine_fixture  # test_engine's engine whose weights a test may change, reached with KEY
+SETTINGS = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+
+
+def _peft_model(path, seed: int):
+    """The tiny policy with adapters whose B halves are random (peft starts them at zero: no update)."""
+    model = train_lora.wrap(load_causal_lm(str(path)), SETTINGS)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+def test_split_merges_as_peft_does(tiny_policy):
+    model = _peft_model(tiny_policy, 0)
+    named = [(n, p.detach().clone()) for n, p in model.named_parameters()]
+    adapter, effective = train_lora.split(named, SETTINGS)
+    assert {n.rsplit(".", 2)[-2] for n, _ in adapter} == {"lora_A", "lora_B"}
+    assert all(n.startswith(lora.PREFIX) and ".default." not in n for n, _ in adapter)
+    merged = model.merge_and_unload().state_dict()
+    assert {n for n, _ in effective} <= set(merged)
+    for name, t in effective:
+        assert torch.equal(t, merged[name]), name  # bit for bit: the engine and export use the same merge
+    assert sum(t.numel() for _, t in adapter) * 10 < sum(t.numel() for _, t in effective)
+
+
+def test_scaling_refuses_merges_it_does_not_compute():
+    assert lora.scaling({"r": 4, "lora_alpha": 8}) == 2.0
+    for bad in ({"r": 4, "lora_alpha": 8, "use_rslora": True}, {"r": 0, "lora_alpha": 8}, {"lora_alpha": 8}):
+        with pytest.raises(ValueError, match="adapter_config"):
+            lora.scaling(bad)
+    with pytest.raises(KeyError, match="lack their lora_A or lora_B"):
+        lora.pairs([(f"{lora.PREFIX}model.layers.0.self_attn.q_proj.lora_A.weight", torch.ones(1))])
+
+
+def _load(client: EngineClient, adapter, name: str = ADAPTER_NAME) -> dict:
+    shared = SharedBucket(adapter)
+    try:
+        return client.load_lora_adapter_from_tensors(name, lora.adapter_config(4, 8.0, ["q_proj", "v_proj"], "x"),
+                                                     shared.payloads(1), "flattened_bucket")
+    finally:
+        shared.release()
+
+
+def test_engine_merges_each_adapter_into_its_base(fresh_engine, tiny_policy):
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    q = "model.layers.0.self_attn.q_proj.weight"
+    base = torch.tensor(c.get_weights_by_name(q, truncate_size=1000))
+    for seed in (1, 2):  # the second merge starts from the base again, not from the first merge
+        adapter, effective = train_lora.split([(n, p.detach()) for n, p in _peft_model(tiny_policy, seed)
+                                               .named_parameters()], SETTINGS)
+        out = _load(c, adapter)
+        assert out["success"] and out["loaded_adapters"] == {ADAPTER_NAME: "__tensor__"}
+        assert torch.equal(torch.tensor(c.get_weights_by_name(q, truncate_size=1000)), dict(effective)[q])
+    c.unload_lora_adapter(ADAPTER_NAME)
+    assert torch.equal(torch.tensor(c.get_weights_by_name(q, truncate_size=1000)), base)
+    with pytest.raises(EngineError, match="not loaded"):
+        c.unload_lora_adapter(ADAPTER_NAME)
+    with pytest.raises(EngineError, match="not a LoRA adapter tensor"):
+        _load(c, [("model.norm.weight", torch.ones(32))])
+    assert torch.equal(torch.tensor(c.get_weights_by_name(q, truncate_size=1000)), base)  # nothing was written
+
+
+def test_adapter_push_is_verified_against_effective_weights(fresh_engine, tiny_policy):
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    adapter, effective = train_lora.split([(n, p.detach()) for n, p in _peft_model(tiny_policy, 3)
+                                           .named_parameters()], SETTINGS)
+    config = lora.adapter_config(4, 8.0, ["q_proj", "v_proj"], "x")
+    stats = push_adapter([c], adapter, config, effective, "v7", PushSettings(verify="full"))
+    assert stats["verified_tensors"] == len(effective) and c.model_info()["weight_version"] == "v7"
+    assert stats["bytes"] * 10 < stats["full_bytes"]
+    q = "model.layers.1.self_attn.v_proj.weight"
+    wrong = [(n, t + 1e-3 if n == q else t) for n, t in effective]
+    with pytest.raises(WeightSyncError, match=q.replace(".", r"\.")):
+        push_adapter([c], adapter, config, wrong, "v8", PushSettings(verify="full"))
+
+
+def test_adapter_request_fields_are_sglangs():
+    """What the client sends is LoadLoRAAdapterFromTensorsReqInput's / UnloadLoRAAdapterReqInput's
+    fields (io_struct needs the GPU runtime to import, so its source is read)."""
+    from reflow.engines.sglang import contract as sglang_contract
+
+    root = sglang_contract.installed_root()
+    if root is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    tree = ast.parse((Path(root) / "srt" / "managers" / "io_struct.py").read_text())
+    fields = {n.name: {a.target.id for a in n.body if isinstance(a, ast.AnnAssign)}
+              for n in tree.body if isinstance(n, ast.ClassDef)}
+    sent: dict[str, dict] = {}
+    client = EngineClient("http://127.0.0.1:9", api_key=KEY)
+    client._call = lambda method, path, body: sent.setdefault(path, body)  # what would go on the wire
+    client.load_lora_adapter_from_tensors("a", {}, ["x"], "flattened_bucket")
+    client.unload_lora_adapter("a")
+    assert set(sent["/load_lora_adapter_from_tensors"]) <= fields["LoadLoRAAdapterFromTensorsReqInput"]
+    assert set(sent["/unload_lora_adapter"]) <= fields["UnloadLoRAAdapterReqInput"]
+
+
+def test_lora_config_refusals():
+    from reflow.infra.config import ConfigError, load_config
+    from reflow.infra.settings import policy_rank_settings
+
+    cfg = load_config(None, ["trainer.lora.rank=8"])
+    assert policy_rank_settings(cfg).lora == LoraSettings(8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert policy_rank_settings(load_config(None, [])).lora is None
+    with pytest.raises(ConfigError, match="weight_sync.mode=tensor"):
+        load_config(None, ["trainer.lora.rank=8", "weight_sync.mode=disk"])
+    with pytest.raises(ConfigError, match="trainer.lora.dropout"):
+        load_config(None, ["trainer.lora.rank=8", "trainer.lora.dropout=0.1"])
+
+
+def test_export_and_evaluate_merge_a_lora_checkpoint(tiny_policy, tmp_path, monkeypatch):
+    """A committed checkpoint holding adapter/ (as a LoRA run saves it): `reflow export-merged` writes
+    peft's merge of it, and the eval flow's checkpoint resolution evaluates that same merge."""
+    from reflow.flows.cli import main
+    from reflow.infra import checkpoint as ckpt
+    from reflow.infra.config import load_config
+    from reflow.infra.storage import ExperimentStore
+    from reflow.tasks.checkpoint import resolve_checkpoint
+    from tests.ckpt_fixtures import final_weights
+
+    model = _peft_model(tiny_policy, 4)
+    adapter, _ = train_lora.split([(n, p.detach()) for n, p in model.named_parameters()], SETTINGS)
+    train_lora.write_adapter(adapter, SETTINGS, str(tiny_policy), tmp_path / "adapter")
+    store = ExperimentStore.open(f"file://{tmp_path}/runs", "lora")
+    ck = ckpt.at_step(store, 1)
+    files = {f"adapter/{f.name}": store.put_file(f, ck.rel(f"adapter/{f.name}")) for f in (tmp_path / "adapter").iterdir()}
+    url = ckpt.commit(ck, files, ckpt.state_for(1, 4, 0, 1), "x: 1\n")
+    main(["export-merged", url, str(tmp_path / "merged")])
+    expected = model.merge_and_unload().state_dict()
+    got = final_weights(tmp_path / "merged")
+    assert all(torch.equal(got[n], expected[n]) for n in got) and "model.layers.1.self_attn.q_proj.weight" in got
+    cfg = load_config(None, ["experiment=lora", f"storage.root=file://{tmp_path}/runs"])
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where evaluation's merged copy goes
+    for which in ("latest", url):
+        evaluated = resolve_checkpoint.fn(cfg, which)["model"]
+        assert Path(evaluated).parent == tmp_path
+        assert final_weights(Path(evaluated)).keys() == got.keys()
+        assert all(torch.equal(final_weights(Path(evaluated))[n], got[n]) for n in got)
+    with pytest.raises(SystemExit):  # the folder is not empty now: nothing of it is overwritten
+        main(["export-merged", url, str(tmp_path / "merged")])
