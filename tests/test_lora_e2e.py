@@ -69,21 +69,25 @@ def test_lora_trains_adapters_resumes_exactly_pushes_and_exports(ray_cluster, ti
     assert ray.get(b.weights_checksum())[0] == after_two, "LoRA resume is not exact"
 
     key = new_api_key()
-    engine = EmbeddedEngine(str(tiny_policy), "lora-e2e", threads=1, api_key=key)
+    # The engine in its own process, as in a run: a receiver in the test process would open the trainer's
+    # shared-memory handles there, and once that trainer is killed this process's own torch_shm_manager was
+    # gone too (every later test pushing from here failed with "Broken pipe").
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=0).remote(str(tiny_policy), "lora-e2e", threads=1, api_key=key)
     try:
-        assert engine.ready()
-        report = [r for r in ray.get(b.push_weights([engine.url()], "2", PushSettings(verify="full"), api_key=key)) if r]
+        assert ray.get(engine.ready.remote())
+        url = ray.get(engine.url.remote())
+        report = [r for r in ray.get(b.push_weights([url], "2", PushSettings(verify="full"), api_key=key)) if r]
         assert report[0]["mode"] == "lora" and report[0]["bytes"] * 5 < report[0]["full_bytes"], report
         assert report[0]["verified_tensors"] == len(base)
         merged = export_merged(store.url(ckpt.ROOT, ckpt.name_of(2)), tmp_path / "merged", store)
         assert merged["merged_modules"] == 4  # q and v of 2 layers
         hf = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
         tok = load_tokenizer(str(tmp_path / "merged"))
-        client = EngineClient(engine.url(), api_key=key)
+        client = EngineClient(url, api_key=key)
         for prompt in ("12+34=", "7+8=", "55+1="):
             ids = tok.encode(prompt)
             got = client.generate(input_ids=ids, sampling_params={"temperature": 0.0, "max_new_tokens": 8})
             assert got["output_ids"] == greedy_reference(hf, ids, 8, {tok.eos_token_id}), prompt
     finally:
-        engine.shutdown()
+        ray.kill(engine)
         b.kill()
