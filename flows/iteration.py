@@ -67,7 +67,8 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
         batch = generate(config, iteration)
     with timer("reward"):  # reward and advantages: one Ray call each, so no task run of their own
         batch = reward.fn(config, batch)
-    colocate = config.cluster.colocate  # engines and trainers share GPUs: they take turns (tasks/colocate.py)
+    # engines and trainers share GPUs and take turns (tasks/colocate.py), unless both stay resident
+    colocate = config.cluster.colocate and config.cluster.hand_over
     swap = to_trainer(config) if colocate else {}
     critic = config.algorithm.spec.needs_critic  # PPO: a value model trained alongside the policy
     if critic:

@@ -178,6 +178,7 @@ class ClusterConfig(_Strict):
     bind_host: str = Field("127.0.0.1", description="Address engines and the router listen on: loopback for one machine; 0.0.0.0 on a multi-node cluster (they then advertise the node's IP).")
     gpus: Literal["auto", "on", "off"] = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
     colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
+    hand_over: bool = Field(True, description="colocate: engines release their memory and trainers offload their optimizer state at each hand-over (needed when the GPU cannot hold both at once); false keeps both resident, saving the hand-overs (~0.2 s an iteration for a 113M model on an H200) when it can.")
     release_tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(["weights", "kv_cache", "cuda_graph"], min_length=1, description="colocate: what engines release between rollout and train (SGLang's memory tags); resumed weights first, then the rest.")
 
     @field_validator("gpus", mode="before")

@@ -300,7 +300,7 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     if record is not None:
         ray.get(record.set.remote({"fingerprint": actors.fingerprint(cfg), "actor_ids": rt.actor_ids,
                                    "updated_at": time.time()}))
-    if cfg.cluster.colocate:  # the engines generate first: the trainer starts with its states offloaded
+    if cfg.cluster.colocate and cfg.cluster.hand_over:  # the engines generate first: the trainer starts offloaded
         ray.get(trainers.offload_states() + (critic.offload_states() if critic is not None else []))
     rt.timings["startup"] = time.perf_counter() - t0
     log.info("runtime ready in %.1fs: %d engine(s) %s, %d trainer rank(s), %d train / %d eval prompts, storage %s",
@@ -346,7 +346,7 @@ def recreate_trainers(cfg: RunConfig) -> TrainerGroup:
     rt.trainers = _start_trainers(cfg, rt.namespace, rt.persistent, rt.placement)
     rt.reused = [n for n in rt.reused if not n.startswith("policy-trainer-")]
     rt.actor_ids.update({f"policy-trainer-{r}": actors.actor_id(a) for r, a in enumerate(rt.trainers.actors)})
-    if cfg.cluster.colocate:
+    if cfg.cluster.colocate and cfg.cluster.hand_over:
         ray.get(rt.trainers.offload_states())
     return rt.trainers
 

@@ -1,8 +1,8 @@
 """End to end on real Ray + DeepSpeed + Prefect: colocated mode, router, and the other push modes.
 
-Colocated mode must run the whole hand-over every iteration, in SGLang's order: engines release
-their memory tags, the trainer reloads, trains and offloads, engines resume weights, the push
-writes them, engines resume kv_cache + cuda_graph.
+Colocated mode must run the whole hand-over every iteration (unless cluster.hand_over=false), in
+SGLang's order: engines release their memory tags, the trainer reloads, trains and offloads, engines
+resume weights, the push writes them, engines resume kv_cache + cuda_graph.
 """
 from __future__ import annotations
 
@@ -109,3 +109,15 @@ def test_split_gpu_layout_gives_each_rank_and_engine_a_whole_gpu():
     assert _rank_options(None, 2, 0.4, gpu=False) == {}  # CPU: no GPU asked, so Ray hides every GPU
     colocated = RunConfig.model_validate({"cluster": {"colocate": True}})
     assert _engine_gpus(colocated) == ENGINE_GPU < 1  # a share of the bundle's GPU, next to the trainer rank's
+
+
+def test_colocated_without_hand_over_keeps_both_resident(ray_cluster, prefect_server, tiny_policy, tmp_path):
+    """cluster.hand_over=false: placed together, but nothing is released or offloaded (a GPU that holds both)."""
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-resident", "num_iterations=1", "eval.interval=null",
+                     "eval.before_train=false", "trainer.num_ranks=1", "rollout.num_engines=1",
+                     "cluster.colocate=true", "cluster.hand_over=false", "weight_sync.verify=full")
+    summary, infos = _run(cfg)
+    m = summary["history"][0]
+    assert m["push_verified_tensors"] > 0 and math.isfinite(m["loss"])
+    assert not {"time_engines_release", "time_engines_resume_weights", "trainer_state_moves"} & set(m), m
+    assert infos[0]["memory_events"] == [] and infos[0]["weight_version"] == "1"
