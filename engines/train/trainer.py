@@ -47,6 +47,7 @@ from reflow.engines.train.compiled import compile_layers, compiled_graphs, lengt
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
 from reflow.engines.train.settings import RankSettings
 from reflow.engines.weights.settings import PushSettings
+from reflow.engines.weights.verify import verify_due
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.losses import (
     LossSettings,
@@ -312,7 +313,8 @@ class TrainerRank(DeepSpeedRank):
         ipc = settings.mode == "tensor" and self.engine.device.type == "cuda" and self._ipc_lost is None
         direct = ipc or (settings.mode == "tensor" and self.engine.device.type == "cpu")
         named = self._gathered(keep=self.rank == 0, on_device=direct)
-        probe = self._logprob_probe() if settings.verify != "off" else None  # collective under ZeRO-3
+        due = settings.verify != "off" and verify_due(version, settings.verify_every)
+        probe = self._logprob_probe() if due else None  # collective under ZeRO-3 (every rank sees the same version)
         if self.rank != 0:
             return {}
         import ray

@@ -15,7 +15,7 @@ from reflow.engines.rollout_client import EngineClient
 from reflow.engines.weights.buckets import BUFFERS, SharedBucket
 from reflow.engines.weights.push import _tp_size, check_same_host, update_window
 from reflow.engines.weights.settings import PushSettings
-from reflow.engines.weights.verify import LogprobProbe, Named, WeightSyncError, verify_push
+from reflow.engines.weights.verify import LogprobProbe, Named, WeightSyncError, check_pushed
 
 ADAPTER_NAME = "reflow-policy"  # the one adapter a policy's engines hold
 
@@ -49,7 +49,6 @@ def push_adapter(clients: list[EngineClient], adapter: Named, config: dict, effe
         for c in clients:
             c.update_weight_version(version, abort_all_requests=False)
     seconds = time.perf_counter() - t0
-    checked = verify_push(clients, effective, version, s.verify, s.verify_sample, s.verify_atol, s.verify_rows,
-                          probe, s.verify_logprob_tol)
+    checked = check_pushed(clients, effective, version, s, probe)
     return {"mode": "lora", "bytes": _nbytes(adapter), "full_bytes": _nbytes(effective), "seconds": seconds,
             "buckets": 1, "engines": len(clients), **checked, "verify_seconds": time.perf_counter() - t0 - seconds}

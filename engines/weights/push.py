@@ -50,9 +50,8 @@ from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, ver
     LogprobProbe,
     Named,
     WeightSyncError,
-    verify_push,
+    check_pushed,
     verify_weights,
-    versions_only,
 )
 
 log = logging.getLogger(__name__)
@@ -185,7 +184,7 @@ def close_weight_groups(key: tuple[str, str] | None = None) -> None:
     """Tell the engines to drop the kept group(s) (all, or `key`'s); failures are logged (an engine that
     died took its side with it)."""
     for k in [key] if key is not None else list(_GROUPS):
-        g = _GROUPS.pop(k, None) if k is not None else None
+        g = _GROUPS.pop(k, None)
         if g is None:
             continue
         errors = _destroy_groups(g.clients, g.name)
@@ -361,20 +360,11 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
         else:
             buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
-    if verify_due(version, s.verify_every):
-        checked = verify_push(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol,
-                              s.verify_rows, probe, s.verify_logprob_tol)
-    else:
-        checked = versions_only(clients, version)
+    checked = check_pushed(clients, named_tensors, version, s, probe)
     return {"mode": s.mode, "bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
             "buckets": buckets, "engines": len(clients), **checked, **({"group_reused": group_reused}
                                                                          if s.mode == "distributed" else {}),
             "verify_seconds": time.perf_counter() - t0 - seconds}
-
-
-def verify_due(version: str, every: int) -> bool:
-    """weight_sync.verify_every: check versions divisible by `every` (numeric ones; others always)."""
-    return every <= 1 or not str(version).isdigit() or int(version) % every == 0
 
 
 def group_device(backend: str) -> torch.device:

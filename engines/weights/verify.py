@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.weights.settings import PushSettings
 
 VERIFY_MODES = ("off", "sample", "full", "logprobs")
 
@@ -89,6 +90,21 @@ def _check_version(client: EngineClient, version: str) -> None:
     got = client.model_info().get("weight_version")
     if str(got) != str(version):
         raise WeightSyncError(f"engine {client.url} reports weight_version {got!r}, expected {version!r}")
+
+
+def verify_due(version: str, every: int) -> bool:
+    """weight_sync.verify_every: check versions divisible by `every` (numeric ones; others always)."""
+    return every <= 1 or not str(version).isdigit() or int(version) % every == 0
+
+
+def check_pushed(clients: list[EngineClient], named_tensors: Named, version: str, s: PushSettings,
+                 probe: LogprobProbe | None = None) -> dict:
+    """After any push (full, adapter): `s.verify` when this version is due (verify_every), else every
+    engine's weight_version only."""
+    if verify_due(version, s.verify_every):
+        return verify_push(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol, s.verify_rows,
+                           probe, s.verify_logprob_tol)
+    return versions_only(clients, version)
 
 
 def versions_only(clients: list[EngineClient], version: str) -> dict:
