@@ -54,12 +54,22 @@ if offload:
     from reflow.infra.storage import ExperimentStore
     rank._move_states(offload=True)
     root = tempfile.mkdtemp()
-    rank.save_checkpoint(ExperimentStore.from_config(StorageConfig(root="file://" + root), "x"), "ckpt")
+    store = ExperimentStore.from_config(StorageConfig(root="file://" + root), "x")
+    manifest = rank.save_checkpoint(store, "ckpt")
     out["away_after_save"] = sum(s.nbytes() for s in storages) == 0
     saved = [torch.load(f, weights_only=False) for f in glob.glob(root + "/**/*optim_states.pt", recursive=True)]
     out["saved_states_load"] = len(saved)
     rank._move_states(offload=False)
     out["restored_after_save"] = digest() == before
+    # A colocated resume loads while the state is away too (the trainers start offloaded: the engines
+    # generate first). The loaded state must be the saved one, and leave again after the load.
+    rank._move_states(offload=True)
+    rank.fetch_checkpoint(store, "ckpt", manifest)
+    rank.load_checkpoint()
+    out["away_after_load"] = bool(rank._host_states.moved) and not optimizer_storages(opt, rank.engine.device)
+    rank._move_states(offload=False)
+    storages = optimizer_storages(opt, rank.engine.device)
+    out["restored_after_load"] = sorted(digest()) == sorted(before)
 rank.train_iteration(batch, **_train_kw(pad))
 out["weights"] = rank.weights_checksum()
 print("RESULT " + json.dumps(out))
@@ -84,3 +94,5 @@ def test_bf16_zero1_optimizer_state_leaves_and_returns_bit_exact(tiny_policy):
     assert moved["weights"] == plain["weights"]  # the next step is the one an un-offloaded trainer takes
     # saved while offloaded: the optimizer files load, the state went away again after, and came back intact
     assert moved["saved_states_load"] >= 1 and moved["away_after_save"] and moved["restored_after_save"], moved
+    # loaded while offloaded (a colocated resume): the saved state comes back and leaves again
+    assert moved["away_after_load"] and moved["restored_after_load"], moved

@@ -318,10 +318,17 @@ class DeepSpeedRank:
         return trainer_ckpt.fetch(self, store, prefix, manifest)
 
     def load_checkpoint(self) -> dict:
-        """Load the fetched checkpoint: weights, optimizer, ZeRO partitions, LR schedule, RNG. Collective."""
+        """Load the fetched checkpoint: weights, optimizer, ZeRO partitions, LR schedule, RNG. Collective.
+        A colocated resume loads while the optimizer state is offloaded (the trainers start offloaded: the
+        engines generate first); loading into the emptied storages crashed the process (SIGSEGV, on CPU in
+        tests/test_trainer_offload.py), so the state comes back for the load and leaves again after it."""
         from reflow.engines.train import checkpoint as trainer_ckpt
+        from reflow.engines.train.offload import own_storages
 
-        return trainer_ckpt.load(self)
+        with self._states_in_place():
+            loaded = trainer_ckpt.load(self)
+            own_storages(self.engine.optimizer)
+        return loaded
 
     def drop_fetched_checkpoint(self) -> None:
         from reflow.engines.train import checkpoint as trainer_ckpt

@@ -76,3 +76,19 @@ class HostCopies:
             s.copy_(host.untyped_storage())
         self.moved = []
         return moved
+
+
+def own_storages(optimizer) -> int:
+    """After a checkpoint load: give every state tensor the inner optimizer holds in a storage it cannot
+    resize a copy in a storage of its own; returns how many. Torch's `Optimizer.load_state_dict` keeps the
+    tensors `torch.load` made where device and dtype already match (CPU), and those storages belong to the
+    loaded file's reader: `HostCopies.offload` could not free them ("Trying to resize storage that is not
+    resizable"). On a GPU the load copies to the device and this finds nothing."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    copied = 0
+    for state in getattr(inner, "state", {}).values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and not value.untyped_storage().resizable():
+                state[key] = value.clone()
+                copied += 1
+    return copied
