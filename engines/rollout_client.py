@@ -152,14 +152,21 @@ class EngineClient:
         return self._call("POST", "/destroy_weights_update_group", {"group_name": group_name})
 
     def load_lora_adapter_from_tensors(self, lora_name: str, config_dict: dict,
-                                       serialized_named_tensors: Sequence[str], load_format: str | None = None) -> dict:
-        """A PEFT adapter's tensors (one payload per TP rank) and its adapter_config, as SGLang 0.5.23 takes them."""
+                                       serialized_named_tensors: Sequence[str], load_format: str | None = None,
+                                       expected_checksums: dict[str, str] | None = None) -> dict:
+        """A PEFT adapter's tensors (one payload per TP rank) and its adapter_config, as SGLang 0.5.23 takes them;
+        `expected_checksums` (tensor name -> sha256 of its bytes) makes every rank refuse other tensors."""
         return self._call("POST", "/load_lora_adapter_from_tensors", {
             "lora_name": lora_name, "config_dict": config_dict,
-            "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format})
+            "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
+            "expected_checksums": expected_checksums})
 
     def unload_lora_adapter(self, lora_name: str) -> dict:
         return self._call("POST", "/unload_lora_adapter", {"lora_name": lora_name})
+
+    def lora_adapters(self) -> list[str]:
+        """Names of the LoRA adapters the engine holds: the model cards of GET /v1/models that have a parent."""
+        return [card["id"] for card in self._call("GET", "/v1/models").get("data", []) if card.get("parent")]
 
     def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> dict:
         """Relabel the loaded weights (no weights move); SGLang aborts running requests unless told not to."""
@@ -202,13 +209,16 @@ def _request(prompts: list[list[int]], sampling_params: dict, n: int, seeds: lis
 
 
 def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampling_params: dict, n: int = 1,
-                   return_logprob: bool = True, seeds: list[int] | None = None) -> list[dict]:
+                   return_logprob: bool = True, seeds: list[int] | None = None,
+                   lora_path: str | None = None) -> list[dict]:
     """Generate `n` samples per prompt over several engines; results prompt-major.
 
     Prompts are split into contiguous shards, one per engine, sent concurrently; result
     i*n + j is sample j of prompt i. Each result is SGLang's dict (text, output_ids, meta_info).
     `seeds` (len(prompts) * n, prompt-major) makes every sample reproducible (see `_request`).
+    `lora_path`: the LoRA adapter every request names (SGLang's field; reflow.engines.weights.lora.adapter_name).
     """
+    extra = {} if lora_path is None else {"lora_path": lora_path}
     if not clients:
         raise ValueError("generate_batch needs at least one engine client")
     if not prompts:
@@ -218,7 +228,7 @@ def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampli
 
     def run(client: EngineClient, lo: int, hi: int) -> list[dict]:
         ids, sp = _request(prompts, sampling_params, n, seeds, lo, hi)
-        out = client.generate(input_ids=ids, sampling_params=sp, return_logprob=return_logprob)
+        out = client.generate(input_ids=ids, sampling_params=sp, return_logprob=return_logprob, **extra)
         if not isinstance(out, list) or len(out) != (hi - lo) * n:
             got = len(out) if isinstance(out, list) else type(out).__name__
             raise EngineError(client.url, "/generate", 200, f"expected {(hi - lo) * n} results, got {got}")

@@ -83,8 +83,10 @@ class Trajectory:
 class AsyncEngine:
     """Async client of one engine's `/generate` (SGLang's native API), for rollout functions."""
 
-    def __init__(self, url: str, timeout: float, api_key: str | None, limit: asyncio.Semaphore):
+    def __init__(self, url: str, timeout: float, api_key: str | None, limit: asyncio.Semaphore,
+                 lora_path: str | None = None):
         self.url = url.rstrip("/")
+        self._lora = {} if lora_path is None else {"lora_path": lora_path}  # the policy's adapter, on every request
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
                                        headers=bearer(api_key), verify=not self.url.startswith("http://"))
         self._limit = limit  # requests in flight over all engines (rollout.max_concurrent_requests)
@@ -107,7 +109,7 @@ class AsyncEngine:
                        return_logprob: bool = True, **extra: Any) -> dict[str, Any]:
         """One POST /generate of one prompt: SGLang's result dict (text, output_ids, meta_info)."""
         body = {"input_ids": list(input_ids), "sampling_params": {**sampling_params, "n": 1},
-                "return_logprob": return_logprob, **extra}
+                "return_logprob": return_logprob, **self._lora, **extra}
         async with self._limit:
             try:
                 r = await self._http.post("/generate", json=body)
@@ -191,9 +193,9 @@ async def _one(fn: RolloutFn, req: RolloutRequest, engine: AsyncEngine) -> Traje
 
 
 async def _run_all(fn: RolloutFn, urls: list[str], requests: list[RolloutRequest], timeout: float,
-                   api_key: str | None, max_concurrent: int) -> list[Trajectory]:
+                   api_key: str | None, max_concurrent: int, lora_path: str | None = None) -> list[Trajectory]:
     limit = asyncio.Semaphore(max_concurrent)
-    engines = [AsyncEngine(u, timeout, api_key, limit) for u in urls]
+    engines = [AsyncEngine(u, timeout, api_key, limit, lora_path) for u in urls]
     try:
         results = await asyncio.gather(*(_one(fn, r, engines[r.prompt_index % len(engines)]) for r in requests),
                                        return_exceptions=True)
@@ -216,14 +218,16 @@ def requests_for(prompts: list[Prompt], sp: dict[str, Any], n: int, seeds: list[
 
 def rollout_with_fn(spec: str, urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
                     timeout: float, seeds: list[int] | None, api_key: str | None,
-                    max_concurrent: int = 256, limits: TurnLimits = ONE_TURN) -> RolloutBatch:
+                    max_concurrent: int = 256, limits: TurnLimits = ONE_TURN,
+                    lora_path: str | None = None) -> RolloutBatch:
     """n trajectories per prompt from the rollout function `spec`, as a RolloutBatch with a
-    response_mask; the generated tokens' log-probs are spread over the response (0.0 on tool tokens)."""
+    response_mask; the generated tokens' log-probs are spread over the response (0.0 on tool tokens).
+    `lora_path`: the LoRA adapter every /generate request of the function names."""
     if not urls:
         raise ValueError("a rollout needs at least one engine URL")
     fn = load_rollout_fn(spec)
     reqs = requests_for(prompts, sp, n, seeds, limits)
-    trajs = _run_coroutine(_run_all(fn, urls, reqs, timeout, api_key, max_concurrent))
+    trajs = _run_coroutine(_run_all(fn, urls, reqs, timeout, api_key, max_concurrent, lora_path))
     masks = [t.loss_mask if t.loss_mask is not None else [1] * len(t.response_ids) for t in trajs]
     gi = [i // n for i in range(len(reqs))]
     return RolloutBatch(

@@ -15,6 +15,7 @@ import pandas as pd
 from reflow.engines.rollout_client import EngineClient, generate_batch
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
 from reflow.engines.rollout_fns import ONE_TURN, TurnLimits, result_logprobs, rollout_with_fn
+from reflow.engines.weights.lora import adapter_name
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.reward_http import HttpReward
@@ -47,17 +48,19 @@ def sample_seeds(seed: int, version: int, count: int) -> list[int]:
 def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
              timeout: float, seed: int | None = None, api_key: str | None = None,
              generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
-             limits: TurnLimits = ONE_TURN) -> RolloutBatch:
+             limits: TurnLimits = ONE_TURN, adapter: bool = False) -> RolloutBatch:
     """n samples per prompt, prompt-major. With `seed`, every sample gets its own sampling_seed
     (see `sample_seeds`); without, the engines' own random state decides. `api_key`: the runtime's.
     `generate_fn` (rollout.generate_fn): the default single-turn rollout goes as one batched request
-    per engine; any other function runs once per sample (engines/rollout_fns.py)."""
+    per engine; any other function runs once per sample (engines/rollout_fns.py). `adapter`: the
+    engines hold policy `version` as a LoRA adapter (trainer.lora.rank > 0), which every request names."""
     seeds = sample_seeds(seed, version, len(prompts) * n) if seed is not None else None
+    lora_path = adapter_name(version) if adapter else None
     if generate_fn != DEFAULT_ROLLOUT_FN:
         return rollout_with_fn(generate_fn, urls, prompts, sp, n, version, timeout, seeds, api_key, max_concurrent,
-                               limits)
+                               limits, lora_path)
     clients = [EngineClient(u, timeout=timeout, api_key=api_key) for u in urls]
-    outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds)
+    outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds, lora_path=lora_path)
     if len(outs) != len(prompts) * n:
         raise RuntimeError(f"engines returned {len(outs)} samples for {len(prompts)} prompts x n={n}")
     gi = [i // n for i in range(len(outs))]
@@ -104,7 +107,7 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
                  n: int, version: int, timeout: float, reward_fn: str | HttpReward, score_kw: dict[str, Any],
                  target_groups: int, seed: int | None = None, api_key: str | None = None,
                  generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
-                 limits: TurnLimits = ONE_TURN) -> tuple[RolloutBatch, dict[str, float]]:
+                 limits: TurnLimits = ONE_TURN, adapter: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
     """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
     scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
     the rounds run out), then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`).
@@ -116,7 +119,7 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
             break
         round_seed = None if seed is None else seed + 7919 * r
         scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed, api_key, generate_fn,
-                                   max_concurrent, limits), reward_fn, **score_kw)
+                                   max_concurrent, limits, adapter), reward_fn, **score_kw)
         rounds.append(scored)
         informative += len(groups_with_spread(scored)[0])
     batch, filler = fill_groups(rounds, target_groups)

@@ -369,10 +369,10 @@ class RunConfig(_Strict):
 
     @model_validator(mode="after")
     def _check_lora(self) -> RunConfig:
-        if self.trainer.lora.rank and (self.weight_sync.mode != "tensor" or self.rollout.backend != "embedded"):
+        if self.trainer.lora.rank and self.weight_sync.mode != "tensor":
             raise ValueError("trainer.lora.rank > 0 pushes adapter tensors (load_lora_adapter_from_tensors), which "
-                             "reflow implements for weight_sync.mode=tensor with rollout.backend=embedded only: set "
-                             "those, or trainer.lora.rank=0")
+                             "reflow implements for weight_sync.mode=tensor only (either rollout.backend): set it, "
+                             "or trainer.lora.rank=0")
         return self
 
     @model_validator(mode="after")

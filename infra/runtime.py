@@ -124,7 +124,8 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s,
-                      api_key=api_key, dtype=sglang_dtype(cfg.trainer.precision))
+                      api_key=api_key, dtype=sglang_dtype(cfg.trainer.precision), lora_rank=cfg.trainer.lora.rank,
+                      lora_target_modules=list(cfg.trainer.lora.target_modules))
     if detached:
         options["lifetime"] = "detached"
     if pg is not None:  # colocated: in the bundle (GPU) of trainer rank i mod bundles

@@ -38,6 +38,7 @@ from reflow.rl.metrics import eval_summary
 from reflow.rl.reward_http import HttpReward
 from reflow.rl.types import RolloutBatch
 from reflow.tasks.report import artifact_key
+from reflow.tasks.rollout import uses_adapter
 
 _generate = ray.remote(num_cpus=0)(ro.generate)
 _GENERATING: dict[str, list[ray.ObjectRef]] = {}  # runtime namespace -> eval generations its engines still serve
@@ -94,8 +95,10 @@ def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: f
     sp = ro.sampling_params(es.temperature, es.top_p, es.top_k, es.max_new_tokens, [rt.eos_id],
                             es.skip_special_tokens, es.no_stop_trim)
     r = rt.cfg.rollout  # eval sets roll out with the run's rollout function too
+    # An eval-only runtime (no trainers) serves a LoRA checkpoint merged (tasks/checkpoint.resolve_checkpoint): no adapter.
+    adapter = rt.trainers is not None and uses_adapter(rt.cfg)
     gen = _generate.remote(rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key,
-                           r.generate_fn, r.max_concurrent_requests, r.turn_limits())
+                           r.generate_fn, r.max_concurrent_requests, r.turn_limits(), adapter)
     summary = _score_and_record.remote(gen, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
                                        [p.index for p in es.prompts], rt.store, out_dir)
     return gen, summary

@@ -60,6 +60,12 @@ def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: i
     return sampler.next_batch(k)
 
 
+def uses_adapter(cfg: RunConfig) -> bool:
+    """Whether the engines hold the policy as a LoRA adapter that rollout requests must name (every push
+    of a LoRA run is an adapter push: engines/weights/adapter_push.py)."""
+    return cfg.trainer.lora.rank > 0
+
+
 def _sp(rt: Runtime) -> dict:
     r = rt.cfg.rollout
     return ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
@@ -98,7 +104,7 @@ def generate(cfg: RunConfig, iteration: int) -> BatchRef:
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
                            iteration, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
-                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits())
+                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg))
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
     ray.get(_size.remote(ref))
     stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated))}
@@ -133,7 +139,8 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
                                        cfg.rollout.request_timeout_s, reward_source(cfg.reward, cfg.data.reward_fn), score_kw,
                                        cfg.rollout.prompts_per_iteration,
                                        cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key,
-                                       cfg.rollout.generate_fn, cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits())
+                                       cfg.rollout.generate_fn, cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(),
+                                       adapter=uses_adapter(cfg))
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
     out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration, batch.saving)

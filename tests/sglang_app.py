@@ -30,6 +30,7 @@ middleware, its lifespan). What is SGLang's and what stands in:
   (resolved through SGLang's ModelRegistry: the model modules import on CPU under the stand-ins,
   only running them needs the GPU layers); the memory saver (`MemorySaver`: torch_memory_saver
   unmaps CUDA memory) records what it is asked to release and resume.
+- LoRA (a server launched with reflow's LoRA flags): tests/sglang_lora_side.py says what is real.
 - Stand-in modules (tests/sglang_stand_ins.py): third-party packages the import graph of
   http_server reaches but that are GPU-only (triton, tvm_ffi) or not installed by `pip install
   --no-deps sglang` here. Each is used only when the real package is not importable.
@@ -235,8 +236,11 @@ def _tokenizer_manager_class():
     generate_request runs the HF model (the scheduler and its CUDA kernels do not exist on CPU)."""
     from sglang.srt.managers import io_struct
     from sglang.srt.managers.tokenizer_manager import ServerStatus, TokenizerManager
+    from sglang.srt.runtime_context import get_lora
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.utils.aio_rwlock import RWLock
+
+    from tests import sglang_lora_side
 
     class StandInTokenizerManager(TokenizerManager):
         def __init__(self, server_args, model_config, hf, tokenizer, model_path: str):  # no super(): it opens ZMQ
@@ -249,6 +253,9 @@ def _tokenizer_manager_class():
             self.model_update_lock = RWLock()
             self.event_loop = object()  # auto_create_handle_loop: no ZMQ handle loop to start
             self.mm_processor, self.enable_metrics = None, False
+            self.enable_lora = False
+            if get_lora().enable_lora:  # launched with reflow's LoRA flags: SGLang's LoRA path (tests/sglang_lora_side.py)
+                sglang_lora_side.attach(self, hf)
             self.scheduler = _scheduler_side(_model_class()(hf), model_config)
             s = self.scheduler
             self.update_weights_from_tensor_communicator = self._direct(s.update_weights_from_tensor)
@@ -298,7 +305,12 @@ def _tokenizer_manager_class():
             async with self.is_pause_cond:
                 await self.is_pause_cond.wait_for(lambda: not self.is_pause)
             async with self.model_update_lock.reader_lock:
-                out = await asyncio.to_thread(self._generate_all, obj)
+                await self._validate_and_resolve_lora(obj)  # SGLang's own: adapter names -> acquired ids, or its error
+                try:
+                    out = await asyncio.to_thread(self._generate_all, obj)
+                finally:
+                    if self.enable_lora and obj.lora_path:
+                        await self.lora_registry.release(obj.lora_id)
             self.last_receive_tstamp = time.time()
             yield out[0] if obj.is_single else out
 
@@ -308,15 +320,16 @@ def _tokenizer_manager_class():
             own rid); answered prompt-major, as the real manager answers."""
             if obj.is_single:
                 entries = [(obj.input_ids, obj.text, obj.sampling_params, obj.return_logprob, obj.rid,
-                            obj.logprob_start_len)]
+                            obj.logprob_start_len, obj.lora_id)]
             else:
                 per = [obj.input_ids or [None] * len(obj.rid), obj.text or [None] * len(obj.rid),
-                       obj.sampling_params, obj.return_logprob, obj.rid, obj.logprob_start_len]
+                       obj.sampling_params, obj.return_logprob, obj.rid, obj.logprob_start_len,
+                       obj.lora_id or [None] * len(obj.rid)]
                 order = [j * obj.batch_size + i for i in range(obj.batch_size) for j in range(obj.parallel_sample_num)]
                 entries = [tuple(field[k] for field in per) for k in order]
             return [self._sample(*entry) for entry in entries]
 
-        def _input_logprobs(self, prompt: list[int], start: int) -> list:
+        def _input_logprobs(self, prompt: list[int], start: int, model) -> list:
             """meta_info.input_token_logprobs as SGLang builds them: the scheduler's own post-processing
             (SchedulerLogprobResultProcessor: None first, the sampling position dropped, ids clipped) and
             the tokenizer manager's own formatting, over per-position next-token logprobs of the HF model
@@ -327,7 +340,7 @@ def _tokenizer_manager_class():
             )
 
             with torch.no_grad():
-                logits = self.hf(torch.tensor([prompt])).logits[0].float()  # [T, V]
+                logits = model(torch.tensor([prompt])).logits[0].float()  # [T, V]
             logp = torch.log_softmax(logits, -1)  # [T, V]
             raw = [float(logp[k, prompt[k + 1]]) for k in range(start, len(prompt) - 1)] + [0.0]  # last: sampled
             req = types.SimpleNamespace(is_prefill_only=False, origin_input_ids=prompt, logprob_start_len=start,
@@ -337,19 +350,20 @@ def _tokenizer_manager_class():
             return [list(e) for e in self.detokenize_logprob_tokens(req.logprob.input_token_logprobs_val,
                                                                      req.logprob.input_token_logprobs_idx, False)]
 
-        def _sample(self, input_ids, text, spd, return_logprob, rid, logprob_start_len=-1):
+        def _sample(self, input_ids, text, spd, return_logprob, rid, logprob_start_len=-1, lora_id=None):
             prompt = input_ids if input_ids is not None else self.tokenizer(text)["input_ids"]
             sp = SamplingParams(**{**spd, "n": 1})
             sp.normalize(self.tokenizer)
             sp.verify(self.hf.config.vocab_size)
-            out, lps, finish = _generate_one(self.hf, prompt, sp, self.tokenizer.eos_token_id, bool(return_logprob),
+            model = sglang_lora_side.model_for(self, lora_id)  # the HF model, or it with the request's adapter
+            out, lps, finish = _generate_one(model, prompt, sp, self.tokenizer.eos_token_id, bool(return_logprob),
                                              sp.sampling_seed)
             meta = {"id": rid, "finish_reason": finish, "prompt_tokens": len(prompt), "completion_tokens": len(out),
                     "cached_tokens": 0, "weight_version": self.config_value("weight_version")}
             if return_logprob:
                 meta["output_token_logprobs"] = lps
                 start = -1 if logprob_start_len is None else logprob_start_len
-                meta["input_token_logprobs"] = self._input_logprobs(prompt, start) if 0 <= start < len(prompt) else []
+                meta["input_token_logprobs"] = self._input_logprobs(prompt, start, model) if 0 <= start < len(prompt) else []
             return {"text": self.tokenizer.decode(out), "output_ids": out, "meta_info": meta}
 
     return StandInTokenizerManager

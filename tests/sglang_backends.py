@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 ARCHS = ("llama", "qwen2")
 RECEIVERS = 4  # engines per backend and model: pushes go to 1, 2 and 4 of them
 AUTO = "llama-auto"  # a Llama server under SGLang's default --dtype auto (reflow's launcher pins it)
+LORA = "llama-lora"  # a Llama server with the LoRA flags of a trainer.lora.rank=4 run on q_proj, v_proj
+LORA_TARGETS = ("q_proj", "v_proj")
 
 
 def build(arch: str, out: Path | None, seed: int = 0):
@@ -79,7 +81,7 @@ class Backend:
 def sglang_launches(model_dirs: dict[str, Path]) -> tuple[dict[str, list[int]], list[str]]:
     """Ports per server group and tests.sglang_app's arguments: RECEIVERS servers per model with the
     flags reflow's launcher gives sglang.launch_server (parsed by the wheel), plus one Llama server
-    under SGLang's default --dtype auto."""
+    under SGLang's default --dtype auto and one serving LoRA adapters."""
     from reflow.engines.sglang.launcher import command_line, server_args
 
     def flags(path: Path, port: int, **kw) -> list[str]:
@@ -92,7 +94,9 @@ def sglang_launches(model_dirs: dict[str, Path]) -> tuple[dict[str, list[int]], 
     ports[AUTO] = [free_port()]
     auto = flags(model_dirs["llama"], ports[AUTO][0])
     i = auto.index("--dtype")
-    return ports, serve + ["--serve", json.dumps(auto[:i] + auto[i + 2:])]
+    ports[LORA] = [free_port()]
+    lora = flags(model_dirs["llama"], ports[LORA][0], dtype="float32", lora_rank=4, lora_target_modules=LORA_TARGETS)
+    return ports, serve + ["--serve", json.dumps(auto[:i] + auto[i + 2:]), "--serve", json.dumps(lora)]
 
 
 def start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:

@@ -15,7 +15,7 @@ from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.train import lora as train_lora
 from reflow.engines.train.settings import LoraSettings
 from reflow.engines.weights import lora
-from reflow.engines.weights.adapter_push import ADAPTER_NAME, push_adapter
+from reflow.engines.weights.adapter_push import push_adapter
 from reflow.engines.weights.buckets import SharedBucket
 from reflow.engines.weights.push import WeightSyncError
 from reflow.engines.weights.settings import PushSettings
@@ -24,6 +24,7 @@ from tests.test_engine import fresh_engine as _fresh_engine_fixture
 
 fresh_engine = _fresh_engine_fixture  # test_engine's engine whose weights a test may change, reached with KEY
 SETTINGS = LoraSettings(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"))
+ADAPTER_NAME = lora.adapter_name(1)
 
 
 def _peft_model(path, seed: int):
@@ -101,9 +102,65 @@ def test_adapter_push_is_verified_against_effective_weights(fresh_engine, tiny_p
         push_adapter([c], adapter, config, wrong, "v8", PushSettings(verify="full"))
 
 
+def test_adapter_versions_are_named_and_requests_name_them(fresh_engine, tiny_policy):
+    """One adapter name per version (`reflow-v<version>`): rollout requests name it in lora_path and a
+    request naming another version is refused; the same version pushed again is unloaded first (SGLang
+    refuses a name it holds); the probe of verify=logprobs names it too; a payload whose tensors differ
+    from expected_checksums is refused before anything is written."""
+    from reflow.engines import rollout_stages as ro
+    from reflow.engines.rollout_client import generate_batch
+    from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
+    from reflow.engines.rollout_fns import rollout_with_fn
+    from reflow.rl.types import Prompt
+
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    config = lora.adapter_config(4, 8.0, ["q_proj", "v_proj"], "x")
+    model = _peft_model(tiny_policy, 5)
+    adapter, effective = train_lora.split([(n, p.detach()) for n, p in model.named_parameters()], SETTINGS)
+    probe = _probe(model)
+    for version in ("3", "3", "4"):  # "3" again: held already, so unloaded and loaded again
+        stats = push_adapter([c], adapter, config, effective, version, PushSettings(verify="logprobs"), probe=probe)
+        assert stats["verify_method"] == "logprobs" and stats["logprob_max_diff"] < 1e-4
+        assert c.lora_adapters() == [lora.adapter_name(version)]
+    assert stats["unloaded"] == 0  # the embedded engine merges one adapter: loading replaced the previous one
+    sp = {"max_new_tokens": 2, "temperature": 0.0}
+    assert len(generate_batch([c], [[5, 6]], sp, lora_path="reflow-v4")) == 1
+    with pytest.raises(EngineError, match="'reflow-v3': LoRA adapter not loaded") as e:
+        generate_batch([c], [[5, 6]], sp, lora_path="reflow-v3")
+    assert e.value.status == 400
+    # The rollout stage names the version it samples: batched, and through a rollout function's engine.
+    prompts = [Prompt(0, "1+2=", [5, 6, 7])]
+    assert len(ro.generate([c.url], prompts, sp, 2, 4, 60.0, api_key=KEY, adapter=True)) == 2
+    with pytest.raises(EngineError, match="'reflow-v3'"):
+        ro.generate([c.url], prompts, sp, 2, 3, 60.0, api_key=KEY, adapter=True)
+    assert len(rollout_with_fn(DEFAULT_ROLLOUT_FN, [c.url], prompts, sp, 1, 4, 60.0, None, KEY, lora_path="reflow-v4")) == 1
+    with pytest.raises(EngineError, match="'reflow-v3'"):
+        rollout_with_fn(DEFAULT_ROLLOUT_FN, [c.url], prompts, sp, 1, 3, 60.0, None, KEY, lora_path="reflow-v3")
+    shared = SharedBucket(adapter)
+    try:
+        sums = {**lora.checksums(adapter), adapter[0][0]: "0" * 64}
+        with pytest.raises(EngineError, match="1 value-diff"):
+            c.load_lora_adapter_from_tensors("reflow-v5", config, shared.payloads(1), "flattened_bucket", sums)
+    finally:
+        shared.release()
+    assert c.lora_adapters() == ["reflow-v4"]
+
+
+@torch.no_grad()
+def _probe(model):
+    """The trainer's logprob probe at the adapter's effective weights (TrainerRank._logprob_probe)."""
+    from reflow.engines.weights.verify import LogprobProbe, probe_prompts
+
+    prompts = probe_prompts(model.config.vocab_size)
+    ids = torch.tensor(prompts)  # [P, T]
+    logits = model(input_ids=ids).logits[:, :-1].float()  # [P, T-1, V]
+    ref = torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]  # [P, T-1]
+    return LogprobProbe(prompts, list(ref), torch.float32)
+
+
 def test_adapter_request_fields_are_sglangs():
-    """What the client sends is LoadLoRAAdapterFromTensorsReqInput's / UnloadLoRAAdapterReqInput's
-    fields (io_struct needs the GPU runtime to import, so its source is read)."""
+    """What the client sends is LoadLoRAAdapterFromTensorsReqInput's / UnloadLoRAAdapterReqInput's /
+    GenerateReqInput's (lora_path) fields (io_struct needs the GPU runtime to import, so its source is read)."""
     from reflow.engines.sglang import contract as sglang_contract
 
     root = sglang_contract.installed_root()
@@ -115,10 +172,32 @@ def test_adapter_request_fields_are_sglangs():
     sent: dict[str, dict] = {}
     client = EngineClient("http://127.0.0.1:9", api_key=KEY)
     client._call = lambda method, path, body: sent.setdefault(path, body)  # what would go on the wire
-    client.load_lora_adapter_from_tensors("a", {}, ["x"], "flattened_bucket")
+    client.load_lora_adapter_from_tensors("a", {}, ["x"], "flattened_bucket", {"t": "0" * 64})
     client.unload_lora_adapter("a")
+    client.generate(input_ids=[[5]], sampling_params={}, lora_path="reflow-v1")  # as generate_batch sends it
     assert set(sent["/load_lora_adapter_from_tensors"]) <= fields["LoadLoRAAdapterFromTensorsReqInput"]
+    assert "expected_checksums" in sent["/load_lora_adapter_from_tensors"]
     assert set(sent["/unload_lora_adapter"]) <= fields["UnloadLoRAAdapterReqInput"]
+    assert set(sent["/generate"]) <= fields["GenerateReqInput"] and "lora_path" in sent["/generate"]
+
+
+def test_checksums_are_sglangs_own_expression():
+    """lora.checksums hashes as SGLang 0.5.23's TP worker does for expected_checksums: its expression,
+    taken from tp_worker.py (that module needs the GPU runtime to import) and evaluated here."""
+    from reflow.engines.sglang import contract as sglang_contract
+
+    root = sglang_contract.installed_root()
+    if root is None:
+        pytest.skip("sglang==0.5.23 is not installed")
+    tree = ast.parse((Path(root) / "srt" / "managers" / "tp_worker.py").read_text())
+    method = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "load_lora_adapter_from_tensors")
+    call = next(n for n in ast.walk(method) if isinstance(n, ast.Call) and ast.unparse(n.func) == "hashlib.sha256")
+    expr = compile(f"({ast.unparse(call)}).hexdigest()", "tp_worker.py", "eval")
+    import hashlib
+
+    named = [("a", torch.randn(3, 5)), ("b", torch.randn(4, 2).to(torch.bfloat16).t())]  # one non-contiguous
+    theirs = {n: eval(expr, {"hashlib": hashlib, "torch": torch, "tensors": dict(named), "name": n}) for n, _ in named}
+    assert theirs == lora.checksums(named)
 
 
 def test_lora_config_refusals():
@@ -130,6 +209,7 @@ def test_lora_config_refusals():
     assert policy_rank_settings(load_config(None, [])).lora is None
     with pytest.raises(ConfigError, match="weight_sync.mode=tensor"):
         load_config(None, ["trainer.lora.rank=8", "weight_sync.mode=disk"])
+    assert load_config(None, ["trainer.lora.rank=8", "rollout.backend=sglang"]).trainer.lora.rank == 8
     with pytest.raises(ConfigError, match="trainer.lora.dropout"):
         load_config(None, ["trainer.lora.rank=8", "trainer.lora.dropout=0.1"])
 

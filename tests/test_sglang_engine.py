@@ -62,6 +62,9 @@ def test_field_table_matches_the_wheel():
     assert len(fields) > 200  # the whole ServerArgs surface was read
     for name, kind in SERVER_ARG_TYPES.items():
         assert name in fields, f"ServerArgs has no field {name!r} in sglang {CONTRACT.version}"
+        if kind is list:  # a nargs flag (lora_target_modules: Union[set[str], List[str]])
+            assert "List[str]" in fields[name], (name, fields[name])
+            continue
         assert fields[name].removeprefix("Optional[").removesuffix("]") == kind.__name__, (name, fields[name])
 
 
@@ -113,6 +116,16 @@ def test_command_line_flags():
         command_line({"made_up": 1})
     with pytest.raises(TypeError, match="tp_size must be int"):
         command_line({"tp_size": "2"})
+
+
+def test_lora_flags_only_with_a_rank():
+    assert "--enable-lora" not in command_line(_args(), python="py")
+    cmd = command_line(_args(lora_rank=8, lora_target_modules=("v_proj", "q_proj")), python="py")
+    i = cmd.index("--lora-target-modules")
+    assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "8"
+    assert cmd[i + 1:i + 3] == ["q_proj", "v_proj"] and cmd[cmd.index("--max-loras-per-batch") + 1] == "2"
+    with pytest.raises(ValueError, match="target modules"):
+        _args(lora_rank=8)
 
 
 def test_ports_are_unique_across_concurrent_engines(tmp_path):

@@ -19,11 +19,25 @@ import torch
 
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.sglang import contract as sglang_contract
+from reflow.engines.weights.buckets import SharedBucket
 from reflow.engines.weights.push import WeightSyncError, push_weights
 from reflow.engines.weights.settings import PushSettings
 from reflow.engines.weights.verify import verify_push
 from tests.reference import greedy_reference
-from tests.sglang_backends import ARCHS, AUTO, KEY, RECEIVERS, Backend, build, probe_of, pushed, start_sglang_apps, stop
+from tests.sglang_backends import (
+    ARCHS,
+    AUTO,
+    KEY,
+    LORA,
+    LORA_TARGETS,
+    RECEIVERS,
+    Backend,
+    build,
+    probe_of,
+    pushed,
+    start_sglang_apps,
+    stop,
+)
 
 CONTRACT = sglang_contract.load()
 LOG = "log"  # sglang_apps key of the servers' log
@@ -391,3 +405,53 @@ def test_one_pickled_payload_serves_two_receipts_only(sglang_apps):
     finally:  # a fresh connection: the server closes the one a 500 went out on
         EngineClient(sglang_apps[AUTO][0], timeout=60, api_key=KEY).end_weight_update()
     assert "unable to open shared memory object" in sglang_apps[LOG].read_text()
+
+
+def test_lora_adapter_push_through_sglangs_lora_path(sglang_apps, model_dirs):
+    """Adapter-only pushes to SGLang's app launched with reflow's LoRA flags (issue 20; what is SGLang's
+    own code: tests/sglang_lora_side.py): each version loads as `reflow-v<version>` through its
+    tokenizer manager, TP worker (expected_checksums) and LoRA manager, the previous version is unloaded,
+    the same version pushed again is unloaded first, and since /server_info says enable_lora the push is
+    verified by logprobs of probe requests naming the adapter; a request naming an unloaded version is
+    refused by SGLang's resolution, and one without lora_path is served by the base model."""
+    from reflow.engines.rollout_client import generate_batch
+    from reflow.engines.train import lora as train_lora
+    from reflow.engines.weights import lora
+    from reflow.engines.weights.adapter_push import push_adapter
+    from tests.test_lora import SETTINGS, _peft_model, _probe
+
+    assert SETTINGS.rank == 4 and tuple(SETTINGS.target_modules) == LORA_TARGETS  # what the server was launched for
+    c = EngineClient(sglang_apps[LORA][0], timeout=60, api_key=KEY)
+    assert c.server_info()["enable_lora"] is True
+    config = lora.adapter_config(4, SETTINGS.alpha, list(LORA_TARGETS), str(model_dirs["llama"]))
+    for seed, version, unloaded in ((1, "1", 0), (2, "2", 1), (2, "2", 0)):
+        model = _peft_model(model_dirs["llama"], seed)
+        adapter, effective = train_lora.split([(n, p.detach()) for n, p in model.named_parameters()], SETTINGS)
+        stats = push_adapter([c], adapter, config, effective, version, PushSettings(verify="full"), probe=_probe(model))
+        assert stats["verify_method"] == "logprobs" and stats["logprob_max_diff"] < 1e-5, stats
+        assert "enable_lora" in stats["verify_fallback"][c.url] and stats["unloaded"] == unloaded
+        assert c.lora_adapters() == [lora.adapter_name(version)] and c.model_info()["weight_version"] == version
+    other = _peft_model(model_dirs["llama"], 3)  # the adapter's logprobs are not the base model's, nor another's
+    with pytest.raises(WeightSyncError, match="logprobs of the probe batch differ"):
+        verify_push([c], effective, "2", "logprobs", probe=_probe(other), lora_path="reflow-v2")
+    with pytest.raises(WeightSyncError, match="logprobs of the probe batch differ"):
+        verify_push([c], effective, "2", "logprobs", probe=_probe(model))  # no lora_path: the base model answers
+    sp = {"max_new_tokens": 3, "temperature": 0.0, "ignore_eos": True}
+    prompt = [5, 6, 7, 8]
+    out = generate_batch([c], [prompt], sp, lora_path="reflow-v2")
+    assert out[0]["output_ids"] == greedy_reference(model, prompt, 3, eos=())
+    with pytest.raises(EngineError, match="reflow-v1") as e:
+        generate_batch([c], [prompt], sp, lora_path="reflow-v1")
+    assert e.value.status == 400
+    shared = SharedBucket(adapter)
+    try:  # one tensor's sha256 wrong: SGLang's TP worker refuses the payload and nothing is registered
+        sums = {**lora.checksums(adapter), adapter[0][0]: "0" * 64}
+        with pytest.raises(EngineError):
+            c.load_lora_adapter_from_tensors("reflow-v9", config, shared.payloads(1), "flattened_bucket", sums)
+    finally:
+        shared.release()
+    deadline = time.monotonic() + 10  # the server's log reaches the file a little later
+    while "adapter sync MISMATCH of 8 expected: 1 value-diff" not in sglang_apps[LOG].read_text():
+        assert time.monotonic() < deadline, "SGLang's TP worker did not report the checksum mismatch"
+        time.sleep(0.1)
+    assert EngineClient(sglang_apps[LORA][0], timeout=60, api_key=KEY).lora_adapters() == ["reflow-v2"]

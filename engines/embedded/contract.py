@@ -133,7 +133,7 @@ def parse_generate(body, gen: Generator) -> tuple[_Job, bool, list[bool]]:
         raise ContractError(err)  # SGLang's schema gate: same check, same text as its server
     if body.get("stream"):
         raise ContractError("stream=true is not supported by the embedded engine; send stream=false")
-    for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "image_data", "lora_path"):
+    for key in ("top_logprobs_num", "token_ids_logprob", "return_hidden_states", "image_data"):  # lora_path: lora.py
         if body.get(key):
             raise ContractError(f"{key} is not supported by the embedded engine")
     prompts, batch = _prompts_of(body, gen.tokenizer)

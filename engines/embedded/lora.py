@@ -12,7 +12,11 @@ of the base weights of every adapted linear (taken before the first merge) and m
 into that copy: merging into already-merged weights would add every push's update on top of the
 last, and subtracting the previous update back out drifts in floating point. A full weight update
 (any other endpoint) makes those copies stale; the next adapter then takes fresh ones.
-Requests do not need `lora_path`: the merged adapter serves them all.
+Requests may name the merged adapter in `lora_path` (reflow's rollouts do, as they must on SGLang);
+one naming any other adapter is refused as SGLang refuses an adapter it does not hold. Requests
+without `lora_path` are served by the merged weights. GET /v1/models lists the base model and the
+merged adapter as SGLang does (the pusher reads it), and `expected_checksums` is checked as SGLang's
+TP workers check it (sha256 of each received tensor; missing, extra or different ones refused).
 """
 from __future__ import annotations
 
@@ -69,6 +73,31 @@ def _lora_name(body: dict) -> str:
     return name
 
 
+def check_lora_path(state: EngineState, body: dict) -> None:
+    """Refuse a /generate body whose `lora_path` names an adapter other than the merged one (a list entry
+    null asks for the base model, which a merged engine cannot serve alongside)."""
+    paths = body.get("lora_path")
+    if paths is None:
+        return
+    merged = getattr(state, "adapter", None)
+    held = merged.name if merged is not None else None
+    for path in paths if isinstance(paths, list) else [paths]:
+        if path != held:
+            raise ContractError(f"lora_path {path!r}: LoRA adapter not loaded on this engine (loaded: {held!r}; the "
+                                f"embedded engine merges one adapter and serves every request with it)")
+
+
+def _check_sums(named: list[tuple[str, torch.Tensor]], expected: dict | None) -> None:
+    if expected is None:
+        return
+    got = lora.checksums(named)
+    bad = sorted(n for n in got if n in expected and got[n] != expected[n])
+    missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if bad or missing or extra:
+        raise EngineStateError(f"adapter tensors differ from expected_checksums: {len(bad)} value-diff {bad[:5]}, "
+                               f"{len(missing)} missing {missing[:5]}, {len(extra)} extra {extra[:5]}")
+
+
 def _load(adapter: MergedAdapter, state: EngineState, body: dict, max_bytes: int) -> dict:
     name, config, payloads = _lora_name(body), body.get("config_dict"), body.get("serialized_named_tensors")
     if not isinstance(config, dict):
@@ -79,6 +108,7 @@ def _load(adapter: MergedAdapter, state: EngineState, body: dict, max_bytes: int
         named = load_payload(payloads[0], body.get("load_format"), max_bytes)  # TP=1: entry 0 is ours
     except BucketError as e:
         raise EngineStateError(f"adapter payload rejected: {e}") from e
+    _check_sums(named, body.get("expected_checksums"))
     count = adapter.load(state, name, config, named)
     return {"loaded_adapters": {name: "__tensor__"}, "merged_modules": count}
 
@@ -100,6 +130,14 @@ def add_routes(app: FastAPI, state: EngineState, max_bytes: int) -> None:
     @app.post("/load_lora_adapter_from_tensors")
     async def load_from_tensors(request: Request):
         return await answer(lambda body: _load(adapter, state, body, max_bytes), request)
+
+    @app.get("/v1/models")
+    async def models():  # SGLang's shape (OpenAI model cards): the base model, then the adapter with its parent
+        base = str(state.info.get("model_path"))
+        cards = [{"id": base, "object": "model", "root": base, "parent": None}]
+        if adapter.name is not None:
+            cards.append({"id": adapter.name, "object": "model", "root": "__tensor__", "parent": base})
+        return {"object": "list", "data": cards}
 
     @app.post("/unload_lora_adapter")
     async def unload(request: Request):

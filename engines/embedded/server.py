@@ -33,6 +33,7 @@ from reflow.engines.embedded.contract import (
 )
 from reflow.engines.embedded.generator import Generator, SamplingConfig
 from reflow.engines.embedded.lora import add_routes as lora_routes
+from reflow.engines.embedded.lora import check_lora_path
 from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
 from reflow.engines.hf_io import load_causal_lm
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, HttpGuard
@@ -110,7 +111,9 @@ def _data_plane(app: FastAPI, state: EngineState) -> None:
     async def generate(request: Request):
         t0 = time.perf_counter()
         try:
-            job, single, want_lp = parse_generate(await _body(request), state.gen)
+            body = await _body(request)
+            check_lora_path(state, body)  # the merged adapter, or none named
+            job, single, want_lp = parse_generate(body, state.gen)
             recs = await asyncio.wrap_future(state.submit(job))
         except (ValueError, EngineStateError) as e:
             return _error(e)

@@ -41,7 +41,12 @@ SERVER_ARG_TYPES: dict[str, type] = {
     "mem_fraction_static": float, "enable_memory_saver": bool, "nccl_port": int, "dist_init_addr": str,
     "base_gpu_id": int, "skip_server_warmup": bool, "dtype": str, "random_seed": int, "log_level": str,
     "trust_remote_code": bool, "api_key": str,
+    "enable_lora": bool, "max_lora_rank": int, "lora_target_modules": list, "max_loras_per_batch": int,
 }
+# With LoRA (trainer.lora.rank > 0) the server starts with no adapter (the first push loads one), so
+# SGLang needs the rank and target modules up front; a batch may mix two versions' adapters while
+# requests of the previous version finish (pause_mode retract/in_place; engines/weights/adapter_push.py).
+LORAS_PER_BATCH = 2
 _PORT_LEASE_S = 600.0  # a port handed out stays reserved this long (covers a slow server start)
 # trainer.precision -> the --dtype the engine is pinned to. Never SGLang's "auto": it loads a float32
 # checkpoint as float16 (bfloat16 for Gemma) while /server_info still says "auto", so nobody outside
@@ -68,9 +73,11 @@ def sglang_dtype(precision: str) -> str:
 def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_size: int = 1,
                 mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
                 dist_init_addr: str | None = None, dtype: str = "float32", random_seed: int | None = None,
-                skip_server_warmup: bool = True, log_level: str = "warning", api_key: str | None = None) -> dict:
+                skip_server_warmup: bool = True, log_level: str = "warning", api_key: str | None = None,
+                lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = ()) -> dict:
     """ServerArgs field values for one engine (the builder passes explicit values; no config here).
-    `dtype` is pinned (see SGLANG_DTYPES): "auto" is refused."""
+    `dtype` is pinned (see SGLANG_DTYPES): "auto" is refused. `lora_rank` > 0 enables SGLang's LoRA
+    serving for adapters of that rank on `lora_target_modules` (SGLang's own names, e.g. q_proj)."""
     if dtype not in PINNED_DTYPES:
         raise ValueError(f"SGLang engine dtype {dtype!r}: pin one of {list(PINNED_DTYPES)} (the runtime passes "
                          f"sglang_dtype(trainer.precision)); under 'auto' SGLang loads float32 checkpoints as float16 "
@@ -79,7 +86,17 @@ def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_siz
             "tp_size": tp_size, "mem_fraction_static": mem_fraction_static,
             "enable_memory_saver": enable_memory_saver, "nccl_port": nccl_port, "dist_init_addr": dist_init_addr,
             "base_gpu_id": base_gpu_id, "skip_server_warmup": skip_server_warmup, "dtype": dtype,
-            "random_seed": random_seed, "log_level": log_level, "trust_remote_code": False}
+            "random_seed": random_seed, "log_level": log_level, "trust_remote_code": False, **_lora_args(
+                lora_rank, lora_target_modules)}
+
+
+def _lora_args(rank: int, target_modules: list[str] | tuple[str, ...]) -> dict:
+    if rank <= 0:
+        return {}
+    if not target_modules:
+        raise ValueError("an SGLang engine serving LoRA adapters needs their target modules (trainer.lora.target_modules)")
+    return {"enable_lora": True, "max_lora_rank": rank, "lora_target_modules": sorted(target_modules),
+            "max_loras_per_batch": LORAS_PER_BATCH}
 
 
 def command_line(args: dict, python: str = sys.executable) -> list[str]:
@@ -96,7 +113,7 @@ def command_line(args: dict, python: str = sys.executable) -> list[str]:
             if not (kind is float and isinstance(value, int)):
                 raise TypeError(f"ServerArgs.{name} must be {kind.__name__}, got {value!r}")
         flag = "--" + name.replace("_", "-")
-        cmd += [flag] if kind is bool else [flag, str(value)]
+        cmd += [flag] if kind is bool else [flag, *map(str, value)] if kind is list else [flag, str(value)]
     return cmd
 
 
@@ -149,7 +166,7 @@ class SGLangEngine:
                  mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
                  multi_node: bool = False, dtype: str = "float32", seed: int | None = None,
                  startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None,
-                 api_key: str | None = None):
+                 api_key: str | None = None, lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = ()):
         self.engine_id, self.startup_timeout_s = engine_id, startup_timeout_s
         self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
         self.env = {**os.environ, **(env or {})}
@@ -160,7 +177,7 @@ class SGLangEngine:
         self.args = server_args(model_path, host=host, port=port, nccl_port=nccl_port, tp_size=tp_size,
                                 mem_fraction_static=mem_fraction_static, enable_memory_saver=enable_memory_saver,
                                 base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed,
-                                api_key=self._api_key)
+                                api_key=self._api_key, lora_rank=lora_rank, lora_target_modules=lora_target_modules)
         self.cmd = command_line(self.args, python)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-{engine_id}-{port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle

@@ -10,13 +10,32 @@ Wire names are those of peft's saved adapters (adapter_model.safetensors), which
 which is peft's own merge (LoraLayer.get_delta_weight without fan_in_fan_out; `merge_and_unload`).
 The embedded engine, the trainer's verification copy and `reflow export-merged` all use `merge`
 below, so their tensors agree bit for bit.
+
+On an engine, the adapter of policy version v is named `adapter_name(v)` (`reflow-v<v>`): every
+/generate request of that version names it in `lora_path`, so a request for a version the engine
+does not hold fails (SGLang: "never been loaded") instead of sampling another policy.
 """
 from __future__ import annotations
+
+import hashlib
 
 import torch
 
 PREFIX = "base_model.model."
 HALVES = {"lora_A": "A", "lora_B": "B"}
+ADAPTER_PREFIX = "reflow-v"  # names reflow gives adapters; it unloads no other
+
+
+def adapter_name(version: int | str) -> str:
+    """The engine-side name (and the requests' `lora_path`) of policy `version`'s adapter."""
+    return f"{ADAPTER_PREFIX}{version}"
+
+
+def checksums(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """sha256 of each tensor's bytes, as SGLang 0.5.23's TP workers hash what they received for
+    `expected_checksums` (tp_worker.load_lora_adapter_from_tensors: contiguous, flattened, viewed as uint8)."""
+    return {n: hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
+            for n, t in named}
 
 
 def wire_name(param_name: str) -> str | None:

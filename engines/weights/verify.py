@@ -5,7 +5,8 @@
   the pushed copy cast to the engine's dtype; atol=0 demands bit-equality. Proves the values of the
   tensors read (all of them, or a sample / their first rows). SGLang answers it only for model
   classes that implement `get_weights_by_name` (Llama, Granite, OPT, ...; not Qwen2/Qwen3: a 400),
-  and at TP > 1 with rank 0's shard only.
+  at TP > 1 with rank 0's shard only, and with the base weights where a LoRA adapter is applied per
+  request (SGLang's `enable_lora`; the embedded engine merges adapters, so it answers effective ones).
 - logprobs (verify=logprobs, and what sample|full fall back to where the weights cannot be read
   back whole): every engine scores a fixed probe batch teacher-forced (/generate with
   `return_logprob` and `logprob_start_len=0` -> `meta_info.input_token_logprobs`) and its logprobs
@@ -98,12 +99,12 @@ def verify_due(version: str, every: int) -> bool:
 
 
 def check_pushed(clients: list[EngineClient], named_tensors: Named, version: str, s: PushSettings,
-                 probe: LogprobProbe | None = None) -> dict:
+                 probe: LogprobProbe | None = None, lora_path: str | None = None) -> dict:
     """After any push (full, adapter): `s.verify` when this version is due (verify_every), else every
-    engine's weight_version only."""
+    engine's weight_version only. `lora_path`: the adapter an adapter push loaded (see `verify_push`)."""
     if verify_due(version, s.verify_every):
         return verify_push(clients, named_tensors, version, s.verify, s.verify_sample, s.verify_atol, s.verify_rows,
-                           probe, s.verify_logprob_tol)
+                           probe, s.verify_logprob_tol, lora_path)
     return versions_only(clients, version)
 
 
@@ -121,14 +122,25 @@ def sharded_readback(server_info: dict) -> str | None:
     return f"tp_size={tp}: get_weights_by_name answers rank 0's shard only" if tp > 1 else None
 
 
+def unmerged_adapter(server_info: dict, lora_path: str | None) -> str | None:
+    """Why /get_weights_by_name cannot prove an adapter push (None: it can): an engine launched with
+    `enable_lora` (SGLang) applies adapters per request and answers the base weights there."""
+    if lora_path and server_info.get("enable_lora"):
+        return f"enable_lora: adapter {lora_path!r} is applied per request, get_weights_by_name answers base weights"
+    return None
+
+
 def verify_push(clients: list[EngineClient], named_tensors: Named, version: str, mode: str = "full",
                 sample: int = 4, atol: float = 0.0, rows: int | None = None,
-                probe: LogprobProbe | None = None, logprob_tol: float | None = None) -> dict:
+                probe: LogprobProbe | None = None, logprob_tol: float | None = None,
+                lora_path: str | None = None) -> dict:
     """Verify every engine by `mode` (see the module docstring); returns the stats a push reports:
     verified_tensors, verify_method ("off", "weights", "logprobs" or "weights+logprobs" when engines
     differ), verify_fallback (engine -> why its weights were not read back) and, when logprobs were
     compared, logprob_engines (how many engines were checked that way: the numeric trace the flow's
-    metrics keep) and logprob_max_diff (the largest mean |engine - trainer| over those engines)."""
+    metrics keep) and logprob_max_diff (the largest mean |engine - trainer| over those engines).
+    `lora_path` (adapter pushes): the probe's requests name that adapter, as rollout requests do, and an
+    engine that does not merge it (`unmerged_adapter`) is checked by logprobs."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {mode!r}")
     stats: dict = {"verified_tensors": 0, "verify_method": "off"}
@@ -138,7 +150,7 @@ def verify_push(clients: list[EngineClient], named_tensors: Named, version: str,
     for c in clients:
         _check_version(c, version)
         info = c.server_info()
-        why = "verify=logprobs" if mode == "logprobs" else sharded_readback(info)
+        why = "verify=logprobs" if mode == "logprobs" else sharded_readback(info) or unmerged_adapter(info, lora_path)
         if why is None:
             try:
                 stats["verified_tensors"] += verify_weights([c], named_tensors, version, mode, sample, atol, rows,
@@ -154,7 +166,7 @@ def verify_push(clients: list[EngineClient], named_tensors: Named, version: str,
                                   f"does) or set weight_sync.verify=off")
         if mode != "logprobs":
             fallback[c.url] = why
-        diffs.append(compare_logprobs(c, probe, _engine_dtype(c, info), logprob_tol))
+        diffs.append(compare_logprobs(c, probe, _engine_dtype(c, info), logprob_tol, lora_path))
         methods.add("logprobs")
     stats["verify_method"] = "+".join(sorted(methods, key=("weights", "logprobs").index))
     if fallback:
@@ -230,13 +242,16 @@ def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtypes: tupl
 # ---------------------------------------------------------------- logprobs
 
 
-def engine_input_logprobs(client: EngineClient, prompts: list[list[int]]) -> list[torch.Tensor]:
-    """The engine's teacher-forced logprobs of each prompt's tokens 1.., float32 [len(p) - 1] each.
+def engine_input_logprobs(client: EngineClient, prompts: list[list[int]],
+                          lora_path: str | None = None) -> list[torch.Tensor]:
+    """The engine's teacher-forced logprobs of each prompt's tokens 1.., float32 [len(p) - 1] each
+    (with the LoRA adapter `lora_path` when given).
 
     SGLang's input_token_logprobs with logprob_start_len=0 are [logprob, token_id, text] per prompt
     token, the first logprob null (no context); greedy, so they are plain log_softmax values."""
+    extra = {} if lora_path is None else {"lora_path": lora_path}
     out = client.generate(input_ids=prompts, return_logprob=True, logprob_start_len=0,
-                          sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True})
+                          sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}, **extra)
     result = []
     for p, item in zip(prompts, out):
         entries = item["meta_info"].get("input_token_logprobs") or []
@@ -248,12 +263,12 @@ def engine_input_logprobs(client: EngineClient, prompts: list[list[int]]) -> lis
 
 
 def compare_logprobs(client: EngineClient, probe: LogprobProbe, engine_dtype: torch.dtype | None,
-                     tol: float | None = None) -> float:
+                     tol: float | None = None, lora_path: str | None = None) -> float:
     """Mean |engine - trainer| logprob over the probe; raises WeightSyncError above `tol` (default: by
     the coarser dtype; an engine under SGLang's "auto" counts as float16)."""
     coarse = max((engine_dtype or torch.float16, probe.dtype), key=lambda d: LOGPROB_TOLERANCE.get(d, 1e-2))
     tol = LOGPROB_TOLERANCE.get(coarse, 1e-2) if tol is None else tol
-    got = torch.cat(engine_input_logprobs(client, probe.prompts))  # [N]
+    got = torch.cat(engine_input_logprobs(client, probe.prompts, lora_path))  # [N]
     want = torch.cat([r.float() for r in probe.reference])  # [N]
     diff = (got - want).abs()  # [N]
     mean = float(diff.mean())
