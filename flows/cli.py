@@ -207,7 +207,9 @@ def _tools_demo(seed: int) -> list[str]:
     from reflow.rl.tool_demo import bootstrap_tools, write_tool_data
 
     data = write_tool_data(f".reflow/data/tools-s{seed}", seed)
-    out = Path(f".reflow/models/tools-policy-s{seed}")
+    # "-v2": the warm-up recipe changed (a mix of direct answers and tool calls); a policy cached by the
+    # first recipe (tool traces only) is flat and fragile and learns nothing at this config's settings.
+    out = Path(f".reflow/models/tools-policy-v2-s{seed}")
     if not (out / "config.json").is_file():
         print(f"reflow: bootstrapping the tools demo policy into {out} (once per seed)", file=sys.stderr)
         bootstrap_tools(out, data, seed=seed)

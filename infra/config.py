@@ -66,6 +66,7 @@ class DataConfig(_Strict):
     max_prompt_len: int = Field(64, ge=1, description="Prompts longer than this many tokens are rejected with an error.")
     chat_template: bool = Field(False, description="Prompts are chat messages (a list of {role, content}, or a string = one user message) rendered by the tokenizer's chat template with the generation prompt; the same token ids go to rollout, training and eval.")
     system_prompt: str | None = Field(None, description="chat_template: a system message put first in every prompt that does not start with its own.")
+    metadata_keys: list[str] = Field(default_factory=list, description="task=file: columns of data.path, data.eval_path and file eval sets copied into each prompt's metadata, which a rollout function gets (rollout.generate_fn, `RolloutRequest.metadata`); a file without one of them is an error.")
 
 
 class RewardConfig(_Strict):

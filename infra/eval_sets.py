@@ -46,7 +46,8 @@ def _prompts(s: EvalSetConfig, where: str, cfg: RunConfig, tokenizer, heldout: l
     if s.source == "heldout":
         prompts = list(heldout)[: s.max_prompts]
     else:
-        rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key, where, read)
+        rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key, where, read,
+                         cfg.data.metadata_keys)
         try:
             prompts = tokenize_prompts(rows[: s.max_prompts], tokenizer, cfg.data.max_prompt_len,
                                        PromptFormat.of(cfg.data))

@@ -136,7 +136,7 @@ def _first_prompts(rows: list[dict], tokenizer, data, where: str) -> list:
 
 def check_data(cfg: RunConfig, tokenizer, access: StorageAccess):
     """(first held-out prompts, passed line): data.path (and data.eval_path) read with the named columns,
-    the split leaves rows to train on, the first rows are valid prompts, data.reward_fn scores one."""
+    the split leaves rows to train on, the first rows are valid prompts, the run's reward scores one."""
     from reflow.rl.data import load_prompt_rows
 
     d = cfg.data
@@ -144,7 +144,7 @@ def check_data(cfg: RunConfig, tokenizer, access: StorageAccess):
     try:
         train_rows, eval_rows = load_prompt_rows(
             d.task, d.path, d.prompt_key, d.label_key, d.seed, d.num_train, d.num_eval, d.digits, d.eval_path,
-            read=lambda url: _reader(access, fields.get(url, "data.path"))(url))
+            read=lambda url: _reader(access, fields.get(url, "data.path"))(url), metadata_keys=d.metadata_keys)
     except PreflightError:
         raise
     except ValueError as e:  # rl/data's messages name the file and the field
@@ -155,22 +155,50 @@ def check_data(cfg: RunConfig, tokenizer, access: StorageAccess):
                              if d.eval_path else where + " (held-out rows)")
     if not prompts:
         raise PreflightError(f"{where} holds no prompts; give data.path a file with rows")
-    check_reward(d.reward_fn, "data.reward_fn", prompts[0], where)
+    scorer = check_reward_source(cfg, prompts[0], where)
     return heldout, (f"data: {d.path or d.task} ({len(train_rows)} train / {len(eval_rows)} held-out rows; "
-                     f"first rows valid); data.reward_fn: {d.reward_fn} (scores a row)")
+                     f"first rows valid); {scorer} (scores a row)")
+
+
+def check_reward_source(cfg: RunConfig, prompt, source: str) -> str:
+    """The `reward:` section's scorer (data.reward_fn, a built-in verifier, or the reward server,
+    asked once without retries) scores `prompt` with an empty response; returns what it is."""
+    from reflow.rl.reward_http import HttpReward, reward_source
+    from reflow.rl.rewards import RewardError
+
+    try:
+        scorer = reward_source(cfg.reward, cfg.data.reward_fn)
+    except ValueError as e:  # reward.token_env not set
+        raise PreflightError(one_line(e)) from e
+    if not isinstance(scorer, HttpReward):
+        field = "data.reward_fn" if cfg.reward.type == "function" else "reward.builtin"
+        check_reward(scorer, field, prompt, source)
+        return f"{field}: {scorer}"
+    try:
+        dataclasses.replace(scorer, retries=0).score([_empty_answer(prompt)])
+    except RewardError as e:
+        raise PreflightError(f"reward.url={scorer.url!r} did not score the first row of {source} with an empty "
+                             f"response: {one_line(e, 400)}. Start the server, or fix reward.url / its answer "
+                             f"(the contract is in reflow.rl.reward_http)") from e
+    return f"reward.url: {scorer.url}"
+
+
+def _empty_answer(prompt):
+    from reflow.rl.types import Sample
+
+    return Sample(prompt.text, "", prompt.label, "stop", len(prompt.input_ids), 0)  # an immediate eos
 
 
 def check_reward(spec: str, field: str, prompt, source: str) -> None:
     """`spec` imports and returns a finite float for `prompt` with an empty response (a policy can
     answer with nothing at all, so a reward must handle it)."""
     from reflow.rl.rewards import RewardError, compute_rewards, load_reward_fn
-    from reflow.rl.types import Sample
 
     try:
         fn = load_reward_fn(spec, field)
     except ValueError as e:
         raise PreflightError(one_line(e)) from e
-    empty = Sample(prompt.text, "", prompt.label, "stop", len(prompt.input_ids), 0)  # an immediate eos
+    empty = _empty_answer(prompt)
     try:
         compute_rewards(fn, [prompt.text], [""], [prompt.label], [empty])
     except RewardError as e:
@@ -188,7 +216,7 @@ def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: Sto
     else:
         try:
             rows = read_rows(s.source, s.prompt_key or cfg.data.prompt_key, s.label_key or cfg.data.label_key,
-                             where, _reader(access, f"{where}.source"))
+                             where, _reader(access, f"{where}.source"), cfg.data.metadata_keys)
         except PreflightError:
             raise
         except ValueError as e:
@@ -197,8 +225,11 @@ def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: Sto
         prompts = _first_prompts(rows, tokenizer, cfg.data, source)
     if not prompts:
         raise PreflightError(f"{source} holds no prompts; give {where}.source a file with rows")
-    field = f"{where}.reward_fn" if s.reward_fn else f"data.reward_fn (used by {where}: {s.name})"
-    check_reward(s.reward_fn or cfg.data.reward_fn, field, prompts[0], source)
+    if s.reward_fn or cfg.reward.type == "function":
+        field = f"{where}.reward_fn" if s.reward_fn else f"data.reward_fn (used by {where}: {s.name})"
+        check_reward(s.reward_fn or cfg.data.reward_fn, field, prompts[0], source)
+    else:  # the run's built-in verifier or reward server, as the eval uses (infra/eval_sets.py)
+        check_reward_source(cfg, prompts[0], source)
     return f"eval set {s.name}: {s.source} (first rows valid, reward scores a row)"
 
 

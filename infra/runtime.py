@@ -85,7 +85,7 @@ def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
     d = cfg.data
     train_rows, eval_rows = load_prompt_rows(d.task, d.path, d.prompt_key, d.label_key, d.seed,
                                              d.num_train, d.num_eval, d.digits, d.eval_path,
-                                             storage_access(cfg).read_bytes)
+                                             storage_access(cfg).read_bytes, d.metadata_keys)
     fmt = PromptFormat.of(d)  # one rendering (plain or chat template) for training, rollout and eval
     return (tokenize_prompts(train_rows, tokenizer, d.max_prompt_len, fmt),
             tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len, fmt))

@@ -9,7 +9,9 @@ Sources (`load_prompt_rows`):
   * task "file": a jsonl (`.jsonl`/`.json`, one object per line) or parquet (`.parquet`/`.pq`)
     file at a local path, or at a URL (s3://, ...) through the reader infra passes in (the run's
     storage access: its endpoint and retries), parsed with pandas; columns
-    `prompt_key` and `label_key` become "prompt" and "label". The held-out split is `eval_path`
+    `prompt_key` and `label_key` become "prompt" and "label", and the columns named in
+    `metadata_keys` (data.metadata_keys) become the row's "metadata", which `tokenize_prompts` puts
+    in `Prompt.metadata` (what a rollout function gets). The held-out split is `eval_path`
     when given (the whole file), else the LAST `num_eval` rows of `path` (the rest train). File
     order is kept, so put held-out rows at the end or pass a separate file.
 """
@@ -83,41 +85,58 @@ def _is_missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
+def _plain(value: Any) -> Any:
+    """A metadata cell as plain Python: None for a missing one, a list for parquet's numpy arrays."""
+    return None if _is_missing(value) else value.tolist() if hasattr(value, "tolist") else value
+
+
 def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data",
-              read: Reader = read_local) -> list[dict]:
-    """All rows of a jsonl/parquet file as {"prompt", "label"} dicts; a row whose prompt cell is
-    empty keeps no "prompt" key (reported by `tokenize_prompts`), a missing label becomes None.
-    `section` names the config section in errors (e.g. "eval.sets.1"); `read` fetches the file."""
+              read: Reader = read_local, metadata_keys: Sequence[str] = ()) -> list[dict]:
+    """All rows of a jsonl/parquet file as {"prompt", "label"} dicts, plus {"metadata": {column:
+    value}} of the `metadata_keys` columns when any are named; a row whose prompt cell is empty
+    keeps no "prompt" key (reported by `tokenize_prompts`), a missing label or metadata cell becomes
+    None. `section` names the config section in errors (e.g. "eval.sets.1"); `read` fetches the file."""
     df = _read_table(path, section, read)
     for key, field, holds in ((prompt_key, f"{section}.prompt_key", "prompt text"),
                               (label_key, f"{section}.label_key", "ground truth")):
         if key not in df.columns:
             raise ValueError(f"{path!r} has no column {key!r} ({field}); its columns are {list(df.columns)}: "
                              f"set {field} to the one holding the {holds}")
+    if missing := [key for key in metadata_keys if key not in df.columns]:
+        raise ValueError(f"{path!r} has no column {missing[0]!r} (data.metadata_keys); its columns are "
+                         f"{list(df.columns)}: add the column to the file or drop it from data.metadata_keys")
+    meta = {key: df[key].tolist() for key in metadata_keys}
     rows = []
-    for prompt, label in zip(df[prompt_key].tolist(), df[label_key].tolist()):
+    for i, (prompt, label) in enumerate(zip(df[prompt_key].tolist(), df[label_key].tolist())):
         row = {"label": None if _is_missing(label) else label}
         if not _is_missing(prompt):
             row["prompt"] = prompt
+        if meta:
+            row["metadata"] = {key: _plain(values[i]) for key, values in meta.items()}
         rows.append(row)
     return rows
 
 
 def load_prompt_rows(task: str, path: str | None, prompt_key: str, label_key: str, seed: int,
                      num_train: int, num_eval: int, digits: int,
-                     eval_path: str | None = None, read: Reader = read_local) -> tuple[list[dict], list[dict]]:
+                     eval_path: str | None = None, read: Reader = read_local,
+                     metadata_keys: Sequence[str] = ()) -> tuple[list[dict], list[dict]]:
     """(train_rows, eval_rows) for `task` ("addition" or "file"; see the module docstring); `read`
-    fetches the files (default: local files only)."""
+    fetches the files (default: local files only); `metadata_keys` (task file): the columns kept
+    as each row's metadata."""
     if task == "addition":
+        if metadata_keys:
+            raise ValueError(f"data.metadata_keys={list(metadata_keys)} names file columns, and data.task='addition' "
+                             "reads no file: set data.task=file, or leave data.metadata_keys empty")
         from reflow.rl.demo_task import make_problems
         return make_problems(seed, num_train, num_eval, digits)
     if task != "file":
         raise ValueError(f"data.task={task!r}: expected 'addition' or 'file'")
     if not path:
         raise ValueError("data.task='file' needs data.path (a jsonl or parquet file or URL)")
-    rows = read_rows(path, prompt_key, label_key, read=read)
+    rows = read_rows(path, prompt_key, label_key, read=read, metadata_keys=metadata_keys)
     if eval_path:
-        return rows, read_rows(eval_path, prompt_key, label_key, read=read)
+        return rows, read_rows(eval_path, prompt_key, label_key, read=read, metadata_keys=metadata_keys)
     if num_eval >= len(rows):
         raise ValueError(f"{path!r} has {len(rows)} rows; holding out the last num_eval={num_eval} "
                          f"leaves none to train on (lower data.num_eval or give an eval file)")
@@ -227,7 +246,8 @@ def tokenize_prompts(rows: Sequence[dict], tokenizer, max_prompt_len: int,
                 for i, x in enumerate(ids) if len(x) > max_prompt_len]
     if too_long:
         _raise_bad(too_long, len(rows))
-    return [Prompt(index=i, text=text, input_ids=list(x), label=row.get("label"))
+    return [Prompt(index=i, text=text, input_ids=list(x), label=row.get("label"),
+                   metadata=dict(row.get("metadata") or {}))
             for i, (row, text, x) in enumerate(zip(rows, texts, ids))]
 
 

@@ -85,7 +85,7 @@ def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None) -> float:
 
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
-           check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None, accuracy_fn=None) -> dict:
+           check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
     Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
@@ -93,8 +93,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     first 200 train rows) is measured and training stops once it reaches the target, so `steps`
     is then a maximum. Why: accuracy rises steeply and the step where it does varies by ~±50
     between seeds, so a fixed step count lands anywhere from 0.15 to 0.55. Another task (the tools
-    demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`
-    and `accuracy_fn(model, tokenizer, rows) -> float`.
+    demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`.
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
     "seconds"}.
     """
@@ -116,8 +115,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
         if stop_accuracy is not None and step % check_every == 0:
-            acc = (accuracy_fn(model, tokenizer, check_rows) if accuracy_fn is not None
-                   else greedy_accuracy(model, tokenizer, check_rows, max_new))
+            acc = greedy_accuracy(model, tokenizer, check_rows, max_new)
             if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
                 bar.set_description_str(f"warm-up: accuracy {acc:.2f} reached the target {stop_accuracy} at step {step}")
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{acc:.2f}", refresh=False)

@@ -1,6 +1,12 @@
 """Bootstrap of the tools demo (`reflow demo --task tools`): the tiny character-level policy warmed up
-on a few calculator-use traces (reflow.rl.tool_task.trace) until it solves some held-out problems,
-so that GRPO has groups with mixed rewards to learn from; and the task's data files.
+on demonstrations (reflow.rl.tool_task.trace) of which a share call the calculator and the rest
+write the answer straight away; and the task's data files.
+
+Why the mix: a policy warmed up on tool traces only learns the protocol in a burst, and stopped
+right after it (to leave GRPO something to improve) it is accurate greedily but flat and fragile —
+at temperature 1 almost no sample is right, and one GRPO step at lr 2e-4 broke it (reward 0.50 ->
+0.01). Trained to the end on the mix, the policy copies well when it calls the tool but calls it
+only on some prompts (held-out ~0.2 greedily, ~0.25 sampled); GRPO then has a clear lesson: call.
 
 The warm-up's loss is on the policy's own segments (the call, the answer, eos), never on the
 tool's output, as the RL loss mask does later. Accuracy here is greedy, with the same tool loop as
@@ -8,8 +14,10 @@ the rollout (reflow.engines.tool_rollout) run on the HF model directly.
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
+import zlib
 from pathlib import Path
 
 import torch
@@ -18,19 +26,26 @@ from reflow.rl import tool_task
 from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer, save_policy, warmup
 
 
-def _trace_ids(tokenizer, row: dict) -> tuple[list[int], list[int]]:
+def uses_tool(row: dict, direct_share: float) -> bool:
+    """Whether the warm-up shows `row` solved with the calculator (else answered directly): a fixed
+    split by a hash of the prompt, so each draw of a row teaches the same thing."""
+    return zlib.crc32(row["prompt"].encode()) % 100 >= round(100 * direct_share)
+
+
+def _trace_ids(tokenizer, row: dict, tool: bool = True) -> tuple[list[int], list[int]]:
     """(token ids of prompt + trace + eos, per-token 1 where the policy wrote it)."""
     ids = tokenizer(row["prompt"])["input_ids"]
     mask = [0] * len(ids)
-    for text, policy in tool_task.trace(row):
+    for text, policy in tool_task.trace(row, tool):
         seg = tokenizer(text, add_special_tokens=False)["input_ids"]
         ids, mask = ids + seg, mask + [int(policy)] * len(seg)
     return ids + [tokenizer.eos_token_id], mask + [1]
 
 
-def trace_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded traces [B, T] with labels on the policy's tokens only (-100 elsewhere)."""
-    seqs = [_trace_ids(tokenizer, r) for r in rows]
+def trace_batch(tokenizer, rows: list[dict], direct_share: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded traces [B, T] with labels on the policy's tokens only (-100 elsewhere); the
+    `direct_share` of rows picked by `uses_tool` answer without the calculator."""
+    seqs = [_trace_ids(tokenizer, r, uses_tool(r, direct_share)) for r in rows]
     T = max(len(s) for s, _ in seqs)
     ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
     attn = torch.zeros((len(seqs), T), dtype=torch.long)  # [B, T]
@@ -99,25 +114,33 @@ def write_tool_data(folder: str | Path, seed: int = 0, num_train: int = 4000, nu
     return {k: str(v) for k, v in paths.items()}
 
 
-def bootstrap_tools(out_dir: str | Path, data: dict[str, str], seed: int = 0, steps: int = 600, batch: int = 64,
-                    lr: float = 2e-4, target_accuracy: float = 0.2, check_rows: int = 40, check_every: int = 5,
-                    progress: bool = True) -> dict:
-    """Build the tiny policy, warm it up on tool traces of the train file until greedy tool-loop
-    accuracy on its first `check_rows` rows reaches `target_accuracy`, save it + bootstrap.json.
-    The protocol is learned in a burst (measured: below 0.3 at step 85, 0.575 at step 90 with these
-    defaults), so the policy usually starts above the target; a low target and frequent checks
-    keep that overshoot small."""
+def bootstrap_tools(out_dir: str | Path, data: dict[str, str], seed: int = 0, steps: int = 300, batch: int = 64,
+                    lr: float = 1e-3, direct_share: float = 0.75, progress: bool = True) -> dict:
+    """Build the tiny policy, warm it up for `steps` steps on traces of the train file (a
+    `direct_share` of the problems answered without the calculator, see the module docstring),
+    save it + bootstrap.json with its greedy tool-loop accuracy on the held-out file.
+    Measured (seed 0): 64 s, held-out 0.21 greedy, sampled reward 0.25 at temperature 1; `reflow demo
+    --task tools` lifts it to 0.975 in 10 iterations at lr 1e-4. A fixed step count, not
+    an accuracy target: the greedy share of tool calls swings between checks (0.17-0.41 at 75 %)
+    while the copying keeps improving, so stopping at the first check above a target would keep a
+    less trained policy."""
     t0 = time.perf_counter()
     rows = [json.loads(line) for line in Path(data["train"]).read_text().splitlines()]
     held = [json.loads(line) for line in Path(data["heldout"]).read_text().splitlines()]
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, **SIZES["tiny"], seed=seed)
-    metrics = warmup(model, tokenizer, rows, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
-                     stop_accuracy=target_accuracy, check_rows=rows[:check_rows], check_every=check_every,
-                     batch_fn=trace_batch, accuracy_fn=tool_accuracy)
-    after = tool_accuracy(model, tokenizer, held)
+    threads = torch.get_num_threads()
+    # One thread: this model's ops are too small to split, and on a busy machine threads that wait
+    # for each other made a step take 2.5-4 s instead of ~0.3 s (2 cores, load average 6).
+    torch.set_num_threads(1)
+    try:
+        metrics = warmup(model, tokenizer, rows, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
+                         batch_fn=functools.partial(trace_batch, direct_share=direct_share))
+        after = tool_accuracy(model, tokenizer, held)
+    finally:
+        torch.set_num_threads(threads)
     out = save_policy(model, tokenizer, out_dir)
-    report = {"task": "tools", "seed": seed, "eval_accuracy_after": after, "warmup": metrics,
+    report = {"task": "tools", "seed": seed, "direct_share": direct_share, "eval_accuracy_after": after, "warmup": metrics,
               "seconds": time.perf_counter() - t0, "path": str(out)}
     (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
     return report

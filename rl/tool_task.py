@@ -64,8 +64,12 @@ def last_call(text: str) -> str | None:
     return text[text.rindex(CALL_OPEN):]
 
 
-def trace(row: dict) -> list[tuple[str, bool]]:
-    """A tool-use demonstration for the warm-up: (text, written by the policy?) segments."""
+def trace(row: dict, tool: bool = True) -> list[tuple[str, bool]]:
+    """A demonstration for the warm-up: (text, written by the policy?) segments. With the calculator,
+    or (tool=False) the answer written straight away, which the tiny policy cannot compute and so
+    mostly gets wrong: what GRPO then teaches is to call the tool."""
+    if not tool:
+        return [(str(row["label"]), True)]
     a, b = row["prompt"].rstrip("=").split("*")
     call = f"({a}*{b})"
     return [(call, True), (calculator(call), False), (str(row["label"]), True)]

@@ -133,6 +133,24 @@ def test_load_rows_from_file_jsonl_and_parquet(tmp_path):
     assert load_prompt_rows("addition", None, "p", "l", 1, 20, 5, 2) == make_problems(1, 20, 5, 2)
 
 
+def test_metadata_columns_reach_the_prompts(tmp_path, tok):
+    df = pd.DataFrame({"q": ["1+1=", "2+2=", "3+3="], "a": ["2", "4", "6"], "level": [1, None, 3],
+                       "tags": [["x"], ["y", "z"], []]})
+    df.to_json(tmp_path / "d.jsonl", orient="records", lines=True)
+    df.to_parquet(tmp_path / "d.parquet")
+    for name in ("d.jsonl", "d.parquet"):
+        train, held = load_prompt_rows("file", str(tmp_path / name), "q", "a", 0, 1, 1, 2,
+                                       metadata_keys=["level", "tags"])
+        prompts = tokenize_prompts(train + held, tok, 16)
+        assert [p.metadata for p in prompts] == [{"level": 1, "tags": ["x"]}, {"level": None, "tags": ["y", "z"]},
+                                                 {"level": 3, "tags": []}], name
+    assert tokenize_prompts(load_prompt_rows("file", str(tmp_path / "d.jsonl"), "q", "a", 0, 1, 1, 2)[0], tok, 16)[0].metadata == {}
+    with pytest.raises(ValueError, match=r"no column 'nope' \(data\.metadata_keys\)"):
+        load_prompt_rows("file", str(tmp_path / "d.jsonl"), "q", "a", 0, 1, 1, 2, metadata_keys=["nope"])
+    with pytest.raises(ValueError, match="data.task=file"):
+        load_prompt_rows("addition", None, "p", "l", 1, 20, 5, 2, metadata_keys=["level"])
+
+
 def test_sampler_deterministic_epochs_and_exact_resume(tok):
     prompts = tokenize_prompts([{"prompt": f"{i}+0="} for i in range(10)], tok, 16)
     a, b = PromptSampler(prompts, seed=7), PromptSampler(prompts, seed=7)

@@ -145,6 +145,32 @@ def test_eval_source_without_the_named_column(capsys, good, tmp_path):
                     f"its columns are ['q', 'a']: set eval.sets.0.label_key to the one holding the ground truth")
 
 
+def test_builtin_and_http_rewards_are_checked_instead_of_reward_fn(capsys, good):
+    """With reward.type builtin or http, data.reward_fn does not score (here it names no module): the
+    verifier scores a row, and the reward server is asked once (no retries) for the data and each set."""
+    from tests.test_reward_sources import _Server
+
+    code, out, err = check(capsys, good, "data.reward_fn=no_such_verifiers:score", "reward.type=builtin")
+    assert code == 0, err
+    assert "first rows valid); reward.builtin: reflow.rl.verifiers:exact_match (scores a row)" in err, err
+    server = _Server()
+    try:
+        code, out, err = check(capsys, good, "data.reward_fn=no_such_verifiers:score", "reward.type=http",
+                               f"reward.url={server.url('/score')}")
+        assert code == 0, err
+        assert f"reward.url: {server.url('/score')} (scores a row)" in err, err
+        assert [r[:2] for r in server.requests] == [("/score", 1)] * 2  # data + the held-out eval set
+        server.fail, server.fail_with = {"/down": 1}, {"/down": 503}
+        code, out, err = check(capsys, good, "reward.type=http", f"reward.url={server.url('/down')}")
+        assert (code, out) == (2, "") and err.count("\n") == 1, err
+        assert err.startswith(f"reflow: reward.url='{server.url('/down')}' did not score the first row of data.path="), err
+        assert "(samples 0..0) failed 1 times; last: " in err, err
+        assert [r[0] for r in server.requests].count("/down") == 1  # not retried
+    finally:
+        server.httpd.shutdown()
+        server.httpd.server_close()
+
+
 def test_storage_that_cannot_be_written(capsys, good, tmp_path):
     (tmp_path / "a-file").write_text("not a folder")
     code, out, err = check(capsys, good, f"storage.root={tmp_path}/a-file/runs")

@@ -94,6 +94,7 @@ def test_calculator_task():
     assert all(set(r["prompt"]) <= set("0123456789*=") for r in train + held)
     assert tool_task.trace({"prompt": "23*47=", "label": "1081"}) == [("(23*47)", True), ("=1081 ", False),
                                                                       ("1081", True)]
+    assert tool_task.trace({"prompt": "23*47=", "label": "1081"}, tool=False) == [("1081", True)]
 
 
 def test_warmup_traces_put_labels_on_the_policy_tokens_only():
@@ -105,3 +106,15 @@ def test_warmup_traces_put_labels_on_the_policy_tokens_only():
     kept = TOK.decode([t for t in labels[0].tolist() if t != -100], skip_special_tokens=False)
     assert kept == "(23*47)1081<eos>"  # not the prompt, not the tool's "=1081 "
     assert (labels[1][attn[1] == 0] == -100).all()
+
+
+def test_warmup_mix_answers_a_fixed_share_directly():
+    from reflow.rl.tool_demo import trace_batch, uses_tool
+
+    ids, attn, labels = trace_batch(TOK, [{"prompt": "23*47=", "label": "1081"}], direct_share=1.0)
+    assert TOK.decode(ids[0].tolist(), skip_special_tokens=False) == "23*47=1081<eos>"
+    assert TOK.decode([t for t in labels[0].tolist() if t != -100], skip_special_tokens=False) == "1081<eos>"
+    train, _ = tool_task.make_problems(0, 2000, 0)
+    direct = [r for r in train if not uses_tool(r, 0.75)]
+    assert 0.72 < len(direct) / len(train) < 0.78
+    assert all(uses_tool(r, 0.0) for r in train[:50])
