@@ -60,7 +60,7 @@ lint: $(BIN)/.installed-test
 
 # The whole suite (CI runs this). Per-test timeout and summary: pyproject.toml [tool.pytest.ini_options].
 test: lint
-	$(BIN)/python -m pytest -q --durations=15 tests $(ARGS)
+	$(BIN)/python -m pytest -q --durations=60 tests $(ARGS)
 
 # The same suite with modules and tests shuffled. The seed is printed first (pytest -q hides the
 # plugin's header line); repeat an order with `make test-random SEED=N`.
