@@ -81,6 +81,22 @@ def test_chunks_that_split_a_sequence(monkeypatch):
     assert_close(a.grad, r.grad, rtol=0, atol=1e-6)
 
 
+def test_blocks_of_whole_rows(monkeypatch):
+    """Two rows a block (B=3: blocks of 2 and 1 rows); the logits are a non-contiguous slice, so each block
+    is reshaped to [c, V] by copying at most one block."""
+    monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 2 * T * V)
+    assert list(losses._chunks(torch.empty(B, T, V))) == [(0, 2, 0, T), (2, 3, 0, T)]
+    logits, labels, mask, weights = _case(4)
+    a = logits.detach().clone().requires_grad_(True)
+    logp, ent = logprobs_and_entropy(a, labels, 0.8, entropy=True)
+    (aggregate(logp * weights, mask, "token-mean") - 0.1 * aggregate(ent, mask, "token-mean")).backward()
+    r = logits.detach().clone().requires_grad_(True)
+    (aggregate(token_logprobs_per_row(r, labels, 0.8) * weights, mask, "token-mean")
+     - 0.1 * aggregate(entropy_per_row(r / 0.8), mask, "token-mean")).backward()
+    assert_close(logp.detach(), token_logprobs_per_row(logits, labels, 0.8), rtol=0, atol=1e-6)
+    assert_close(a.grad, r.grad, rtol=0, atol=1e-6)
+
+
 def test_bf16_logits_gradients_in_bf16_match_the_fp32_math():
     """bf16 logits are read as they are (upcast per chunk) and the gradient comes back in bf16."""
     logits, labels, mask, weights = _case(3, torch.bfloat16)
