@@ -208,6 +208,11 @@ def _request(prompts: list[list[int]], sampling_params: dict, n: int, seeds: lis
     return ids, sps
 
 
+def lora_fields(lora_path: str | None) -> dict:
+    """The /generate fields that name a LoRA adapter (SGLang's `lora_path`); none for the base model."""
+    return {} if lora_path is None else {"lora_path": lora_path}
+
+
 def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampling_params: dict, n: int = 1,
                    return_logprob: bool = True, seeds: list[int] | None = None,
                    lora_path: str | None = None) -> list[dict]:
@@ -218,7 +223,7 @@ def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampli
     `seeds` (len(prompts) * n, prompt-major) makes every sample reproducible (see `_request`).
     `lora_path`: the LoRA adapter every request names (SGLang's field; reflow.engines.weights.lora.adapter_name).
     """
-    extra = {} if lora_path is None else {"lora_path": lora_path}
+    extra = lora_fields(lora_path)
     if not clients:
         raise ValueError("generate_batch needs at least one engine client")
     if not prompts:

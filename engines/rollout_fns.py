@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 
 from reflow.engines.http_serve import bearer
-from reflow.engines.rollout_client import EngineError, _server_message
+from reflow.engines.rollout_client import EngineError, _server_message, lora_fields
 from reflow.rl.rewards import _fn_name, _run_coroutine, _short, load_reward_fn
 from reflow.rl.types import Prompt, RolloutBatch
 
@@ -86,7 +86,7 @@ class AsyncEngine:
     def __init__(self, url: str, timeout: float, api_key: str | None, limit: asyncio.Semaphore,
                  lora_path: str | None = None):
         self.url = url.rstrip("/")
-        self._lora = {} if lora_path is None else {"lora_path": lora_path}  # the policy's adapter, on every request
+        self._lora = lora_fields(lora_path)  # the policy's adapter, on every request
         self._http = httpx.AsyncClient(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
                                        headers=bearer(api_key), verify=not self.url.startswith("http://"))
         self._limit = limit  # requests in flight over all engines (rollout.max_concurrent_requests)

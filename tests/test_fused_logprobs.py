@@ -67,18 +67,23 @@ def test_entropy_off_gives_the_same_logprobs_and_gradients():
     assert_close(a.grad, r.grad, rtol=0, atol=1e-6)
 
 
+def _assert_entropy_loss_matches_the_per_row_math(seed: int, temperature: float) -> None:
+    """Values and gradients of a token-mean loss with an entropy bonus, fused against per-row math."""
+    logits, labels, mask, weights = _case(seed)
+    a = logits.detach().clone().requires_grad_(True)
+    logp, ent = logprobs_and_entropy(a, labels, temperature, entropy=True)
+    (aggregate(logp * weights, mask, "token-mean") - 0.1 * aggregate(ent, mask, "token-mean")).backward()
+    r = logits.detach().clone().requires_grad_(True)
+    (aggregate(token_logprobs_per_row(r, labels, temperature) * weights, mask, "token-mean")
+     - 0.1 * aggregate(entropy_per_row(r / temperature), mask, "token-mean")).backward()
+    assert_close(logp.detach(), token_logprobs_per_row(logits, labels, temperature), rtol=0, atol=1e-6)
+    assert_close(a.grad, r.grad, rtol=0, atol=1e-6)
+
+
 def test_chunks_that_split_a_sequence(monkeypatch):
     """Chunks of 3 positions (V=11 -> 33 elements): boundaries fall inside every sequence."""
     monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 3 * V)
-    logits, labels, mask, weights = _case(2)
-    a = logits.detach().clone().requires_grad_(True)
-    logp, ent = logprobs_and_entropy(a, labels, 0.9, entropy=True)
-    (aggregate(logp * weights, mask, "token-mean") - 0.1 * aggregate(ent, mask, "token-mean")).backward()
-    r = logits.detach().clone().requires_grad_(True)
-    (aggregate(token_logprobs_per_row(r, labels, 0.9) * weights, mask, "token-mean")
-     - 0.1 * aggregate(entropy_per_row(r / 0.9), mask, "token-mean")).backward()
-    assert_close(logp.detach(), token_logprobs_per_row(logits, labels, 0.9), rtol=0, atol=1e-6)
-    assert_close(a.grad, r.grad, rtol=0, atol=1e-6)
+    _assert_entropy_loss_matches_the_per_row_math(2, 0.9)
 
 
 def test_blocks_of_whole_rows(monkeypatch):
@@ -86,15 +91,7 @@ def test_blocks_of_whole_rows(monkeypatch):
     is reshaped to [c, V] by copying at most one block."""
     monkeypatch.setattr(losses, "_CHUNK_ELEMENTS", 2 * T * V)
     assert list(losses._chunks(torch.empty(B, T, V))) == [(0, 2, 0, T), (2, 3, 0, T)]
-    logits, labels, mask, weights = _case(4)
-    a = logits.detach().clone().requires_grad_(True)
-    logp, ent = logprobs_and_entropy(a, labels, 0.8, entropy=True)
-    (aggregate(logp * weights, mask, "token-mean") - 0.1 * aggregate(ent, mask, "token-mean")).backward()
-    r = logits.detach().clone().requires_grad_(True)
-    (aggregate(token_logprobs_per_row(r, labels, 0.8) * weights, mask, "token-mean")
-     - 0.1 * aggregate(entropy_per_row(r / 0.8), mask, "token-mean")).backward()
-    assert_close(logp.detach(), token_logprobs_per_row(logits, labels, 0.8), rtol=0, atol=1e-6)
-    assert_close(a.grad, r.grad, rtol=0, atol=1e-6)
+    _assert_entropy_loss_matches_the_per_row_math(4, 0.8)
 
 
 def test_bf16_logits_gradients_in_bf16_match_the_fp32_math():

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.rollout_client import EngineClient, EngineError, lora_fields
 from reflow.engines.weights.settings import PushSettings
 
 VERIFY_MODES = ("off", "sample", "full", "logprobs")
@@ -249,7 +249,7 @@ def engine_input_logprobs(client: EngineClient, prompts: list[list[int]],
 
     SGLang's input_token_logprobs with logprob_start_len=0 are [logprob, token_id, text] per prompt
     token, the first logprob null (no context); greedy, so they are plain log_softmax values."""
-    extra = {} if lora_path is None else {"lora_path": lora_path}
+    extra = lora_fields(lora_path)
     out = client.generate(input_ids=prompts, return_logprob=True, logprob_start_len=0,
                           sampling_params={"max_new_tokens": 1, "temperature": 0.0, "ignore_eos": True}, **extra)
     result = []
