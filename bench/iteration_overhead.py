@@ -7,7 +7,9 @@
 Configurations (CONFIGS): "small" is the demo policy (1.1M parameters) at 4 prompts x 8 samples with
 the demo's own save and eval schedule (none between the first and the last iteration): the fixed
 per-iteration cost at its most visible. "demo" (32 x 8) and "large" (25M parameters, 32 x 8) save
-and evaluate after every iteration.
+and evaluate after every iteration. "large10" is "large" on a schedule closer to real runs: both loops
+save and evaluate after every 10th iteration; its figures are means over 10 measured iterations
+(one save and one eval among them), not medians.
 
 "full" is the real thing: `reflow.flows.train.train` (Prefect flow, one `iteration` subflow per iteration,
 Ray actors: embedded engine over HTTP, DeepSpeed trainer rank) with configs/demo.yaml. Stage seconds
@@ -45,11 +47,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
 DEMO_MODEL = dict(hidden=128, layers=4, mlp=512)
-CONFIGS = {  # model shape, prompts per iteration, save + eval after every iteration
-    "small": dict(model=DEMO_MODEL, prompts=4, every=False),
-    "demo": dict(model=DEMO_MODEL, prompts=32, every=True),
-    "large": dict(model=dict(hidden=512, layers=6, mlp=2048), prompts=32, every=True),
+LARGE_MODEL = dict(hidden=512, layers=6, mlp=2048)
+CONFIGS: dict[str, dict] = {  # model shape, prompts per iteration, save + eval every this many iterations (None: last only)
+    "small": dict(model=DEMO_MODEL, prompts=4, every=None),
+    "demo": dict(model=DEMO_MODEL, prompts=32, every=1),
+    "large": dict(model=LARGE_MODEL, prompts=32, every=1),
+    "large10": dict(model=LARGE_MODEL, prompts=32, every=10, iters=10),  # iters: measured, whatever --iters says
 }
+# The bare loop takes one optimizer step per iteration over micro-batches of 256: both loops are held to it,
+# whatever configs/demo.yaml's default (4 steps since 2026-12-01, bench/RESULTS.md 10a).
+ONE_STEP = ["trainer.minibatches_per_iteration=1", "trainer.micro_batch_size=256"]
 STAGES = ("generate", "reward", "advantages", "train", "push", "report", "save", "eval")
 COMPUTE = tuple(s for s in STAGES if s != "report")
 DEMO_YAML = C.ROOT / "configs" / "demo.yaml"
@@ -58,16 +65,16 @@ DEMO_YAML = C.ROOT / "configs" / "demo.yaml"
 # ---------------------------------------------------------------- full: the real flow
 
 
-def _schedule(every: bool) -> list[str]:
-    """Overrides: no eval before training; save and eval after every iteration, or only after the last."""
-    return ["eval.before_train=false"] + (["eval.interval=1", "checkpoint.save_interval=1"] if every else
-                                          ["eval.interval=null", "checkpoint.save_every_minutes=null"])
+def _schedule(every: int | None) -> list[str]:
+    """Overrides: no eval before training; save and eval every `every` iterations, or only after the last."""
+    return ["eval.before_train=false", "checkpoint.save_every_minutes=null"] + (
+        [f"eval.interval={every}", f"checkpoint.save_interval={every}"] if every else ["eval.interval=null"])
 
 
 def _n_run(args) -> int:
-    """Iterations run: warm-up + measured, and one more without a per-iteration save/eval schedule (the
+    """Iterations run: warm-up + measured, and one more unless every iteration saves and evaluates (the
     last iteration always saves and evaluates: it is not counted then)."""
-    return args.warmup + args.iters + (0 if CONFIGS[args.config]["every"] else 1)
+    return args.warmup + args.iters + (0 if CONFIGS[args.config]["every"] == 1 else 1)
 
 
 def run_full(args) -> dict:
@@ -77,14 +84,19 @@ def run_full(args) -> dict:
     from reflow.infra.config import load_config
     from reflow.infra.runtime import shutdown_runtime
 
+    try:  # the train flow calls run_iteration through flows/recovery.py (older trees: directly)
+        from reflow.flows import recovery
+    except ImportError:
+        recovery = ft
+
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-full-"))
     exp = f"bench-{os.getpid()}"
     conf = CONFIGS[args.config]
-    cfg = load_config(str(DEMO_YAML), _schedule(conf["every"]) + [
+    cfg = load_config(str(DEMO_YAML), _schedule(conf["every"]) + ONE_STEP + [
         f"model.path={args.policy}", f"experiment={exp}", f"num_iterations={_n_run(args)}",
         "checkpoint.keep_last=1", f"rollout.prompts_per_iteration={conf['prompts']}",
         f"storage.root=file://{work}/runs", f"rollout.engine_threads={args.threads}",
-        f"trainer.threads_per_rank={args.threads}", "resume=never"])
+        f"trainer.threads_per_rank={args.threads}", "resume=never", *args.override])
     marks: list[tuple[str, float, float]] = []  # (kind, start, end) of every hooked call
 
     def timed(kind, fn):
@@ -94,14 +106,16 @@ def run_full(args) -> dict:
                 return fn(*a, **kw)
             finally:
                 marks.append((kind, t0, time.perf_counter()))
+        wrapper._bench_timed = True  # type: ignore[attr-defined]  # one hook per function
         return wrapper
 
     # Timing hooks only: the flow looks these names up in its module at call time.
-    for name, kind in (("run_iteration", "iteration"), ("iteration", "iteration"), ("save_checkpoint", "save"),
-                       ("evaluate", "eval"),
-                       ("launch_eval", "eval"), ("collect", "eval")):
-        if hasattr(ft, name):
-            setattr(ft, name, timed(kind, getattr(ft, name)))
+    hooks = [(recovery, "run_iteration", "iteration"), (ft, "run_iteration", "iteration"), (ft, "iteration", "iteration")]
+    hooks += [(ft, name, kind) for name, kind in (("save_checkpoint", "save"), ("evaluate", "eval"),
+                                                  ("launch_eval", "eval"), ("collect", "eval"))]
+    for module, name, kind in hooks:
+        if hasattr(module, name) and not hasattr(getattr(module, name), "_bench_timed"):
+            setattr(module, name, timed(kind, getattr(module, name)))
     cpu0 = {k: c for k, _, _, c in C.process_tree_usage()}  # none yet: Ray and Prefect start inside train
     t_run = time.perf_counter()
     summary = ft.train(cfg, release_cluster=False)
@@ -151,7 +165,7 @@ def _bare_setup(args):
     from reflow.rl.rewards import load_reward_fn
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(str(DEMO_YAML), [f"model.path={args.policy}",
+    cfg = load_config(str(DEMO_YAML), ONE_STEP + [f"model.path={args.policy}",
                                        f"rollout.prompts_per_iteration={CONFIGS[args.config]['prompts']}"])
     tok = load_tokenizer(args.policy)
     policy = load_causal_lm(args.policy)  # trained copy
@@ -291,7 +305,8 @@ def run_bare(args) -> dict:
         (d / "metrics.json").write_text(json.dumps({"iteration": it, "loss": loss, **sec}))
         rollout_table(batch).to_parquet(d / "rollouts.parquet")
         mark("report", t0)
-        if CONFIGS[args.config]["every"]:
+        every = CONFIGS[args.config]["every"]
+        if every and (it + 1) % every == 0:  # the flow's schedule (flows/train.py _save_due, _eval_due)
             _bare_save_eval(cfg, tok, policy, gen, opt, reward_fn, eval_prompts, work, d, it, mark)
         sec["total"] = time.perf_counter() - t_it
         if it >= args.warmup:
@@ -304,8 +319,10 @@ def run_bare(args) -> dict:
 
 
 def _child(args, part: str, config: str, policy: Path, out: Path, log: Path, code: str | None = None) -> dict:
+    iters = CONFIGS[config].get("iters", args.iters)
     cmd = [sys.executable, __file__, "--part", part, "--config", config, "--policy", str(policy), "--json", str(out),
-           "--iters", str(args.iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+           "--iters", str(iters), "--warmup", str(args.warmup), "--threads", str(args.threads)]
+    cmd += [f"--override={o}" for o in args.override]
     env = {**os.environ, **C.BENCH_ENV, "PREFECT_HOME": str(out.parent / f"prefect-{out.stem}"),
            "PREFECT_LOGGING_LEVEL": "WARNING"}
     if code:  # the baseline's `reflow` package first, for this process and its Ray workers
@@ -322,32 +339,39 @@ def _child(args, part: str, config: str, policy: Path, out: Path, log: Path, cod
     return res
 
 
-def _median(rows: list[dict], key: str) -> float:
-    """Median over iterations (robust to a burst of load from other processes on a shared machine)."""
+def _median(rows: list[dict], key: str, mean: bool = False) -> float:
+    """Median over iterations (robust to a burst of load from other processes on a shared machine); the
+    mean where a save and an eval fall in one iteration of several (their cost spread over all)."""
+    avg = statistics.mean if mean else statistics.median
     if key == "orchestration":
-        return statistics.median(r["total"] - sum(r.get(s, 0.0) for s in STAGES) for r in rows)
+        return avg(r["total"] - sum(r.get(s, 0.0) for s in STAGES) for r in rows)
     if key == "fixed":
-        return statistics.median(r["total"] - sum(r.get(s, 0.0) for s in COMPUTE) for r in rows)
-    return statistics.median(r.get(key, 0.0) for r in rows)
+        return avg(r["total"] - sum(r.get(s, 0.0) for s in COMPUTE) for r in rows)
+    return avg(r.get(key, 0.0) for r in rows)
 
 
 def _report(config: str, nparams: int, runs: dict[str, dict]) -> dict[str, float]:
     """Prints the table; returns full/bare of the whole iteration and full's fixed seconds."""
     full, bare = runs["full"], runs["bare"]
+    every = CONFIGS[config]["every"]
+    mean = bool(every and every > 1)
     out = []
     for stage in STAGES + ("orchestration", "fixed", "total"):
-        row = {k: _median(r["rows"], stage) for k, r in runs.items()}
+        row = {k: _median(r["rows"], stage, mean) for k, r in runs.items()}
         row |= {"stage": stage, "ratio": row["full"] / row["bare"] if row["bare"] > 1e-3 else float("nan"),
-                "share": row["full"] / _median(full["rows"], "total")}
+                "share": row["full"] / _median(full["rows"], "total", mean)}
         out.append(row)
-    print(f"\n## {config}: {nparams / 1e6:.1f}M parameters, {CONFIGS[config]['prompts']} prompts x 8 samples; seconds "
-          f"per iteration, median of {len(full['rows'])} (after {full.get('warmup', 1)} warm-up)")
+    sched = {None: "save + eval after the last iteration only", 1: "save + eval every iteration"}.get(
+        every, f"save + eval every {every} iterations")
+    print(f"\n## {config}: {nparams / 1e6:.1f}M parameters, {CONFIGS[config]['prompts']} prompts x 8 samples, {sched}; "
+          f"seconds per iteration, {'mean' if mean else 'median'} of {len(full['rows'])} (after "
+          f"{full.get('warmup', 1)} warm-up)")
     cols = [("stage", "stage", ""), ("full", "full s", ".3f"), ("bare", "bare s", ".3f"),
             ("ratio", "full/bare", ".2f"), ("share", "share of full", ".1%")]
     if "baseline" in runs:
         cols.insert(1, ("baseline", "baseline s", ".3f"))
     print(C.table(out, cols))
-    med = lambda key: _median(full["rows"], key)  # noqa: E731
+    med = lambda key: _median(full["rows"], key, mean)  # noqa: E731
     send, verify = med("push_send"), med("push_verify")
     print(f"full push: {send:.3f}s sending (weight_push), {verify:.3f}s verifying (sampled tensors read back "
           f"over HTTP), {med('push') - send - verify:.3f}s the rest (task, gather, Ray call)")
@@ -373,6 +397,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and trainer (both runs)")
     p.add_argument("--baseline", default=None, help="also run the full flow with the code of this folder (a copy of "
                                                     "another commit's tree)")
+    p.add_argument("--override", action="append", default=[], help="a config override for the full runs (repeatable), "
+                                                                      "e.g. cluster.num_cpus=4")
     p.add_argument("--part", choices=["all", "full", "bare"], default="all", help=argparse.SUPPRESS)
     p.add_argument("--config", default="small", help=argparse.SUPPRESS)
     p.add_argument("--code", default=None, help=argparse.SUPPRESS)
@@ -404,8 +430,9 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     print("\nfull/bare per iteration: " + " ".join(f"{k}={v['full_over_bare']:.2f}" for k, v in results.items()))
     small, large = results.get("small", {}), results.get("large", {})
+    extra = f" large10_full_over_bare={results['large10']['full_over_bare']:.2f}" if "large10" in results else ""
     print(f"iteration_overhead: small_fixed_s={small.get('fixed', float('nan')):.3f} "
-          f"large_full_over_bare={large.get('full_over_bare', float('nan')):.2f}")
+          f"large_full_over_bare={large.get('full_over_bare', float('nan')):.2f}{extra}")
 
 
 def _baseline_package(tree: Path) -> Path:
