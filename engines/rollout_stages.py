@@ -48,13 +48,15 @@ def sample_seeds(seed: int, version: int, count: int) -> list[int]:
 def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
              timeout: float, seed: int | None = None, api_key: str | None = None,
              generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
-             limits: TurnLimits = ONE_TURN, adapter: bool = False) -> RolloutBatch:
-    """n samples per prompt, prompt-major. With `seed`, every sample gets its own sampling_seed
-    (see `sample_seeds`); without, the engines' own random state decides. `api_key`: the runtime's.
+             limits: TurnLimits = ONE_TURN, adapter: bool = False, seed_key: int | None = None) -> RolloutBatch:
+    """n samples per prompt, prompt-major, by the engines' policy `version`. With `seed`, every sample
+    gets its own sampling_seed (see `sample_seeds`; keyed by `seed_key`, default `version`: an
+    asynchronous run keys them by the batch's iteration, as several batches may share a version);
+    without, the engines' own random state decides. `api_key`: the runtime's.
     `generate_fn` (rollout.generate_fn): the default single-turn rollout goes as one batched request
     per engine; any other function runs once per sample (engines/rollout_fns.py). `adapter`: the
     engines hold policy `version` as a LoRA adapter (trainer.lora.rank > 0), which every request names."""
-    seeds = sample_seeds(seed, version, len(prompts) * n) if seed is not None else None
+    seeds = sample_seeds(seed, version if seed_key is None else seed_key, len(prompts) * n) if seed is not None else None
     lora_path = adapter_name(version) if adapter else None
     if generate_fn != DEFAULT_ROLLOUT_FN:
         return rollout_with_fn(generate_fn, urls, prompts, sp, n, version, timeout, seeds, api_key, max_concurrent,
@@ -107,7 +109,8 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
                  n: int, version: int, timeout: float, reward_fn: str | HttpReward, score_kw: dict[str, Any],
                  target_groups: int, seed: int | None = None, api_key: str | None = None,
                  generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
-                 limits: TurnLimits = ONE_TURN, adapter: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+                 limits: TurnLimits = ONE_TURN, adapter: bool = False,
+                 seed_key: int | None = None) -> tuple[RolloutBatch, dict[str, float]]:
     """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
     scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
     the rounds run out), then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`).
@@ -119,7 +122,7 @@ def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[
             break
         round_seed = None if seed is None else seed + 7919 * r
         scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed, api_key, generate_fn,
-                                   max_concurrent, limits, adapter), reward_fn, **score_kw)
+                                   max_concurrent, limits, adapter, seed_key), reward_fn, **score_kw)
         rounds.append(scored)
         informative += len(groups_with_spread(scored)[0])
     batch, filler = fill_groups(rounds, target_groups)

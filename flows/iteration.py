@@ -5,6 +5,10 @@ PPO's first `critic.warmup_iterations` train the critic alone.
 Colocated mode wraps train + push in the GPU hand-over (engines release memory, trainer reloads; then
 trainer offloads, engines resume weights, push, engines resume the rest).
 
+Asynchronous mode (rollout.max_staleness >= 1, flows/async_rollout.py): the iteration takes its scored
+batch from the prefetcher (`time_generate` is then the trainer's wait for it) and, before its push,
+waits for the batch the engines are generating (`time_await_rollouts`).
+
 The parent flow calls `run_iteration`: it times the flow run from the parent's side (creating the
 run and setting its final state are part of the iteration's wall time and of `time_orchestration`),
 runs it without Prefect's heartbeat thread, and leaves the iteration's records (rollouts.parquet,
@@ -19,6 +23,7 @@ from prefect import flow
 from prefect.context import FlowRunContext, SettingsContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
+from reflow.flows import async_rollout
 from reflow.infra.config import RunConfig
 from reflow.infra.control import enter_stage
 from reflow.tasks import report
@@ -63,10 +68,15 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     """Rollout iteration `iteration` (0-based); leaves the engines on policy version iteration+1."""
     timer = StageTimer()
     report.RECORDS.free_api()  # the flow run exists: earlier iterations' records may post while this one computes
-    with timer("generate"):
-        batch = generate(config, iteration)
-    with timer("reward"):  # reward and advantages: one Ray call each, so no task run of their own
-        batch = reward.fn(config, batch)
+    ahead = async_rollout.current(config)  # rollout.max_staleness >= 1: batches generated while earlier ones trained
+    with timer("generate"):  # asynchronous: the trainer's wait for its (scored) batch
+        batch, waits = ahead.take(iteration) if ahead else (None, {})
+    if batch is None:  # the synchronous loop, or a batch that failed in the background
+        with timer("generate"):
+            batch = generate(config, iteration)
+        with timer("reward"):  # reward and advantages: one Ray call each, so no task run of their own
+            batch = reward.fn(config, batch)
+    waits["staleness"] = iteration - batch.stats.get("rollout_policy_version", iteration)
     # engines and trainers share GPUs and take turns (tasks/colocate.py), unless both stay resident
     colocate = config.cluster.colocate and config.cluster.hand_over
     swap = to_trainer(config) if colocate else {}
@@ -82,14 +92,19 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
             train_metrics |= train(config, batch)
     if colocate:
         swap |= to_engines(config, "weights")
+    if ahead:
+        with timer("await_rollouts"):  # the batch the engines are generating: a push never lands mid-batch
+            waits |= ahead.drain()
     with timer("push"):
         push_metrics = push_weights(config, iteration + 1)
+    if ahead:
+        waits |= ahead.pushed(iteration + 1)
     if colocate:
         swap |= to_engines(config, "rest")
     run = FlowRunContext.get().flow_run  # type: ignore[union-attr]  # records name their run explicitly
     with timer("report"):  # rollouts.parquet + sample generations artifact, written in the background
         report.record_rollouts(config, iteration, batch, run.id)
-    metrics = {**batch.stats, **train_metrics, **push_metrics, **swap}
+    metrics = {**batch.stats, **train_metrics, **push_metrics, **swap, **waits}
     if (slot := _handoff.get()) is not None:
         report.RECORDS.hold_api()  # until the parent has this run's final state (run_iteration)
         slot.append((run, metrics, timer, time.perf_counter()))

@@ -26,6 +26,7 @@ import ray
 from prefect import get_run_logger
 from prefect.artifacts import create_table_artifact
 
+from reflow.flows import async_rollout
 from reflow.flows.iteration import run_iteration
 from reflow.infra.config import RunConfig
 from reflow.infra.control import RunControl, enter_stage, ray_record
@@ -114,10 +115,15 @@ def _recover(cfg: RunConfig, i: int, failed: int, dead: list[str], control: RunC
             f"resumes from its latest checkpoint (resume=auto), or raise the bound") from error
     enter_stage("recovering trainers")
     t0 = time.perf_counter()
+    ahead = async_rollout.current(cfg)
+    if ahead is not None:
+        ahead.drain()  # the engines finish the batch they are generating before the restored policy lands
     recreate_trainers(cfg)
     found = find_checkpoints(cfg.model_copy(update={"resume": "auto"})) or find_checkpoints(cfg)
     restored = restore(cfg, found)
     initial_push(cfg, restored["step"], True)  # the engines serve the restored policy, whatever they held
+    if ahead is not None:
+        ahead.restart(restored["step"])  # batches from the checkpoint's step on, as a resumed run makes them
     control.counters["trainer_recoveries"] += 1
     seconds = time.perf_counter() - t0
     line = (f"recovery {done + 1}/{bound}: {what}; rebuilt the trainer group from "

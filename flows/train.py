@@ -21,6 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
+from reflow.flows import async_rollout
 from reflow.flows.recovery import run_recovering
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import leases
@@ -55,6 +56,8 @@ def _save(config: RunConfig, control: RunControl, done: int) -> float:
     """Commit a checkpoint of `done` iterations (removing the sentinel file, if any); returns when."""
     enter_stage("checkpoint")
     RECORDS.wait()  # a checkpoint is committed only after the records of the iterations it holds
+    if (ahead := async_rollout.current(config)) is not None:
+        ahead.persisted(done)  # and the batches generated before it (flows/async_rollout.py)
     get_run_logger().info("checkpoint: %s", save_checkpoint(config, done))
     control.saved(done)
     if ckpt.sentinel_present(config.checkpoint.sentinel):
@@ -126,6 +129,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         start = restored["step"]
         control = start_control(config, flow_run.id, start)  # control API (`reflow ctl`), stack dumps
         initial_push(config, start, restored["loaded"])
+        async_rollout.open_prefetcher(config, start)  # rollout.max_staleness >= 1: generating from here on
         evals: dict[int, dict[str, dict]] = {}  # policy version -> {eval set: summary}
         pending: list = []  # launched evals not recorded yet
         if config.eval.before_train and start == 0:
@@ -165,6 +169,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
                 "seconds": time.perf_counter() - t0}
     finally:
+        async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
         if control is not None:
             control.close()
         if progress is not None:

@@ -121,6 +121,7 @@ class RolloutConfig(_Strict):
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
+    max_staleness: int = Field(0, ge=0, le=8, description="Asynchronous rollout: 0 is the synchronous loop (generate, then train); k >= 1 lets the engines generate the next batches while the trainer trains, each batch by a policy at most k versions behind the one it trains (a push waits for the batch being generated, so every batch has one version, recorded per sample). Stale batches are corrected by truncated importance sampling at algorithm.tis_cap (2.0 when unset). Needs engines that stay resident (not colocated with hand-overs).")
 
 
 class CriticConfig(_Strict):
@@ -366,6 +367,14 @@ class RunConfig(_Strict):
                 f"through SGLang's update_weights_from_disk, which reads only local folders (or hub ids), not "
                 f"storage URLs. Set weight_sync.disk_dir to a folder every engine node can read (a local path or a "
                 f"shared filesystem mount, e.g. /mnt/shared/weights), or use weight_sync.mode=tensor or distributed")
+        return self
+
+    @model_validator(mode="after")
+    def _check_async(self) -> RunConfig:
+        if self.rollout.max_staleness and self.cluster.colocate and self.cluster.hand_over:
+            raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} generates while the trainer trains, but "
+                             f"cluster.colocate with cluster.hand_over=true releases the engines' memory during training: "
+                             f"set cluster.hand_over=false (both stay resident), cluster.colocate=false, or max_staleness=0")
         return self
 
     @model_validator(mode="after")

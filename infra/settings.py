@@ -22,7 +22,17 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         temperature=cfg.rollout.temperature, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
         loss_norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens, dual_clip_c=a.dual_clip_c,
-        tis_cap=a.tis_cap, ratio_level=a.spec.ratio_level)
+        tis_cap=tis_cap(cfg), ratio_level=a.spec.ratio_level)
+
+
+ASYNC_TIS_CAP = 2.0  # the off-policy correction of an asynchronous run whose algorithm.tis_cap is unset
+
+
+def tis_cap(cfg: RunConfig) -> float | None:
+    """algorithm.tis_cap; an asynchronous run (rollout.max_staleness >= 1) always corrects its stale
+    batches, at ASYNC_TIS_CAP when the algorithm sets none."""
+    cap = cfg.algorithm.tis_cap
+    return ASYNC_TIS_CAP if cap is None and cfg.rollout.max_staleness else cap
 
 
 def total_steps(cfg: RunConfig) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from logging import Logger
 
 import ray
 from prefect import get_run_logger, task
@@ -72,15 +73,15 @@ def _sp(rt: Runtime) -> dict:
                               r.skip_special_tokens, r.no_stop_trim)
 
 
-def _cached(rt: Runtime, iteration: int, stage: str) -> BatchRef | None:
+def _cached(rt: Runtime, iteration: int, stage: str, log: Logger | None = None) -> BatchRef | None:
     """The stage's persisted result from an earlier (crashed) flow run of this iteration, if any."""
     meta = stage_cache.find(rt.store, iteration, stage, stage_cache.stage_key(rt.cfg, stage))
     if meta is None:
         return None
     ref = stage_cache.load_stage.remote(rt.store, iteration, stage, meta["sha256"])
     ray.wait([ref], fetch_local=False)
-    get_run_logger().info("iteration %d: %s rollouts loaded from storage (%d samples), not generated again",
-                          iteration, stage, meta["samples"])
+    (log or get_run_logger()).info("iteration %d: %s rollouts loaded from storage (%d samples), not generated again",
+                                   iteration, stage, meta["samples"])
     return BatchRef(ref, {**meta["stats"], f"{stage}_from_storage": 1.0}, iteration)
 
 
@@ -94,20 +95,31 @@ def _persist(rt: Runtime, batch: BatchRef, stage: str) -> BatchRef:
 
 @task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_fault)
 def generate(cfg: RunConfig, iteration: int) -> BatchRef:
+    return generate_batch(cfg, iteration)
+
+
+def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, log: Logger | None = None) -> BatchRef:
+    """Iteration `iteration`'s rollouts (its prompts, its sampling seeds) by the engines' policy `version`:
+    by default the iteration's own, after recreating engines that died (the `generate` task); an
+    asynchronous run's prefetcher (flows/async_rollout.py) passes the version the engines serve."""
     rt = get_runtime(cfg)
-    if (cached := _cached(rt, iteration, "generated")) is not None:
+    if (cached := _cached(rt, iteration, "generated", log)) is not None:
         return cached
-    # An engine lost since the last push (or during this task's previous attempt: the retry comes
-    # back here) is recreated and given the current weights now, not after the retries are spent.
-    recreated = ensure_engines(cfg, serve_version=iteration)
+    recreated: list[str] = []
+    if version is None:
+        # An engine lost since the last push (or during this task's previous attempt: the retry comes
+        # back here) is recreated and given the current weights now, not after the retries are spent.
+        recreated, version = ensure_engines(cfg, serve_version=iteration), iteration
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
-                           iteration, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
-                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg))
+                           version, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
+                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg),
+                           seed_key=iteration)
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
     ray.get(_size.remote(ref))
-    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated))}
+    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated)),
+             "rollout_policy_version": float(version)}
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 
@@ -121,10 +133,14 @@ def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -
 
 @task(name="reward", cache_policy=NO_CACHE)
 def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
+    return score_batch(cfg, batch)
+
+
+def score_batch(cfg: RunConfig, batch: BatchRef, log: Logger | None = None) -> BatchRef:
     """Score the batch (reward fn + overlong penalty); with dynamic sampling, top it up to
     `prompts_per_iteration` groups with reward spread (engines/rollout_stages.py `dynamic_fill`)."""
     a = cfg.algorithm
-    if batch.iteration is not None and (cached := _cached(get_runtime(cfg), batch.iteration, "scored")) is not None:
+    if batch.iteration is not None and (cached := _cached(get_runtime(cfg), batch.iteration, "scored", log)) is not None:
         return cached
     score_kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, overlong_buffer=a.overlong_buffer,
                     overlong_factor=a.overlong_penalty)
@@ -135,12 +151,13 @@ def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
             raise ValueError("dynamic sampling needs the batch's iteration (a BatchRef from the generate task)")
         rt = get_runtime(cfg)
         ref, ds = _dynamic_fill.remote(ref, rt.generate_urls, extra_prompt_rounds(cfg, rt.train_prompts, batch.iteration),
-                                       _sp(rt), cfg.rollout.n_samples_per_prompt, batch.iteration,
+                                       _sp(rt), cfg.rollout.n_samples_per_prompt,
+                                       int(batch.stats.get("rollout_policy_version", batch.iteration)),
                                        cfg.rollout.request_timeout_s, reward_source(cfg.reward, cfg.data.reward_fn), score_kw,
                                        cfg.rollout.prompts_per_iteration,
                                        cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key,
                                        cfg.rollout.generate_fn, cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(),
-                                       adapter=uses_adapter(cfg))
+                                       adapter=uses_adapter(cfg), seed_key=batch.iteration)
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
     out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration, batch.saving)

@@ -37,6 +37,8 @@ def stage_key(cfg: RunConfig, stage: str) -> str:
                                                      "skip_special_tokens", "no_stop_trim")}}
     if r.generate_fn != type(r).model_fields["generate_fn"].default:  # default: the key records made before it had
         parts["generate_fn"] = r.generate_fn
+    if r.max_staleness:  # an asynchronous run's batch i comes from an older policy than a synchronous run's
+        parts["max_staleness"] = r.max_staleness
     if stage == "scored":
         parts["reward"] = {k: getattr(a, k) for k in ("dynamic_sampling", "max_sampling_rounds", "overlong_buffer",
                                                       "overlong_penalty")}

@@ -9,6 +9,8 @@ which `api_key()` hands back over Ray).
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from reflow.engines.embedded.generator import Generator
@@ -66,6 +68,24 @@ class EmbeddedEngine:
         if last is None:
             return True
         raise TimeoutError(f"engine {self.engine_id} at {self.url()} not ready after {timeout:.0f}s ({last})")
+
+    def run_in_background(self) -> str:
+        """Run every thread of this process (and those it starts later, which inherit it) under Linux's
+        SCHED_IDLE policy: the engine then computes only on CPU time nothing else wants. An asynchronous
+        run on CPU asks for it, so that background generation fills the cores the trainer and the flow
+        leave idle rather than slowing those two, the loop's critical path (Ray runs every worker at
+        niceness 15, so a niceness alone would not put the engine behind the trainer). Any process may
+        lower its own policy this way. Returns the policy now in force ("idle", or "other" where the
+        platform has no SCHED_IDLE)."""
+        policy = getattr(os, "SCHED_IDLE", None)
+        if policy is None:
+            return "other"
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                os.sched_setscheduler(int(tid), policy, os.sched_param(0))
+            except ProcessLookupError:  # deliberate: the thread ended meanwhile
+                pass
+        return "idle" if os.sched_getscheduler(0) == policy else "other"
 
     def stats(self) -> dict:
         """Requests and sequences this engine has accepted since it started, and its weight version."""

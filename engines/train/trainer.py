@@ -63,9 +63,10 @@ from reflow.rl.types import RolloutBatch, to_train_tensors
 log = logging.getLogger("reflow.trainer")
 
 # Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
-_SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tokens",
-             "mismatch_sum", "mismatch_tokens")
-_MAX_KEYS = ("ratio_max", "neg_ratio_min", "logprob_mismatch_max", "step_time_s", "old_logprob_time_s")
+_SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tis_capped",
+             "tokens", "mismatch_sum", "mismatch_tokens")
+_MAX_KEYS = ("ratio_max", "neg_ratio_min", "logprob_mismatch_max", "tis_weight_max", "step_time_s",
+             "old_logprob_time_s")
 
 
 def _units(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
@@ -275,6 +276,10 @@ class TrainerRank(DeepSpeedRank):
         for key in ("clip_frac", "ratio_mean", "approx_kl"):
             acc[key] = acc[key] + pm[key].double() * n_tok  # token-weighted, divided by all tokens at the end
         acc["tis_weight"] = acc["tis_weight"] + ((isw * mask).sum().double() if isw is not None else n_tok)
+        if isw is not None:  # how far the rollout's policy was from the trainer's, and how often the cap cut it
+            acc["tis_capped"] = acc["tis_capped"] + ((isw >= hp.tis_cap) & (mask != 0)).sum().double()
+            acc["tis_weight_max"] = torch.maximum(torch.as_tensor(acc["tis_weight_max"]).to(share),
+                                                  (isw * mask).max().double())
         acc["tokens"] = acc["tokens"] + n_tok
         seen = n_tok > 0  # a micro-batch without response tokens leaves the extremes alone
         acc["ratio_max"] = torch.where(seen, torch.maximum(torch.as_tensor(acc["ratio_max"]).to(share),
@@ -295,6 +300,8 @@ class TrainerRank(DeepSpeedRank):
             "kl": s["kl"] / minibatches, "entropy": s["entropy"] / minibatches,
             "clip_frac": s["clip_frac"] / tokens, "ratio_mean": s["ratio_mean"] / tokens,
             "approx_kl": s["approx_kl"] / tokens, "tis_weight_mean": s["tis_weight"] / tokens,
+            "tis_weight_max": m["tis_weight_max"] or 1.0,  # 0: no TIS, every weight 1
+            "tis_capped_frac": s["tis_capped"] / tokens,
             "ratio_min": -m["neg_ratio_min"] if s["tokens"] else 1.0,
             "ratio_max": m["ratio_max"] if s["tokens"] else 1.0,
             "logprob_mismatch": s["mismatch_sum"] / max(s["mismatch_tokens"], 1.0),

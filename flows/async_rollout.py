@@ -1,0 +1,155 @@
+"""Asynchronous rollout (`rollout.max_staleness` = k >= 1): the engines generate the next batches while
+the trainer trains.
+
+After every push of policy v (and when the run starts, v = the step it starts from) the prefetcher
+launches every batch j <= v + k not launched yet; a background thread generates and scores them one
+after another (tasks/rollout.generate_batch / score_batch, each persisted to the stage cache) by the
+policy the engines serve, v. Iteration i's flow run takes batch i (waiting if it is not done yet:
+`async_trainer_wait_s`) and trains on it at policy i: its staleness i - v is at most k, and truncated
+importance sampling corrects it (infra/settings.tis_cap). Before pushing policy i + 1 the flow waits for
+the batch being generated (`async_push_wait_s`): a push never lands mid-batch, so every batch has one
+version, and which version generates batch j is max(start, j - k) whatever the timing. With seeded
+sampling (seeds keyed by j) a batch is then a function of its prompts and that version: runs are
+reproducible, and
+
+  checkpoint s is committed only after the batches generated before it (versions < s: batches
+  s..s+k-1) are in the stage cache, so a run resumed from s trains on exactly those and generates the
+  later ones by the same versions as the uninterrupted run: resume is exact for every k.
+
+A batch that fails in the background (an engine lost mid-request) is generated again by the
+iteration's own `generate` task (its retries, its engine recreation) at the iteration's policy.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import ray
+
+from reflow.infra.config import RunConfig
+from reflow.infra.runtime import get_runtime, use_gpus
+from reflow.tasks.rollout import BatchRef, generate_batch, score_batch
+
+log = logging.getLogger("reflow.async")
+_open: dict[str, Prefetcher] = {}  # experiment -> the prefetcher of its running train flow (one per process)
+_lock = threading.Lock()
+
+
+class Prefetcher:
+    """Batches generated ahead of the trainer, by the policy version the engines serve."""
+
+    def __init__(self, cfg: RunConfig, version: int):
+        self.cfg, self.k, self.version = cfg, cfg.rollout.max_staleness, version
+        self.batches: dict[int, tuple[int, Future[BatchRef]]] = {}  # iteration -> (version, its batch)
+        self.next = version  # the first batch not launched yet
+        self.idle_since: float | None = None  # when the engines finished the last launched batch
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="reflow-prefetch")
+        self.yield_cpu()
+        self.launch()
+
+    def yield_cpu(self) -> dict[str, float]:
+        """Embedded engines on CPU generate only on idle CPU time (EmbeddedEngine.run_in_background): on a
+        shared machine their background batches then fill the cores the trainer and the flow leave idle
+        rather than slow those two down, which are the loop's critical path. (A run on GPUs is left alone.)"""
+        if self.cfg.rollout.backend == "embedded" and not use_gpus(self.cfg):
+            engines = get_runtime(self.cfg).engines  # after every push: it may have recreated one
+            policies = ray.get([e.run_in_background.remote() for e in engines], timeout=30)
+            if "idle" not in policies:
+                log.warning("engines could not switch to SCHED_IDLE (%s): their background generation "
+                            "competes with the trainer for CPU", policies)
+            return {"async_engines_sched_idle": float(all(p == "idle" for p in policies))}
+        return {}
+
+    def launch(self) -> None:
+        """Start every batch the engines' version may generate (j <= version + k)."""
+        while self.next <= self.version + self.k:
+            self.batches[self.next] = (self.version, self.pool.submit(self._make, self.next, self.version))
+            self.next += 1
+
+    def _make(self, i: int, version: int) -> BatchRef:
+        t0 = time.perf_counter()
+        batch = score_batch(self.cfg, generate_batch(self.cfg, i, version, log), log)
+        self.idle_since = time.monotonic()
+        batch.stats["async_generate_s"] = time.perf_counter() - t0
+        return batch
+
+    def take(self, i: int) -> tuple[BatchRef | None, dict[str, float]]:
+        """Batch i, scored (None when its background generation failed: the caller generates it), and
+        how long the trainer waited for it."""
+        if i not in self.batches:  # a re-run after a recovery starts from its checkpoint: launch from there
+            self.restart(i)
+        version, fut = self.batches.pop(i)
+        self.launch()  # nothing new after a push (`pushed` launched it); the run's first batches otherwise
+        t0 = time.perf_counter()
+        try:
+            batch = fut.result()
+        except Exception as e:  # deliberate: any failure of the background batch falls back to the generate task
+            log.warning("iteration %d: its batch failed in the background (%s: %s); generating it now", i,
+                        type(e).__name__, next(iter(str(e).splitlines()), ""))
+            return None, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 1.0}
+        return batch, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 0.0,
+                       "async_generated_by": float(version)}
+
+    def drain(self) -> dict[str, float]:
+        """Wait for every launched batch (a push must not land mid-batch); failures wait for `take`."""
+        t0 = time.perf_counter()
+        for _, fut in self.batches.values():
+            try:
+                fut.result()
+            except Exception:  # deliberate: reported by `take`, which generates the batch again
+                pass
+        return {"async_push_wait_s": time.perf_counter() - t0}
+
+    def pushed(self, version: int) -> dict[str, float]:
+        """The engines serve `version` now: launch what it may generate. Returns how long the engines sat
+        idle waiting for it (from their last batch's end)."""
+        idle = time.monotonic() - self.idle_since if self.idle_since is not None else 0.0
+        self.version = version
+        sched = self.yield_cpu()
+        self.launch()
+        return {"async_engine_idle_s": idle, **sched}
+
+    def persisted(self, done: int) -> None:
+        """Every batch generated before policy `done` is in the stage cache (checkpoint `done` needs them)."""
+        for version, fut in list(self.batches.values()):
+            if version < done:
+                try:
+                    ray.get(list(fut.result().saving))
+                except Exception:  # deliberate: a failed batch is generated again after a resume
+                    pass
+
+    def restart(self, version: int) -> None:
+        """Drop what was launched (after waiting for it: never push under a running batch) and start
+        again from `version` (a recovery restored the trainers to it)."""
+        self.drain()
+        self.batches.clear()
+        self.version = self.next = version
+        self.launch()
+
+    def close(self) -> None:
+        self.drain()
+        self.pool.shutdown(wait=True)
+
+
+def open_prefetcher(cfg: RunConfig, version: int) -> Prefetcher | None:
+    """The run's prefetcher (engines serving `version`), or None for the synchronous loop (k = 0)."""
+    if not cfg.rollout.max_staleness:
+        return None
+    with _lock:
+        _open[cfg.experiment] = p = Prefetcher(cfg, version)
+    return p
+
+
+def current(cfg: RunConfig) -> Prefetcher | None:
+    """The prefetcher of the experiment's running train flow; None when there is none (k = 0, or an
+    iteration flow run called on its own)."""
+    return _open.get(cfg.experiment)
+
+
+def close_prefetcher(cfg: RunConfig) -> None:
+    with _lock:
+        p = _open.pop(cfg.experiment, None)
+    if p is not None:
+        p.close()
