@@ -273,7 +273,8 @@ def cmd_cluster(args) -> None:
     from reflow.infra import ray_head as cluster
 
     if args.cluster_command == "up":
-        info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus, host=args.host)
+        info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus, host=args.host,
+                                   resources=_resources_arg(args.resources))
         print(f"reflow: Ray head {'started' if started else 'already running'} at {info.address} "
               f"(pid {info.pid}, {info.num_cpus} CPUs). Attach flows and workers with:")
         print(" ".join(f"export {k}={v};" for k, v in info.env().items()))
@@ -290,12 +291,32 @@ def cmd_cluster(args) -> None:
             print("reflow: Ray head stopped" if info else "reflow: no Ray head was running")
 
 
+def _resources_arg(text: str | None) -> dict[str, float] | None:
+    """`--resources '{"name": amount}'` as Ray's `ray start --resources` takes it."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--resources {text!r} is not JSON ({e}); e.g. --resources '{{\"reflow_engine_node\": 1}}'") from None
+    if not isinstance(value, dict) or not all(isinstance(v, (int, float)) and v > 0 for v in value.values()):
+        raise UsageError(f"--resources {text!r}: a JSON object of custom resource names and positive amounts, "
+                         f"e.g. '{{\"reflow_engine_node\": 1}}'")
+    return value
+
+
 def _status_text(st: dict) -> str:
     if not st["up"]:
         return "reflow: no Ray head is running (start one with `reflow cluster up`)"
-    exports = " ".join(f"{k}={v}" for k, v in st["env"].items())
-    lines = [f"Ray head {st['address']} (pid {st['pid']}, {st['num_cpus']} CPUs); export {exports}",
-             f"{len(st['actors'])} reflow actor(s):"]
+    if st.get("recorded", True):
+        exports = " ".join(f"{k}={v}" for k, v in st["env"].items())
+        lines = [f"Ray head {st['address']} (pid {st['pid']}, {st['num_cpus']} CPUs); export {exports}"]
+    else:
+        lines = [f"Ray cluster at {st['address']} (RAY_ADDRESS; not started by `reflow cluster up`)"]
+    lines.append(f"{len(st['nodes'])} node(s):")
+    lines += [f"  {n['node']}  {'alive' if n['alive'] else 'DEAD'}  {n['custom_resources'] or ''}".rstrip()
+              for n in st["nodes"]]
+    lines.append(f"{len(st['actors'])} reflow actor(s):")
     lines += ["  " + "  ".join(f"{k}={v}" for k, v in row.items()) for row in st["actors"]]
     return "\n".join(lines)
 
@@ -419,6 +440,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "up":
             cp.add_argument("--port", type=int, default=6390, help="GCS port (default %(default)s)")
             cp.add_argument("--num-cpus", type=int, default=None, help="logical CPUs (default max(4, cores))")
+            cp.add_argument("--resources", default=None, metavar="JSON",
+                            help="custom Ray resources of the head node, e.g. '{\"reflow_engine_node\": 1}' "
+                                 "(rollout.node_resources / trainer.node_resources place actors by them; "
+                                 "docs/scale-out.md)")
             cp.add_argument("--host", default="127.0.0.1",
                             help="address to listen on (default %(default)s: loopback only). Give this machine's "
                                  "address only for a multi-node cluster: Ray then listens on every interface, "

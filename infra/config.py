@@ -47,6 +47,18 @@ PathSegment = Annotated[str, AfterValidator(_segment), Field(json_schema_extra={
 Location = Annotated[str, AfterValidator(_credential_free)]
 
 
+def _custom_resources(value: dict[str, float]) -> dict[str, float]:
+    builtin = sorted(k for k in value if k in ("CPU", "GPU", "memory", "object_store_memory") or k.startswith("node:"))
+    if builtin:
+        raise ValueError(f"{builtin} are Ray's own resources, which reflow sets itself (CPUs and GPUs per actor); "
+                         f"name custom resources a node was started with (`ray start --resources='{{\"reflow_engine_node\": 1}}'`)")
+    return value
+
+
+# Ray custom resources an actor asks for: it is placed only on nodes started with them (docs/scale-out.md).
+NodeResources = Annotated[dict[str, Annotated[float, Field(gt=0.0)]], AfterValidator(_custom_resources)]
+
+
 class ModelConfig(_Strict):
     path: str = Field(".reflow/models/demo-policy", description="HF checkpoint folder or URL (file://, s3://) of the initial policy.")
     ref_path: str | None = Field(None, description="Frozen reference model for the KL term; defaults to `path`.")
@@ -105,6 +117,7 @@ class RolloutConfig(_Strict):
     max_batch_size: int = Field(256, ge=1, description="Largest batch an engine decodes at once.")
     engine_threads: int = Field(1, ge=1, description="torch threads of each engine process.")
     request_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one generate request.")
+    node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each engine asks for, e.g. {reflow_engine_node: 0.01}: engines then run only on nodes started with them (`ray start --resources`); empty: any node. docs/scale-out.md.")
     generate_fn: str = Field("reflow.engines.rollout_fns:single_turn", min_length=3, description="`module:function`, an `async def (request, engine) -> Trajectory` rolling out one sample (multi-turn, tools: reflow.engines.rollout_fns); the default single-turn one is served as batched requests.")
     max_concurrent_requests: int = Field(256, ge=1, description="A custom generate_fn: most /generate requests in flight at once over all engines.")
     max_turns: int = Field(4, ge=1, le=100, description="A multi-turn generate_fn: most policy turns per trajectory (each turn's own limit is max_new_tokens).")
@@ -153,6 +166,7 @@ class TrainerConfig(_Strict):
     micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward on one rank.")
     minibatches_per_iteration: int = Field(1, ge=1, description="Optimizer steps per iteration (the batch is split into this many mini-batches).")
     threads_per_rank: int = Field(1, ge=1, description="torch threads per trainer rank.")
+    node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each trainer (and critic) rank asks for, e.g. {reflow_trainer_node: 0.01}: ranks then run only on nodes started with them; empty: any node. Rank 0's node hosts the process group's rendezvous. docs/scale-out.md.")
     total_steps_hint: int | None = Field(None, ge=1, description="Steps for decaying schedules; defaults to num_iterations * minibatches_per_iteration.")
     compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each decoder layer (static shapes; micro-batch lengths padded to 4 buckets per octave). auto: on when the trainer runs on CUDA, off on CPU. The compile_graphs metric counts what was compiled.")
     old_logprob_pass: Literal["auto", "always"] = Field("auto", description="auto: with one mini-batch per iteration (and no advantages finished in the trainer), old log-probs come from the training forward itself, saving a full forward; always: a separate no-grad pass first.")
@@ -178,6 +192,7 @@ class ClusterConfig(_Strict):
     num_cpus: int | None = Field(None, ge=1, description="CPUs of a locally started cluster (default: all).")
     namespace_prefix: str = Field("reflow", description="Actors live in namespace `<prefix>-<experiment>`.")
     bind_host: str = Field("127.0.0.1", description="Address engines and the router listen on: loopback for one machine; 0.0.0.0 on a multi-node cluster (they then advertise the node's IP).")
+    placement_timeout_s: float = Field(120.0, gt=0.0, le=86400.0, description="How long an engine or trainer rank may wait for a node that can host it (its node_resources, CPUs, GPUs) before the run fails naming the actor and the nodes that offer them; a lost node then ends the run instead of leaving it pending.")
     gpus: Literal["auto", "on", "off"] = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
     colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
     hand_over: bool = Field(True, description="colocate: engines release their memory and trainers offload their optimizer state at each hand-over (needed when the GPU cannot hold both at once); false keeps both resident, saving the hand-overs (~0.2 s an iteration for a 113M model on an H200) when it can.")

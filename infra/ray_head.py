@@ -117,8 +117,10 @@ def _port_open(host: str, port: int) -> bool:
 
 
 def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int | None = None,
-       host: str = "127.0.0.1", timeout_s: float = 60.0) -> tuple[HeadInfo, bool]:
-    """Start the head unless one is recorded and alive; returns (head, started_now)."""
+       host: str = "127.0.0.1", timeout_s: float = 60.0,
+       resources: dict[str, float] | None = None) -> tuple[HeadInfo, bool]:
+    """Start the head unless one is recorded and alive; returns (head, started_now). `resources`: Ray
+    custom resources of the head node (e.g. {"reflow_engine_node": 1}: engines asking for them run here)."""
     current = read_head(path)
     if current is not None:
         return current, False
@@ -134,6 +136,8 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
     ray_bin = Path(sys.executable).with_name("ray")
     cmd = [str(ray_bin), "start", "--head", f"--port={port}", f"--node-ip-address={host}", "--block",
            "--include-dashboard=false", "--disable-usage-stats", f"--num-cpus={cpus}", f"--temp-dir={tmp}"]
+    if resources:
+        cmd.append(f"--resources={json.dumps(resources)}")
     log = open(d / "head.log", "ab")
     # Ray 2.60's head drains for up to 30 s on SIGTERM (for Ray Serve replicas on Kubernetes);
     # `reflow cluster down` means stop now, and reflow runs no Serve, so the drain is turned off.
@@ -203,13 +207,13 @@ def experiment_actors(prefix: str = "reflow-") -> dict[str, list[str]]:
     return {ns: sorted(names) for ns, names in sorted(out.items())}
 
 
-def _describe(namespace: str, name: str) -> dict[str, object]:
+def _describe(namespace: str, name: str, known: dict[str, dict]) -> dict[str, object]:
     import ray
 
     from reflow.infra.actors import actor_id
 
     h = ray.get_actor(name, namespace=namespace)
-    row: dict[str, object] = {"namespace": namespace, "actor": name, "id": actor_id(h)}
+    row: dict[str, object] = {"namespace": namespace, "actor": name, "id": actor_id(h), "node": _node_of(h, known)}
     method = "stats" if name.startswith("engine-") else "ping" if "-trainer-" in name else None
     if method is not None:
         try:
@@ -222,13 +226,49 @@ def _describe(namespace: str, name: str) -> dict[str, object]:
 
 
 def status(path: str | Path | None = None) -> dict[str, object]:
-    """The head (if up) and every reflow actor on it."""
+    """The head (if up) and every reflow actor on it, with the node each runs on. Without a recorded head,
+    the cluster `RAY_ADDRESS` names when something listens there (e.g. from a Prefect worker beside a
+    KubeRay head), with the Ray environment this process has."""
+    import ray
+
     info = read_head(path)
     if info is None:
-        return {"up": False}
+        address = os.environ.get("RAY_ADDRESS", "")
+        host, _, port = address.rpartition(":")
+        if not (host and port.isdigit() and _port_open(host, int(port))):
+            return {"up": False}
+        if not ray.is_initialized():
+            ray.init(address=address, namespace="reflow-cli", log_to_driver=False)
+        return {"up": True, "address": address, "recorded": False, **_cluster_rows()}
     _attach(info)
-    rows = [_describe(ns, name) for ns, names in experiment_actors().items() for name in names]
-    return {"up": True, **asdict(info), "env": info.env(), "actors": rows}
+    return {"up": True, **asdict(info), "env": info.env(), **_cluster_rows()}
+
+
+def _cluster_rows() -> dict[str, list]:
+    """{nodes: [...], actors: [...]}: every node Ray knows and every reflow actor with its node."""
+    from reflow.engines import ray_nodes
+
+    known = ray_nodes.nodes()
+    rows = [_describe(ns, name, known) for ns, names in experiment_actors().items() for name in names]
+    nodes = [{"node": ray_nodes.label(nid, n["ip"]), "alive": n["alive"],
+              "custom_resources": {k: v for k, v in n["resources"].items() if _custom(k)}} for nid, n in known.items()]
+    return {"nodes": nodes, "actors": rows}
+
+
+def _custom(resource: str) -> bool:
+    return resource not in ("CPU", "GPU", "memory", "object_store_memory") and not resource.startswith("node:")
+
+
+def _node_of(handle, known: dict[str, dict]) -> str:
+    """`<node id[:8]>@<ip>` of the node hosting the actor (from Ray's actor table), `(dead node)`
+    appended when that node is gone; `pending` while no node hosts it."""
+    from reflow.engines import ray_nodes
+
+    rec = ray_nodes.actor_record(handle)
+    if not rec["placed"]:
+        return "pending" if rec["state"] != "DEAD" else "dead"
+    node = known.get(rec["node_id"], {})
+    return ray_nodes.label(rec["node_id"], rec["ip"]) + ("" if node.get("alive", True) else " (dead node)")
 
 
 def release_experiments(path: str | Path | None = None, experiment: str | None = None,

@@ -20,6 +20,7 @@ from typing import Any
 
 import ray
 
+from reflow.engines import ray_nodes
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
 from reflow.engines.http_serve import new_api_key
@@ -128,6 +129,8 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
                       lora_target_modules=list(cfg.trainer.lora.target_modules))
     if detached:
         options["lifetime"] = "detached"
+    if r.node_resources:  # only nodes started with these custom resources may host it (docs/scale-out.md)
+        options["resources"] = dict(r.node_resources)
     if pg is not None:  # colocated: in the bundle (GPU) of trainer rank i mod bundles
         options.update(placement.in_bundle(pg, i % pg.bundle_count))
     return (actor_cls.options(name=f"engine-{i}", namespace=namespace, get_if_exists=True, **options)
@@ -140,15 +143,30 @@ def _start_engines(cfg: RunConfig, namespace: str, api_key: str, detached: bool 
     return [_engine_actor(cfg, namespace, i, detached, api_key, pg) for i in range(cfg.rollout.num_engines)]
 
 
+def _engine_asks(cfg: RunConfig) -> dict[str, float]:
+    """What one engine asks Ray for (named when no node can host it)."""
+    gpu = _engine_gpus(cfg) if use_gpus(cfg) else 0.0
+    return {"CPU": 1.0, **({"GPU": gpu} if gpu else {}), **cfg.rollout.node_resources}
+
+
+def _wait_engines_placed(cfg: RunConfig, engines: list[Any], which: list[int]) -> None:
+    """Bounded wait (cluster.placement_timeout_s) until engines `which` are hosted somewhere: an engine
+    asking for resources no live node offers (its node was lost) fails the run, naming them."""
+    asks = _engine_asks(cfg)
+    ray_nodes.wait_placed({f"engine-{i}": (engines[i], asks) for i in which}, cfg.cluster.placement_timeout_s)
+
+
 def _check_engines(cfg: RunConfig, namespace: str, engines: list[Any], api_key: str, detached: bool = False,
                    pg=None) -> list[Any]:
     """Wait until every engine answers. On a long-lived cluster an engine left by an earlier flow
     run that died or hangs is killed and recreated."""
+    _wait_engines_placed(cfg, engines, list(range(len(engines))))
     for i, ok in enumerate(actors.answers(engines)):
         if not ok:
             log.warning("engine-%d of %s did not answer: recreating it", i, namespace)
             ray.kill(engines[i], no_restart=True)
             engines[i] = _engine_actor(cfg, namespace, i, detached, api_key, pg)
+            _wait_engines_placed(cfg, engines, [i])
     return engines
 
 
@@ -216,7 +234,7 @@ def _colocation(cfg: RunConfig, namespace: str, detached: bool):
     if not cfg.cluster.colocate:
         return None
     spec = placement.bundles(cfg.trainer.num_ranks, cfg.rollout.num_engines, use_gpus(cfg),
-                             cfg.algorithm.spec.needs_critic)
+                             cfg.algorithm.spec.needs_critic, cfg.trainer.node_resources, cfg.rollout.node_resources)
     return placement.group(spec, namespace, detached)
 
 
@@ -228,13 +246,18 @@ def _rank_options(pg, num_ranks: int, gpu_share: float, gpu: bool) -> dict:
     return {"num_gpus_per_rank": gpu, "options_per_rank": [placement.in_bundle(pg, r) for r in range(num_ranks)]}
 
 
+def _rank_nodes(cfg: RunConfig) -> dict:
+    """Where trainer/critic ranks may run (trainer.node_resources) and how long they may wait for a node."""
+    return {"resources": dict(cfg.trainer.node_resources), "placement_timeout_s": cfg.cluster.placement_timeout_s}
+
+
 def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=None, wait: bool = True) -> TrainerGroup:
     t = cfg.trainer
     ref = (cfg.model.ref_path or cfg.model.path) if cfg.algorithm.needs_ref else None
     return TrainerGroup.create(
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="policy", num_cpus_per_rank=1,
         model_path=cfg.model.path, settings=policy_rank_settings(cfg), ref_model_path=ref, detached=detached,
-        wait=wait, **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU, use_gpus(cfg)))
+        wait=wait, **_rank_nodes(cfg), **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU, use_gpus(cfg)))
 
 
 def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) -> CriticGroup | None:
@@ -246,7 +269,7 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
     return CriticGroup.create(
         num_ranks=n, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
         model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg), wait=wait,
-        **_rank_options(pg, n, placement.CRITIC_GPU, use_gpus(cfg)))
+        **_rank_nodes(cfg), **_rank_options(pg, n, placement.CRITIC_GPU, use_gpus(cfg)))
 
 
 # What the iteration's Ray tasks (tasks/rollout.py, tasks/stage_cache.py) import in their worker: torch,
@@ -308,6 +331,7 @@ def build_runtime(cfg: RunConfig) -> Runtime:
         raise
     engines = _check_engines(cfg, namespace, engines, api_key, persistent, pg)
     urls = ray.get([e.url.remote() for e in engines])
+    placement.check_layout(cfg.weight_sync, engines, urls, trainers.actors[0])  # before the first push
     ray.get([e.ready.remote() for e in engines])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     store.write_text("config.yaml", dump_config(cfg))
@@ -347,6 +371,7 @@ def ensure_engines(cfg: RunConfig, serve_version: int | None = None) -> list[str
         log.warning("engine-%d (%s) is gone: recreating it", i, rt.engine_urls[i])
         ray.kill(rt.engines[i], no_restart=True)
         rt.engines[i] = _engine_actor(cfg, rt.namespace, i, rt.persistent, rt.api_key, rt.placement)
+        _wait_engines_placed(cfg, rt.engines, [i])  # its node may be the one that was lost
         old, rt.engine_urls[i] = rt.engine_urls[i], ray.get(rt.engines[i].url.remote())
         ray.get(rt.engines[i].ready.remote())
         rt.actor_ids[f"engine-{i}"] = actors.actor_id(rt.engines[i])

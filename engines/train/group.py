@@ -12,6 +12,7 @@ import time
 
 import ray
 
+from reflow.engines.ray_nodes import ActorNotPlaced, wait_placed
 from reflow.engines.train.trainer import TrainerRank
 from reflow.engines.weights.settings import PushSettings
 
@@ -31,6 +32,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _TwoPhase:
+    """Mixed in before a rank class: the actor starts without joining the process group, tells where it
+    runs (`rendezvous`), and joins once rank 0's answer is known (`join`)."""
+
+    def __init__(self, rank: int, world_size: int, *args, **kwargs):
+        self._pending = (rank, world_size, args, kwargs)
+
+    def rendezvous(self) -> tuple[str, int]:
+        """This node's IP and a TCP port free on it (rank 0 then serves the process group's store there)."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def join(self, where: tuple[str, int]) -> dict:
+        """The rank class's own __init__ (joins the process group, builds the model), then its ping."""
+        rank, world_size, args, kwargs = self._pending
+        super().__init__(rank, world_size, where[0], where[1], *args, **kwargs)  # type: ignore[call-arg]
+        return self.ping()  # type: ignore[attr-defined]
+
+
+_TWO_PHASE: dict[type, type] = {}
+
+
+def two_phase(rank_cls: type) -> type:
+    """`rank_cls` started in two phases (`_TwoPhase`); one class per rank class, so Ray exports it once."""
+    if rank_cls not in _TWO_PHASE:
+        _TWO_PHASE[rank_cls] = type(rank_cls.__name__, (_TwoPhase, rank_cls), {"__module__": __name__})
+    return _TWO_PHASE[rank_cls]
+
+
 def _fan_out(method: str):
     """A TrainerGroup method calling the rank method `method` on every rank (see `TrainerGroup._all`)."""
     def call(self, *args, **kw) -> list:
@@ -47,6 +76,8 @@ class TrainerGroup:
     def __init__(self, actors: list, namespace: str, name_prefix: str):
         self.actors, self.namespace, self.name_prefix = actors, namespace, name_prefix
         self._init: tuple[float, str] = (600.0, "unknown")  # (init timeout s, rendezvous) of `create`
+        self._joins: list = []  # each rank's `join` ref (`create`); `wait_ready` waits on them
+        self._placement: tuple[float, dict] = (600.0, {})  # (placement timeout s, what each rank asks for)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -56,29 +87,40 @@ class TrainerGroup:
                num_gpus_per_rank: float = 0, detached: bool = False, init_timeout_s: float = 600.0,
                master_addr: str | None = None, master_port: int | None = None,
                runtime_env: dict | None = None, options_per_rank: list[dict] | None = None,
+               resources: dict[str, float] | None = None, placement_timeout_s: float = 600.0,
                wait: bool = True, **rank_kwargs) -> TrainerGroup:
         """Start `num_ranks` TrainerRank actors and wait until all have joined the process group
         (`wait=False`: return at once; the caller starts other actors meanwhile, then `wait_ready()`).
 
         `rank_kwargs` go to `rank_cls.__init__` (model_path, settings: a RankSettings, ...); `options_per_rank`
-        are extra Ray actor options of each rank (a placement-group bundle). The rendezvous
-        address defaults to this node's IP and a free port here, which assumes rank 0 lands on the
-        driver's node (true on one machine); on a multi-node cluster pass master_addr/master_port.
+        are extra Ray actor options of each rank (a placement-group bundle); `resources` are Ray custom
+        resources every rank asks for (trainer.node_resources: which nodes may host them).
+
+        Two phases, so the rendezvous is on rank 0's node, which on a multi-node cluster need not be the
+        driver's: each rank starts without joining, rank 0 names its node's IP and a free port there, and
+        every rank joins with that (the reference is passed on, so nothing here waits). `master_addr` /
+        `master_port` skip the first phase. A rank no live node can host fails `wait_ready` after
+        `placement_timeout_s`, naming the resources and the nodes that offer them.
         """
-        addr = master_addr or ray.util.get_node_ip_address()
-        port = master_port or _free_port()
         options = dict(namespace=namespace, num_cpus=num_cpus_per_rank, num_gpus=num_gpus_per_rank,
                        max_restarts=0)  # a restarted rank could not rejoin the process group
         if detached:
             options["lifetime"] = "detached"
         if runtime_env:
             options["runtime_env"] = runtime_env
-        remote_cls = ray.remote(cls.rank_cls)
+        if resources:
+            options["resources"] = dict(resources)
+        remote_cls = ray.remote(two_phase(cls.rank_cls))
         per = options_per_rank or [{}] * num_ranks  # e.g. a placement-group bundle per rank (colocated mode)
         actors = [remote_cls.options(name=actor_name(name_prefix, r), **options, **per[r])
-                  .remote(r, num_ranks, addr, port, **rank_kwargs) for r in range(num_ranks)]
+                  .remote(r, num_ranks, **rank_kwargs) for r in range(num_ranks)]
+        fixed = master_addr is not None and master_port is not None
+        where = (master_addr, master_port) if fixed else actors[0].rendezvous.remote()
         group = cls(actors, namespace, name_prefix)
-        group._init = (init_timeout_s, f"{addr}:{port}")
+        group._joins = [a.join.remote(where) for a in actors]
+        group._init = (init_timeout_s, f"{master_addr}:{master_port}" if fixed else "rank 0's node, a free port")
+        asks = {"CPU": num_cpus_per_rank, "GPU": num_gpus_per_rank, **(resources or {})}
+        group._placement = (placement_timeout_s, {k: v for k, v in asks.items() if v})
         if wait:
             group.wait_ready()
         return group
@@ -98,7 +140,13 @@ class TrainerGroup:
     def wait_ready(self) -> list[dict]:
         """Init is collective, so all actors were created first; now fail fast on the first broken rank."""
         timeout_s, rendezvous = self._init
-        pending = {a.ping.remote(): r for r, a in enumerate(self.actors)}
+        placement_s, asks = self._placement
+        try:  # a rank no live node can host would stay pending: bounded here, with the nodes named
+            wait_placed({actor_name(self.name_prefix, r): (a, asks) for r, a in enumerate(self.actors)}, placement_s)
+        except ActorNotPlaced as e:
+            self.kill()
+            raise TrainerInitError(f"trainer ranks of {self.name_prefix!r}: {e}") from e
+        pending = {ref: r for r, ref in enumerate(self._joins or [a.ping.remote() for a in self.actors])}
         infos: dict[int, dict] = {}
         deadline = time.monotonic() + timeout_s
         while pending:
