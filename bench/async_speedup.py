@@ -1,13 +1,15 @@
 """Asynchronous rollout against the synchronous loop: iterations per hour and held-out accuracy after
 the same number of iterations, on the demo task with 2 engines on CPU.
 
-    .venv/bin/python bench/async_speedup.py                          # 100 iterations, seeds 0,1,2: ~25 min
-    .venv/bin/python bench/async_speedup.py --iterations 20 --seeds 0   # a quick look
+    .venv/bin/python bench/async_speedup.py                          # 40 iterations, seeds 0,1: ~16 min
+    .venv/bin/python bench/async_speedup.py --iterations 15 --seeds 0   # a quick look
 
 For each seed, the real `train` flow runs twice in child processes of their own (fresh Ray and
 Prefect each), from the warmed-up demo policy of that seed (the one `reflow demo --seed N` uses):
-configs/demo.yaml with rollout.num_engines=2, once with rollout.max_staleness=0 (the synchronous
-loop) and once with max_staleness=--staleness, the same overrides otherwise. Loop seconds run from
+configs/demo.yaml with rollout.num_engines=2 and 64 prompts x 16 samples per iteration (--prompts,
+--samples: a batch where generation is a real share of the iteration, as in LLM training; at the
+demo's 32 x 8 it is ~15 %), once with rollout.max_staleness=0 (the synchronous loop) and once with
+max_staleness=--staleness, the same overrides otherwise. Loop seconds run from
 the first iteration's start to the last one's end (start-up and the final eval excluded; no save or
 eval in between); accuracy is greedy pass@1 on the 200 held-out problems after the last iteration.
 The speedup is the ratio of total iterations per hour over the seeds (same script, runs alternating
@@ -47,6 +49,7 @@ def run_one(args) -> dict:
         f"model.path={policy}", f"seed={args.seed}", f"data.seed={args.seed}", f"num_iterations={args.iterations}",
         f"experiment=async-k{args.k}-s{args.seed}-{os.getpid()}", f"storage.root=file://{work}/runs",
         f"rollout.num_engines={args.engines}", f"rollout.max_staleness={args.k}", "eval.before_train=false",
+        f"rollout.prompts_per_iteration={args.prompts}", f"rollout.n_samples_per_prompt={args.samples}",
         "eval.interval=null", "checkpoint.save_interval=null", "checkpoint.save_every_minutes=null", "resume=never",
         *args.override])
     marks: list[float] = []
@@ -74,7 +77,8 @@ def run_one(args) -> dict:
 
 def _child(args, k: int, seed: int, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--part", "one", "--k", str(k), "--seed", str(seed), "--json", str(out),
-           "--iterations", str(args.iterations), "--engines", str(args.engines)]
+           "--iterations", str(args.iterations), "--engines", str(args.engines), "--prompts", str(args.prompts),
+           "--samples", str(args.samples)]
     cmd += [f"--override={o}" for o in args.override]
     env = {**os.environ, **C.BENCH_ENV, "PREFECT_HOME": str(out.parent / f"prefect-{out.stem}"),
            "PREFECT_LOGGING_LEVEL": "WARNING"}
@@ -94,8 +98,10 @@ def _child(args, k: int, seed: int, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--iterations", type=int, default=100, help="iterations of every run (default 100, the demo's)")
-    p.add_argument("--seeds", default="0,1,2", help="comma-separated seeds (default 0,1,2)")
+    p.add_argument("--iterations", type=int, default=40, help="iterations of every run (default 40)")
+    p.add_argument("--seeds", default="0,1", help="comma-separated seeds (default 0,1)")
+    p.add_argument("--prompts", type=int, default=64, help="rollout.prompts_per_iteration (default 64)")
+    p.add_argument("--samples", type=int, default=16, help="rollout.n_samples_per_prompt (default 16)")
     p.add_argument("--staleness", type=int, default=1, help="rollout.max_staleness of the asynchronous runs (default 1)")
     p.add_argument("--engines", type=int, default=2, help="rollout.num_engines of every run (default 2)")
     p.add_argument("--override", action="append", default=[], help="an extra config override for every run (repeatable)")

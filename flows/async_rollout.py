@@ -1,10 +1,10 @@
 """Asynchronous rollout (`rollout.max_staleness` = k >= 1): the engines generate the next batches while
 the trainer trains.
 
-After every push of policy v (and when the run starts, v = the step it starts from) the prefetcher
-launches every batch j <= v + k not launched yet; a background thread generates and scores them one
-after another (tasks/rollout.generate_batch / score_batch, each persisted to the stage cache) by the
-policy the engines serve, v. Iteration i's flow run takes batch i (waiting if it is not done yet:
+When the run starts (v = the step it starts from) and whenever an iteration takes its batch, the
+prefetcher launches every batch j <= v + k not launched yet, v being the policy the engines serve; a
+background thread generates and scores them one after another by that policy (tasks/rollout.py
+generate_batch and score_batch, each persisted to the stage cache). Iteration i's flow run takes batch i (waiting if it is not done yet:
 `async_trainer_wait_s`) and trains on it at policy i: its staleness i - v is at most k, and truncated
 importance sampling corrects it (infra/settings.tis_cap). Before pushing policy i + 1 the flow waits for
 the batch being generated (`async_push_wait_s`): a push never lands mid-batch, so every batch has one
@@ -15,6 +15,11 @@ reproducible, and
   checkpoint s is committed only after the batches generated before it (versions < s: batches
   s..s+k-1) are in the stage cache, so a run resumed from s trains on exactly those and generates the
   later ones by the same versions as the uninterrupted run: resume is exact for every k.
+
+Launching when the trainer starts on a batch rather than right after the push overlaps the generation
+with the trainer's compute instead of with the flow-run bookkeeping between iterations: on a shared
+CPU that bookkeeping (the driver, Prefect's server, the rollout's own Ray tasks) is what the two would
+fight over (bench/RESULTS.md section 11).
 
 A batch that fails in the background (an engine lost mid-request) is generated again by the
 iteration's own `generate` task (its retries, its engine recreation) at the iteration's policy.
@@ -81,7 +86,7 @@ class Prefetcher:
         if i not in self.batches:  # a re-run after a recovery starts from its checkpoint: launch from there
             self.restart(i)
         version, fut = self.batches.pop(i)
-        self.launch()  # nothing new after a push (`pushed` launched it); the run's first batches otherwise
+        self.launch()  # the next batch starts now, as the trainer starts on this one (see the module docstring)
         t0 = time.perf_counter()
         try:
             batch = fut.result()
@@ -107,9 +112,7 @@ class Prefetcher:
         idle waiting for it (from their last batch's end)."""
         idle = time.monotonic() - self.idle_since if self.idle_since is not None else 0.0
         self.version = version
-        sched = self.yield_cpu()
-        self.launch()
-        return {"async_engine_idle_s": idle, **sched}
+        return {"async_engine_idle_s": idle, **self.yield_cpu()}
 
     def persisted(self, done: int) -> None:
         """Every batch generated before policy `done` is in the stage cache (checkpoint `done` needs them)."""

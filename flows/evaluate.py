@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from prefect import flow, get_run_logger
 
-from reflow.flows.train import refused
+from reflow.flows.inputs import refused
 from reflow.infra import checkpoint as ckpt
 from reflow.infra.config import ConfigError
 from reflow.infra.flow_params import FlowConfig, resolve_config

@@ -22,7 +22,8 @@ from prefect import flow, get_run_logger, runtime
 from prefect.artifacts import create_markdown_artifact
 from pydantic import Field
 
-from reflow.flows.train import USER_ERRORS, refused, train
+from reflow.flows.inputs import USER_ERRORS, refused
+from reflow.flows.train import train
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import promotion as pm
 from reflow.infra.config import Location, RunConfig

@@ -19,16 +19,15 @@ from functools import partial
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
-from prefect.states import Failed, State
 
 from reflow.flows import async_rollout
+from reflow.flows.inputs import USER_ERRORS, checked_config, refused
 from reflow.flows.recovery import run_recovering
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import leases
-from reflow.infra.config import ConfigError, RunConfig
+from reflow.infra.config import RunConfig
 from reflow.infra.control import RunControl, enter_stage, start_control
-from reflow.infra.flow_params import ExperimentFile, FlowConfig, InvalidConfig, resolve_config
-from reflow.infra.preflight import PreflightError, one_line, preflight, warnings_for
+from reflow.infra.flow_params import FlowConfig
 from reflow.infra.runtime import shutdown_runtime
 from reflow.tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
 from reflow.tasks.cluster import start_cluster
@@ -71,27 +70,6 @@ def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
            f"train further, or use a new experiment name to start over.")
     get_run_logger().warning(msg)
     return {"iterations": 0, "start": step, "already_complete": True, "message": msg, "evals": {}, "history": []}
-
-
-USER_ERRORS = (ConfigError, PreflightError)  # a run input to fix: the run fails with its one line
-
-
-def refused(error: Exception) -> State:
-    """The state of a run whose inputs are wrong: FAILED, its message the one-line reason (first, so
-    the UI's run list shows it), logged too. A direct call of the flow raises `error` itself."""
-    line = one_line(error)
-    get_run_logger().error("reflow: %s", line)
-    return Failed(message=line, data=error)
-
-
-def checked_config(config: RunConfig | ExperimentFile | InvalidConfig) -> RunConfig:
-    """The resolved config, after the preflight (seconds: a bad deployment parameter fails here, not
-    after the cluster started). The CLI has run it already; it is cheap enough to repeat."""
-    cfg = resolve_config(config)
-    preflight(cfg)
-    for line in warnings_for(cfg):
-        get_run_logger().warning(line)
-    return cfg
 
 
 @flow(name="train", flow_run_name="{config.experiment}", log_prints=True)

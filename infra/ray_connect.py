@@ -13,7 +13,7 @@ from pathlib import Path
 import ray
 
 from reflow.infra import console
-from reflow.infra.ray_head import ray_env, read_head, use_ray_env, write_token
+from reflow.infra.ray_head import ray_env, read_head, use_ray_env, worker_pool_config, write_token
 
 log = logging.getLogger("reflow.ray")
 _ATTACHED: list[str] = []  # the address this process attached to (empty: a cluster of its own, or none)
@@ -73,15 +73,6 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
              runtime_env={"env_vars": worker_env()}, log_to_driver=True,
              logging_level=console.ray_logging_level(), _system_config=worker_pool_config(cpus))
     return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
-
-
-def worker_pool_config(cpus: int) -> dict[str, int]:
-    """Ray keeps at most `num_workers_soft_limit` worker processes (default: the node's CPUs), actors'
-    included, and kills idle task workers above it after a second. The engines and trainer ranks take
-    most of that, so an iteration's short tasks (scoring, advantages, stage records) kept starting
-    new workers, ~0.25 s of an iteration's reward stage with 2 engines on 2 cores, and more when an
-    asynchronous run's rollouts add tasks of their own. Twice the CPUs keeps them warm."""
-    return {"num_workers_soft_limit": 2 * cpus}
 
 
 def _closed_local_cluster(tmp: Path) -> None:

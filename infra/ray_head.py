@@ -58,6 +58,15 @@ class HeadInfo:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
+def worker_pool_config(cpus: int) -> dict[str, int]:
+    """Ray keeps at most `num_workers_soft_limit` worker processes (default: the node's CPUs), actors'
+    included, and kills idle task workers above it after a second. The engines and trainer ranks take
+    most of that, so an iteration's short tasks (scoring, advantages, stage records) kept starting
+    new workers, ~0.25 s of an iteration's reward stage with 2 engines on 2 cores, and more when an
+    asynchronous run's rollouts add tasks of their own. Twice the CPUs keeps them warm."""
+    return {"num_workers_soft_limit": 2 * cpus}
+
+
 def write_token(path: Path) -> Path:
     """A fresh 256-bit Ray auth token in `path`, readable by its owner only (created 0600, so it is
     never readable by others, not even for a moment)."""
@@ -142,7 +151,8 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
     # Ray 2.60's head drains for up to 30 s on SIGTERM (for Ray Serve replicas on Kubernetes);
     # `reflow cluster down` means stop now, and reflow runs no Serve, so the drain is turned off.
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}, **ray_env(token, host),
-           "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+           **{f"RAY_{k}": str(v) for k, v in worker_pool_config(cpus).items()}}  # Ray reads RAY_<setting>
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while not _port_open(host, port):

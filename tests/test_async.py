@@ -24,19 +24,19 @@ def test_async_mode_is_refused_with_hand_overs_and_always_corrects_with_tis():
 @pytest.mark.slow
 def test_async_run_trains_on_one_step_stale_batches_and_resumes_exactly(ray_cluster, prefect_server, tiny_policy,
                                                                          tmp_path):
-    """max_staleness=1, 4 iterations straight, against 2 iterations then a resume to 4 (with the stage
+    """max_staleness=1, 3 iterations straight, against 1 iteration then a resume to 3 (with the stage
     records of the batch generated after the checkpoint deleted, as if the run had died before writing
-    them): batch i comes from policy max(0, i-1), the resumed run takes batch 2 from storage and
-    generates batch 3 again, and both runs end with the same weights, bit for bit."""
+    them): batch i comes from policy max(0, i-1), the resumed run takes batch 1 from storage and
+    generates batch 2 again, and both runs end with the same weights, bit for bit."""
     from reflow.flows.train import train
     from tests.test_algorithms_e2e import _config
 
     def run(name, *extra):
-        return train(_config(tiny_policy, tmp_path, name, ["rollout.max_staleness=1", "num_iterations=4", "data.reward_fn=tests.ckpt_fixtures:digit_reward",
-                                                           "checkpoint.save_interval=2", *extra]))
+        return train(_config(tiny_policy, tmp_path, name, ["rollout.max_staleness=1", "num_iterations=3", "data.reward_fn=tests.ckpt_fixtures:digit_reward",
+                                                           *extra]))
 
     straight = run("async-straight")
-    assert straight["iterations"] == 4
+    assert straight["iterations"] == 3
     root = tmp_path / "runs"
     for i, m in enumerate(straight["history"]):
         assert m["staleness"] == (0 if i == 0 else 1) and m["rollout_policy_version"] == max(0, i - 1)
@@ -49,17 +49,17 @@ def test_async_run_trains_on_one_step_stale_batches_and_resumes_exactly(ray_clus
         assert m["async_engines_sched_idle"] == 1.0  # CPU engines generate on idle CPU time only
     assert any(m["tis_weight_mean"] != 1.0 for m in straight["history"][1:])  # stale batches get weights != 1
 
-    first = run("async-resumed", "debug_exit_after=2")
-    assert first["iterations"] == 2
+    first = run("async-resumed", "debug_exit_after=1")
+    assert first["iterations"] == 1
     resumed_dir = root / "algo-async-resumed"
-    assert (resumed_dir / "iterations" / "000002" / "stages" / "scored.json").exists()  # committed with checkpoint 2
-    shutil.rmtree(resumed_dir / "iterations" / "000003" / "stages", ignore_errors=True)
+    assert (resumed_dir / "iterations" / "000001" / "stages" / "scored.json").exists()  # committed with checkpoint 1
+    shutil.rmtree(resumed_dir / "iterations" / "000002" / "stages", ignore_errors=True)
     second = run("async-resumed")
-    assert (second["start"], second["iterations"]) == (2, 2)
-    assert second["history"][0]["scored_from_storage"] == 1.0  # batch 2: policy 1's, from before the checkpoint
-    assert "scored_from_storage" not in second["history"][1]  # batch 3: generated again by policy 2
-    for a, b in zip(straight["history"][2:], second["history"]):
+    assert (second["start"], second["iterations"]) == (1, 2)
+    assert second["history"][0]["scored_from_storage"] == 1.0  # batch 1: policy 0's, from before the checkpoint
+    assert "scored_from_storage" not in second["history"][1]  # batch 2: generated again by policy 1
+    for a, b in zip(straight["history"][1:], second["history"]):
         assert (a["reward_mean"], a["staleness"], a["loss"]) == (b["reward_mean"], b["staleness"], b["loss"])
-    final = [root / f"algo-async-{n}" / "checkpoints" / "iter_000004" / "model" / "model.safetensors"
+    final = [root / f"algo-async-{n}" / "checkpoints" / "iter_000003" / "model" / "model.safetensors"
              for n in ("straight", "resumed")]
     assert final[0].read_bytes() == final[1].read_bytes()

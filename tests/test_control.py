@@ -171,11 +171,15 @@ def test_control_api_stack_dumps_and_trainer_recovery(ray_cluster, prefect_serve
 
     dumps = [store.read_text(f"debug/stacks/{f}") for f in sorted(store.listdir("debug/stacks"))]
     assert dumps, "no stack dump written"
-    last = dumps[-1]
-    for name in ("driver", "engine-0", "policy-trainer-0"):
-        section = last.split(f"==== {name} (pid ", 1)[1].split("\n====", 1)[0]
-        assert "Thread " in section and "py-spy failed" not in section, section[:2000]
-    assert "_train" in last.split("==== driver", 1)[1].split("\n====", 1)[0]  # the flow's own frames
+
+    def section(dump: str, name: str) -> str:
+        return dump.split(f"==== {name} (pid ", 1)[1].split("\n====", 1)[0] if f"==== {name} (pid " in dump else ""
+
+    def whole(dump: str) -> bool:  # a dump taken while the killed rank was being replaced may lack its stacks
+        return all("Thread " in section(dump, n) and "py-spy failed" not in section(dump, n)
+                   for n in ("driver", "engine-0", "policy-trainer-0"))
+    assert any(whole(d) for d in dumps), dumps[-1][:3000]
+    assert "_train" in section(next(d for d in reversed(dumps) if whole(d)), "driver")  # the flow's own frames
 
 
 def test_trainer_recovery_gives_up_after_its_bound(ray_cluster, prefect_server, tiny_policy, tmp_path):

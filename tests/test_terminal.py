@@ -17,18 +17,26 @@ pytestmark = pytest.mark.slow
 TASK_STATE = "Finished in state Completed()"
 
 
-def _reflow(args: list[str], env_extra: dict[str, str], tmp: Path, timeout: float = 300) -> tuple[int, str, str]:
-    """`reflow ARGS` in its own session (what it leaves behind is killed); (returncode, stdout, stderr)."""
+def _start(args: list[str], env_extra: dict[str, str], tmp: Path) -> subprocess.Popen:
+    """`reflow ARGS` in its own session, its output in tmp/stdout.txt and tmp/stderr.txt."""
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
     env.update({"PYTHONPATH": str(REPO), **env_extra})
-    out, err = tmp / "stdout.txt", tmp / "stderr.txt"
-    with open(out, "w") as o, open(err, "w") as e:
-        proc = subprocess.Popen([REFLOW, *args], cwd=REPO, env=env, stdout=o, stderr=e, start_new_session=True)
+    tmp.mkdir(parents=True, exist_ok=True)
+    with open(tmp / "stdout.txt", "w") as o, open(tmp / "stderr.txt", "w") as e:
+        return subprocess.Popen([REFLOW, *args], cwd=REPO, env=env, stdout=o, stderr=e, start_new_session=True)
+
+
+def _finish(proc: subprocess.Popen, tmp: Path, timeout: float = 300) -> tuple[int, str, str]:
+    """Wait for a `_start`ed command (what it leaves behind is killed); (returncode, stdout, stderr)."""
     try:
         proc.wait(timeout=timeout)
     finally:
         reap(proc)
-    return proc.returncode, out.read_text(), err.read_text()
+    return proc.returncode, (tmp / "stdout.txt").read_text(), (tmp / "stderr.txt").read_text()
+
+
+def _reflow(args: list[str], env_extra: dict[str, str], tmp: Path, timeout: float = 300) -> tuple[int, str, str]:
+    return _finish(_start(args, env_extra, tmp), tmp, timeout)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +46,14 @@ def server_env(prefect_server) -> dict[str, str]:
     return {"PREFECT_API_URL": PREFECT_API_URL.value(), "PREFECT_HOME": os.environ["PREFECT_HOME"]}
 
 
-def test_quiet_by_default_a_bar_and_the_server_it_uses(server_env, tiny_policy, tmp_path):
+def test_quiet_by_default_a_bar_and_the_server_it_uses_and_verbose_brings_back_task_states(server_env, tiny_policy,
+                                                                                          tmp_path):
+    """Two runs at once (their start-up is mostly waiting): quiet by default, and --verbose."""
     cfg = write_config(tmp_path / "quiet.yaml", tiny_policy, f"file://{tmp_path}/runs", "quiet", num_iterations=3)
-    rc, out, err = _reflow(["train", "-c", str(cfg)], server_env, tmp_path)
+    loud_cfg = write_config(tmp_path / "loud.yaml", tiny_policy, f"file://{tmp_path}/runs", "loud", num_iterations=1)
+    quiet = _start(["train", "-c", str(cfg)], server_env, tmp_path / "quiet")
+    loud = _start(["train", "--verbose", "-c", str(loud_cfg)], server_env, tmp_path / "loud")
+    rc, out, err = _finish(quiet, tmp_path / "quiet")
     assert rc == 0, err[-3000:]
     assert json.loads(out[out.index("{\n"):])["iterations"] == 3  # after what Ray relays from actors (warnings)
     assert err.startswith(f"reflow: using the running Prefect server at {server_env['PREFECT_API_URL']}"), err[:500]
@@ -51,10 +64,7 @@ def test_quiet_by_default_a_bar_and_the_server_it_uses(server_env, tiny_policy, 
     assert len(others) <= 2, others  # the server line, and the new experiment's signing-key warning
     assert sum(line.startswith("train:") for line in err.splitlines()) <= 3 + 3, err
 
-
-def test_verbose_brings_back_every_task_state(server_env, tiny_policy, tmp_path):
-    cfg = write_config(tmp_path / "loud.yaml", tiny_policy, f"file://{tmp_path}/runs", "loud", num_iterations=1)
-    rc, out, err = _reflow(["train", "--verbose", "-c", str(cfg)], server_env, tmp_path)
+    rc, out, err = _finish(loud, tmp_path / "loud")
     assert rc == 0, err[-3000:]
     assert err.count(TASK_STATE) >= 6 and "iteration 0: reward " in err, err[-3000:]
     assert "train:" not in err  # no bar
