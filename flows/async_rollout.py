@@ -4,8 +4,8 @@ the trainer trains.
 When the run starts (v = the step it starts from) and whenever an iteration takes its batch, the
 prefetcher launches every batch j <= v + k not launched yet, v being the policy the engines serve; a
 background thread generates and scores them one after another by that policy (tasks/rollout.py
-generate_batch and score_batch, each persisted to the stage cache). Iteration i's flow run takes batch i (waiting if it is not done yet:
-`async_trainer_wait_s`) and trains on it at policy i: its staleness i - v is at most k, and truncated
+generate_batch and score_batch, each persisted to the stage cache). Iteration i's flow run takes
+batch i (waiting if it is not done yet: `async_trainer_wait_s`) and trains on it at policy i: its staleness i - v is at most k, and truncated
 importance sampling corrects it (infra/settings.tis_cap). Before pushing policy i + 1 the flow waits for
 the batch being generated (`async_push_wait_s`): a push never lands mid-batch, so every batch has one
 version, and which version generates batch j is max(start, j - k) whatever the timing. With seeded
@@ -33,6 +33,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import ray
 
+from reflow.infra import actors
 from reflow.infra.config import RunConfig
 from reflow.infra.runtime import get_runtime, use_gpus
 from reflow.tasks.rollout import BatchRef, generate_batch, score_batch
@@ -50,6 +51,7 @@ class Prefetcher:
         self.batches: dict[int, tuple[int, Future[BatchRef]]] = {}  # iteration -> (version, its batch)
         self.next = version  # the first batch not launched yet
         self.idle_since: float | None = None  # when the engines finished the last launched batch
+        self.yielded: tuple[list[str], dict[str, float]] = ([], {})  # (engine actor ids, what yield_cpu said)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="reflow-prefetch")
         self.yield_cpu()
         self.launch()
@@ -59,12 +61,16 @@ class Prefetcher:
         shared machine their background batches then fill the cores the trainer and the flow leave idle
         rather than slow those two down, which are the loop's critical path. (A run on GPUs is left alone.)"""
         if self.cfg.rollout.backend == "embedded" and not use_gpus(self.cfg):
-            engines = get_runtime(self.cfg).engines  # after every push: it may have recreated one
+            engines = get_runtime(self.cfg).engines
+            ids = [actors.actor_id(e) for e in engines]
+            if ids == self.yielded[0]:  # asked after every push, which may have recreated an engine
+                return self.yielded[1]
             policies = ray.get([e.run_in_background.remote() for e in engines], timeout=30)
             if "idle" not in policies:
                 log.warning("engines could not switch to SCHED_IDLE (%s): their background generation "
                             "competes with the trainer for CPU", policies)
-            return {"async_engines_sched_idle": float(all(p == "idle" for p in policies))}
+            self.yielded = (ids, {"async_engines_sched_idle": float(all(p == "idle" for p in policies))})
+            return self.yielded[1]
         return {}
 
     def launch(self) -> None:
@@ -81,11 +87,12 @@ class Prefetcher:
         return batch
 
     def take(self, i: int) -> tuple[BatchRef | None, dict[str, float]]:
-        """Batch i, scored (None when its background generation failed: the caller generates it), and
-        how long the trainer waited for it."""
+        """Batch i, scored (None when its background generation failed: the caller generates it), how long
+        the trainer waited for it, and how long the engines sat idle before the batch launched now."""
         if i not in self.batches:  # a re-run after a recovery starts from its checkpoint: launch from there
             self.restart(i)
-        version, fut = self.batches.pop(i)
+        _, fut = self.batches.pop(i)
+        idle = {"async_engine_idle_s": time.monotonic() - self.idle_since if self.idle_since is not None else 0.0}
         self.launch()  # the next batch starts now, as the trainer starts on this one (see the module docstring)
         t0 = time.perf_counter()
         try:
@@ -93,9 +100,8 @@ class Prefetcher:
         except Exception as e:  # deliberate: any failure of the background batch falls back to the generate task
             log.warning("iteration %d: its batch failed in the background (%s: %s); generating it now", i,
                         type(e).__name__, next(iter(str(e).splitlines()), ""))
-            return None, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 1.0}
-        return batch, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 0.0,
-                       "async_generated_by": float(version)}
+            return None, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 1.0, **idle}
+        return batch, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 0.0, **idle}
 
     def drain(self) -> dict[str, float]:
         """Wait for every launched batch (a push must not land mid-batch); failures wait for `take`."""
@@ -108,11 +114,9 @@ class Prefetcher:
         return {"async_push_wait_s": time.perf_counter() - t0}
 
     def pushed(self, version: int) -> dict[str, float]:
-        """The engines serve `version` now: launch what it may generate. Returns how long the engines sat
-        idle waiting for it (from their last batch's end)."""
-        idle = time.monotonic() - self.idle_since if self.idle_since is not None else 0.0
+        """The engines serve `version` now (the next `take` launches what it may generate)."""
         self.version = version
-        return {"async_engine_idle_s": idle, **self.yield_cpu()}
+        return self.yield_cpu()
 
     def persisted(self, done: int) -> None:
         """Every batch generated before policy `done` is in the stage cache (checkpoint `done` needs them)."""

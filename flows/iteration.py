@@ -69,8 +69,10 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     timer = StageTimer()
     report.RECORDS.free_api()  # the flow run exists: earlier iterations' records may post while this one computes
     ahead = async_rollout.current(config)  # rollout.max_staleness >= 1: batches generated while earlier ones trained
-    with timer("generate"):  # asynchronous: the trainer's wait for its (scored) batch
-        batch, waits = ahead.take(iteration) if ahead else (None, {})
+    batch, waits = None, {}
+    if ahead:
+        with timer("generate"):  # asynchronous: the trainer's wait for its (scored) batch
+            batch, waits = ahead.take(iteration)
     if batch is None:  # the synchronous loop, or a batch that failed in the background
         with timer("generate"):
             batch = generate(config, iteration)
