@@ -71,8 +71,10 @@ def run_one(args) -> dict:
              for k in ("staleness", "tis_weight_mean", "tis_capped_frac", "async_trainer_wait_s",
                        "async_push_wait_s", "async_engine_idle_s", "reward_mean")}
     accuracy = float(next(iter(summary["evals"][args.iterations].values()))["pass@1"])
+    every = {k: statistics.fmean(float(m.get(k, 0.0)) for m in history)  # every numeric metric, for a closer look
+             for k in sorted({k for m in history for k, v in m.items() if isinstance(v, (int, float))})}
     return {"k": args.k, "seed": args.seed, "iterations": len(history), "loop_s": marks[-1] - marks[0],
-            "accuracy": accuracy, "stage_means": means, **extra, "overrides": args.override}
+            "accuracy": accuracy, "stage_means": means, **extra, "metric_means": every, "overrides": args.override}
 
 
 def _child(args, k: int, seed: int, out: Path) -> dict:

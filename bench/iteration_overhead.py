@@ -306,7 +306,7 @@ def run_bare(args) -> dict:
         rollout_table(batch).to_parquet(d / "rollouts.parquet")
         mark("report", t0)
         every = CONFIGS[args.config]["every"]
-        if every and (it + 1) % every == 0:  # the flow's schedule (flows/train.py _save_due, _eval_due)
+        if every and (it + 1) % every == 0:  # the flow's schedule (flows/schedule.py save_due, eval_due)
             _bare_save_eval(cfg, tok, policy, gen, opt, reward_fn, eval_prompts, work, d, it, mark)
         sec["total"] = time.perf_counter() - t_it
         if it >= args.warmup:

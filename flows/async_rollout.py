@@ -21,6 +21,13 @@ with the trainer's compute instead of with the flow-run bookkeeping between iter
 CPU that bookkeeping (the driver, Prefect's server, the rollout's own Ray tasks) is what the two would
 fight over (bench/RESULTS.md section 11).
 
+The update itself can start before its flow run: after iteration i's flow run, when no checkpoint,
+pause or stop comes between, the parent flow takes batch i + 1, computes its advantages and submits its
+update to the trainer ranks (`start_next`); iteration i + 1's flow run then finds its batch taken and
+its `train` task waits for that update (tasks/train.start_update). The flow-run bookkeeping between two
+iterations (the records of one, creating the next run) then overlaps the update instead of leaving the
+trainer idle; the data, the order of calls on the ranks and what each checkpoint holds are the same.
+
 A batch that fails in the background (an engine lost mid-request) is generated again by the
 iteration's own `generate` task (its retries, its engine recreation) at the iteration's policy.
 """
@@ -36,7 +43,8 @@ import ray
 from reflow.infra import actors
 from reflow.infra.config import RunConfig
 from reflow.infra.runtime import get_runtime, use_gpus
-from reflow.tasks.rollout import BatchRef, generate_batch, score_batch
+from reflow.tasks.rollout import BatchRef, advantages, generate_batch, score_batch
+from reflow.tasks.train import drop_started_update, start_update
 
 log = logging.getLogger("reflow.async")
 _open: dict[str, Prefetcher] = {}  # experiment -> the prefetcher of its running train flow (one per process)
@@ -52,6 +60,7 @@ class Prefetcher:
         self.next = version  # the first batch not launched yet
         self.idle_since: float | None = None  # when the engines finished the last launched batch
         self.yielded: tuple[list[str], dict[str, float]] = ([], {})  # (engine actor ids, what yield_cpu said)
+        self.started: tuple[int, BatchRef | None, dict[str, float]] | None = None  # start_next's iteration
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="reflow-prefetch")
         self.yield_cpu()
         self.launch()
@@ -86,13 +95,39 @@ class Prefetcher:
         batch.stats["async_generate_s"] = time.perf_counter() - t0
         return batch
 
+    def start_next(self, i: int) -> bool:
+        """Take batch i, compute its advantages and submit its update now, ahead of iteration i's flow
+        run (see the module docstring); False when there is no update to start (its batch failed, or a
+        critic (PPO) must score it first). The flow run's `take` then returns the batch, advantages done."""
+        if self.cfg.algorithm.spec.needs_critic:
+            return False
+        t0 = time.perf_counter()
+        batch, waits = self.take(i)
+        if batch is not None:
+            try:
+                batch = advantages.fn(self.cfg, batch)
+                start_update(self.cfg, batch)
+            except Exception as e:  # deliberate: the flow run generates the batch again, in its tasks' retries
+                log.warning("iteration %d: could not start its update ahead (%s: %s)", i, type(e).__name__, e)
+                batch, waits["async_fallback"] = None, 1.0
+            else:
+                waits |= {"async_update_started_ahead": 1.0, "async_start_ahead_s": time.perf_counter() - t0}
+        self.started = (i, batch, waits)
+        return batch is not None
+
     def take(self, i: int) -> tuple[BatchRef | None, dict[str, float]]:
         """Batch i, scored (None when its background generation failed: the caller generates it), how long
-        the trainer waited for it, and how long the engines sat idle before the batch launched now."""
+        the trainer waited for it, and how long the engines sat idle before the batch launched now.
+        After `start_next(i)`: what it took, advantages computed and the update submitted."""
+        if self.started is not None and self.started[0] == i:
+            _, batch, waits = self.started
+            self.started = None
+            return batch, waits
         if i not in self.batches:  # a re-run after a recovery starts from its checkpoint: launch from there
             self.restart(i)
         _, fut = self.batches.pop(i)
-        idle = {"async_engine_idle_s": time.monotonic() - self.idle_since if self.idle_since is not None else 0.0}
+        idle = {"async_engine_idle_s": time.monotonic() - self.idle_since if self.idle_since is not None else 0.0,
+                "async_update_started_ahead": 0.0, "async_start_ahead_s": 0.0}
         self.launch()  # the next batch starts now, as the trainer starts on this one (see the module docstring)
         t0 = time.perf_counter()
         try:
@@ -132,10 +167,13 @@ class Prefetcher:
         again from `version` (a recovery restored the trainers to it)."""
         self.drain()
         self.batches.clear()
+        self.started = None
+        drop_started_update(self.cfg)  # submitted to the ranks the recovery replaced
         self.version = self.next = version
         self.launch()
 
     def close(self) -> None:
+        drop_started_update(self.cfg)
         self.drain()
         self.pool.shutdown(wait=True)
 
@@ -153,6 +191,12 @@ def current(cfg: RunConfig) -> Prefetcher | None:
     """The prefetcher of the experiment's running train flow; None when there is none (k = 0, or an
     iteration flow run called on its own)."""
     return _open.get(cfg.experiment)
+
+
+def start_next(cfg: RunConfig, i: int) -> bool:
+    """Iteration i's update submitted ahead of its flow run (Prefetcher.start_next); False for k = 0."""
+    p = current(cfg)
+    return p is not None and p.start_next(i)
 
 
 def close_prefetcher(cfg: RunConfig) -> None:

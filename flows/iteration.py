@@ -86,8 +86,9 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     if critic:
         with timer("values"):
             batch = critic_values(config, batch)
-    with timer("advantages"):
-        batch = advantages.fn(config, batch)
+    if not waits.get("async_update_started_ahead"):  # else computed, and the update submitted, before this run
+        with timer("advantages"):
+            batch = advantages.fn(config, batch)
     with timer("train"):
         train_metrics = train_critic(config, batch) if critic else {}
         if actor_updates(config, iteration):

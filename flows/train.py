@@ -23,6 +23,7 @@ from prefect.runtime import flow_run
 from reflow.flows import async_rollout
 from reflow.flows.inputs import USER_ERRORS, checked_config, refused
 from reflow.flows.recovery import run_recovering
+from reflow.flows.schedule import eval_due, save_due
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import leases
 from reflow.infra.config import RunConfig
@@ -35,20 +36,6 @@ from reflow.tasks.evaluate import collect, launch_eval
 from reflow.tasks.progress import Progress
 from reflow.tasks.report import RECORDS
 from reflow.tasks.train import initial_push
-
-
-def _eval_due(config: RunConfig, done: int, last: int) -> bool:
-    every = config.eval.interval
-    return done == last or (every is not None and done % every == 0)
-
-
-def _save_due(config: RunConfig, done: int, last: int, minutes_since_save: float) -> bool:
-    """After the last iteration, every `save_interval` iterations, once `save_every_minutes` have passed
-    since the run's start or its last save, or when the sentinel file appears."""
-    c = config.checkpoint
-    return (done == last or (c.save_interval is not None and done % c.save_interval == 0)
-            or (c.save_every_minutes is not None and minutes_since_save >= c.save_every_minutes)
-            or ckpt.sentinel_present(c.sentinel))
 
 
 def _save(config: RunConfig, control: RunControl, done: int) -> float:
@@ -123,17 +110,19 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             enter_stage(f"iteration {i}")
             m = run_recovering(config, i, control)  # a dead trainer rank: rebuilt, re-run (flows/recovery.py)
             control.finished(i, m)
-            leases.record(config.experiment)  # engines recreated during the iteration are new processes
             if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
                 last = i + 1
-            if _save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60) or control.take_save():
+            if save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60) or control.take_save():
                 saved_at = _save(config, control, i + 1)
-            if _eval_due(config, i + 1, last):
+            # asynchronous rollout: the next update starts now, under this bookkeeping and the next run's start
+            ahead = i + 1 < last and not control.paused and async_rollout.start_next(config, i + 1)
+            leases.record(config.experiment)  # engines recreated during the iteration are new processes
+            if eval_due(config, i + 1, last):
                 pending.append(launch_eval(config, i + 1))
             evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
             progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
-            if i + 1 == last or control.hold(partial(_save, config, control, i + 1)):  # paused: waits for /resume
+            if i + 1 == last or (not ahead and control.hold(partial(_save, config, control, i + 1))):  # paused: waits
                 last = i + 1  # hold() is True on /stop: the iterations done are saved by now
                 break
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends

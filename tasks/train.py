@@ -17,14 +17,36 @@ from reflow.tasks.faults import fault_point
 from reflow.tasks.rollout import BatchRef
 
 _attach_values = ray.remote(num_cpus=0)(attach_values)
+_started: dict[str, tuple[str, list]] = {}  # experiment -> (batch object id, its update's refs): submitted ahead
+
+
+def start_update(cfg: RunConfig, batch: BatchRef) -> None:
+    """Submit the policy update on `batch` now; the `train` task given the same batch waits for it
+    instead of submitting another (an asynchronous run starts an update before its flow run: see
+    flows/async_rollout.Prefetcher.start_next). The ranks run calls in order, so nothing submitted
+    after this (a checkpoint) sees the weights before it."""
+    _started[cfg.experiment] = (batch.ref.hex(), _submit_update(cfg, batch))
+
+
+def drop_started_update(cfg: RunConfig) -> None:
+    """Forget an update submitted ahead (its trainer group was rebuilt, or the run ends without it)."""
+    _started.pop(cfg.experiment, None)
+
+
+def _submit_update(cfg: RunConfig, batch: BatchRef) -> list:
+    rt = get_runtime(cfg)
+    return rt.trainers.train_iteration(batch.ref, minibatches=cfg.trainer.minibatches_per_iteration,
+                                       pad_id=rt.pad_id, loss=loss_settings(cfg), algorithm=cfg.algorithm)
 
 
 @task(name="train", cache_policy=NO_CACHE)
 def train(cfg: RunConfig, batch: BatchRef) -> dict[str, float]:
     """PPO-clip update(s) on every trainer rank; every rank returns the same reduced metrics."""
-    rt = get_runtime(cfg)
-    refs = rt.trainers.train_iteration(batch.ref, minibatches=cfg.trainer.minibatches_per_iteration,
-                                       pad_id=rt.pad_id, loss=loss_settings(cfg), algorithm=cfg.algorithm)
+    ahead = _started.pop(cfg.experiment, None)
+    if ahead is not None and ahead[0] != batch.ref.hex():  # the ranks would train twice in one iteration
+        raise RuntimeError(f"iteration {batch.iteration}: an update on another batch was submitted ahead of this "
+                           f"flow run; not training on both (a bug in the asynchronous loop: please report it)")
+    refs = ahead[1] if ahead is not None else _submit_update(cfg, batch)
     t0 = time.perf_counter()
     ray.get(list(batch.saving))  # the scored rollouts are in storage before the update can crash (a re-run loads them)
     waited = time.perf_counter() - t0

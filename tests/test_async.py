@@ -48,6 +48,10 @@ def test_async_run_trains_on_one_step_stale_batches_and_resumes_exactly(ray_clus
         assert 0 <= m["tis_capped_frac"] <= 1 and m["tis_weight_max"] <= ASYNC_TIS_CAP
         assert m["async_engines_sched_idle"] == 1.0  # CPU engines generate on idle CPU time only
     assert any(m["tis_weight_mean"] != 1.0 for m in straight["history"][1:])  # stale batches get weights != 1
+    # iterations 1 and 2 started their updates before their flow runs; the resumed run's iteration 1 (its
+    # first) could not, so the comparison below also holds an update started ahead against one that was not
+    assert [m["async_update_started_ahead"] for m in straight["history"]] == [0.0, 1.0, 1.0]
+    assert "time_advantages" not in straight["history"][1] and straight["history"][1]["async_start_ahead_s"] > 0
 
     first = run("async-resumed", "debug_exit_after=1")
     assert first["iterations"] == 1
@@ -58,6 +62,7 @@ def test_async_run_trains_on_one_step_stale_batches_and_resumes_exactly(ray_clus
     assert (second["start"], second["iterations"]) == (1, 2)
     assert second["history"][0]["scored_from_storage"] == 1.0  # batch 1: policy 0's, from before the checkpoint
     assert "scored_from_storage" not in second["history"][1]  # batch 2: generated again by policy 1
+    assert [m["async_update_started_ahead"] for m in second["history"]] == [0.0, 1.0]
     for a, b in zip(straight["history"][1:], second["history"]):
         assert (a["reward_mean"], a["staleness"], a["loss"]) == (b["reward_mean"], b["staleness"], b["loss"])
     final = [root / f"algo-async-{n}" / "checkpoints" / "iter_000003" / "model" / "model.safetensors"

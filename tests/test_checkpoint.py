@@ -175,7 +175,7 @@ def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp
 
 
 def test_resume_modes_and_sentinel(tmp_path):
-    from reflow.flows.train import _save_due
+    from reflow.flows.schedule import save_due
     from reflow.infra.config import load_config
     from reflow.tasks.checkpoint import ResumeError, find_checkpoints
 
@@ -191,26 +191,26 @@ def test_resume_modes_and_sentinel(tmp_path):
 
     sentinel = tmp_path / "SAVE_NOW"
     c = cfg(f"checkpoint.sentinel={sentinel}", "checkpoint.save_interval=5")
-    assert not _save_due(c, 2, 10, 0.0) and _save_due(c, 5, 10, 0.0) and _save_due(c, 10, 10, 0.0)
+    assert not save_due(c, 2, 10, 0.0) and save_due(c, 5, 10, 0.0) and save_due(c, 10, 10, 0.0)
     sentinel.touch()
-    assert _save_due(c, 2, 10, 0.0)
+    assert save_due(c, 2, 10, 0.0)
     ckpt.remove_sentinel(str(sentinel))
-    assert not sentinel.exists() and not _save_due(c, 3, 10, 0.0)
+    assert not sentinel.exists() and not save_due(c, 3, 10, 0.0)
 
 
 def test_checkpoints_by_default_every_few_minutes_not_only_at_the_end(tmp_path):
     """A crash should never cost more than `save_every_minutes` of work (default 10): the loop saves
     once that much time has passed since the start or the last save, besides interval/sentinel/last."""
-    from reflow.flows.train import _save_due
+    from reflow.flows.schedule import save_due
     from reflow.infra.config import load_config
 
     cfg = load_config(None, [])
     assert cfg.checkpoint.save_interval is None and cfg.checkpoint.save_every_minutes == 10.0
-    assert not _save_due(cfg, 3, 100, minutes_since_save=9.9)
-    assert _save_due(cfg, 3, 100, minutes_since_save=10.0)
-    assert _save_due(cfg, 100, 100, minutes_since_save=0.0)  # the last iteration always
+    assert not save_due(cfg, 3, 100, minutes_since_save=9.9)
+    assert save_due(cfg, 3, 100, minutes_since_save=10.0)
+    assert save_due(cfg, 100, 100, minutes_since_save=0.0)  # the last iteration always
     off = load_config(None, ["checkpoint.save_every_minutes=null", "checkpoint.save_interval=5"])
-    assert not _save_due(off, 3, 100, minutes_since_save=1e6) and _save_due(off, 5, 100, minutes_since_save=0.0)
+    assert not save_due(off, 3, 100, minutes_since_save=1e6) and save_due(off, 5, 100, minutes_since_save=0.0)
     sentinel = tmp_path / "save-now"
     sentinel.touch()
-    assert _save_due(load_config(None, [f"checkpoint.sentinel={sentinel}"]), 3, 100, minutes_since_save=0.0)
+    assert save_due(load_config(None, [f"checkpoint.sentinel={sentinel}"]), 3, 100, minutes_since_save=0.0)
