@@ -26,8 +26,9 @@ GRPO advantages and PPO-clip loss (rl/), a torch AdamW step with the same clippi
 into the engine's model in place, the same records (metrics.json, rollouts.parquet), a checkpoint
 (HF folder + optimizer state) and the same greedy eval of 200 held-out prompts.
 
-Both run as child processes of this script, one after the other (bare first), so each one's peak
-memory is its own; the first `--warmup` iterations are not counted. Policies are randomly
+Both run as child processes of this script, one after the other, so each one's peak memory is its own;
+`--rounds` pairs of them in ABBA order (bare, full, full, bare, ...), their iterations pooled, because this
+VM's speed drifts within minutes; the first `--warmup` iterations of each child are not counted. Policies are randomly
 initialised (a warmed-up policy would only change response lengths, equally for both).
 """
 from __future__ import annotations
@@ -339,6 +340,28 @@ def _child(args, part: str, config: str, policy: Path, out: Path, log: Path, cod
     return res
 
 
+def _paired(args, config: str, policy: Path, work: Path) -> dict[str, dict]:
+    """The bare and the full child, `--rounds` times in ABBA order (bare, full | full, bare | ...), their rows
+    pooled. This VM's speed drifts by up to ~25 % within minutes (the same train step: 3.3 s in one child, 4.3 s
+    in another a few minutes later), so one bare-then-full pair can report drift as overhead; alternating the
+    order cancels a steady drift and the spread of the per-round ratios shows what is left."""
+    runs: dict[str, dict] = {}
+    ratios = []
+    for r in range(args.rounds):
+        parts = ("bare", "full") if r % 2 == 0 else ("full", "bare")
+        got = {part: _child(args, part, config, policy, work / f"{config}-{part}-{r}.json",
+                            work / f"{config}-{part}-{r}.log") for part in parts}
+        ratios.append(statistics.mean(x["total"] for x in got["full"]["rows"])
+                      / statistics.mean(x["total"] for x in got["bare"]["rows"]))
+        for part, res in got.items():
+            if part in runs:
+                runs[part]["rows"] += res["rows"]
+            else:
+                runs[part] = res
+    runs["full"]["round_ratios"] = ratios
+    return runs
+
+
 def _median(rows: list[dict], key: str, mean: bool = False) -> float:
     """Median over iterations (robust to a burst of load from other processes on a shared machine); the
     mean where a save and an eval fall in one iteration of several (their cost spread over all)."""
@@ -371,6 +394,9 @@ def _report(config: str, nparams: int, runs: dict[str, dict]) -> dict[str, float
     if "baseline" in runs:
         cols.insert(1, ("baseline", "baseline s", ".3f"))
     print(C.table(out, cols))
+    if len(full.get("round_ratios", [])) > 1:
+        print("full/bare of each round (mean totals, ABBA order): "
+              + " ".join(f"{x:.2f}" for x in full["round_ratios"]))
     med = lambda key: _median(full["rows"], key, mean)  # noqa: E731
     send, verify = med("push_send"), med("push_verify")
     print(f"full push: {send:.3f}s sending (weight_push), {verify:.3f}s verifying (sampled tensors read back "
@@ -394,6 +420,8 @@ def main() -> None:
     p.add_argument("--sizes", default="small,large", help="comma list of: " + ", ".join(CONFIGS))
     p.add_argument("--iters", type=int, default=3, help="measured iterations per run")
     p.add_argument("--warmup", type=int, default=1, help="iterations run first and not counted")
+    p.add_argument("--rounds", type=int, default=2, help="bare/full pairs per size, in ABBA order (this VM's speed "
+                                                         "drifts within minutes: pooled rows, the spread printed)")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the engine and trainer (both runs)")
     p.add_argument("--baseline", default=None, help="also run the full flow with the code of this folder (a copy of "
                                                     "another commit's tree)")
@@ -419,8 +447,7 @@ def main() -> None:
     try:
         for config in args.sizes.split(","):
             policy = C.demo_policy(work / f"policy-{config}", **CONFIGS[config]["model"])
-            runs = {part: _child(args, part, config, policy, work / f"{config}-{part}.json", work / f"{config}-{part}.log")
-                    for part in ("bare", "full")}
+            runs = _paired(args, config, policy, work)
             if args.baseline:
                 code = str(_baseline_package(Path(args.baseline)))
                 runs["baseline"] = _child(args, "full", config, policy, work / f"{config}-baseline.json",

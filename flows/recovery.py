@@ -33,6 +33,7 @@ from reflow.infra.control import RunControl, enter_stage, ray_record
 from reflow.infra.runtime import get_runtime, recreate_trainers
 from reflow.tasks.checkpoint import find_checkpoints, restore
 from reflow.tasks.report import artifact_key
+from reflow.tasks.rollout import drop_started_generation
 from reflow.tasks.train import initial_push
 
 WATCH_EVERY_S = 1.0
@@ -118,6 +119,7 @@ def _recover(cfg: RunConfig, i: int, failed: int, dead: list[str], control: RunC
     ahead = async_rollout.current(cfg)
     if ahead is not None:
         ahead.drain()  # the engines finish the batch they are generating before the restored policy lands
+    drop_started_generation(cfg)  # by the policy the restore replaces
     recreate_trainers(cfg)
     found = find_checkpoints(cfg.model_copy(update={"resume": "auto"})) or find_checkpoints(cfg)
     restored = restore(cfg, found)

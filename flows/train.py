@@ -2,8 +2,9 @@
 
     check storage -> find a checkpoint to resume from -> start cluster -> restore -> push weights
     -> eval (before training, fresh runs only)
-    for each iteration: one `iteration` flow run; save at `checkpoint.save_interval`, every
-    `checkpoint.save_every_minutes` (default 10), on the sentinel file and at the end; eval every
+    for each iteration: one `iteration` flow run (the next one's rollout launched as it ends); save at
+    `checkpoint.save_interval`, every `checkpoint.save_every_minutes` (default 10), on the sentinel
+    file and at the end; eval every
     `eval.interval` and at the end (eval.blocking=false: an eval overlaps the next iteration, its
     generation gating the next weight push; all are recorded, in order, before the flow returns;
     see tasks/evaluate.py)
@@ -35,6 +36,7 @@ from reflow.tasks.cluster import start_cluster
 from reflow.tasks.evaluate import collect, launch_eval
 from reflow.tasks.progress import Progress
 from reflow.tasks.report import RECORDS
+from reflow.tasks.rollout import drop_started_generation, start_generation
 from reflow.tasks.train import initial_push
 
 
@@ -100,9 +102,8 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         if config.eval.before_train and start == 0:
             pending.append(launch_eval(config, 0))
             evals |= collect(config, pending, wait=config.eval.blocking)
-        last = config.num_iterations
-        if config.debug_exit_after is not None:
-            last = min(last, start + config.debug_exit_after)
+        last = config.num_iterations if config.debug_exit_after is None else min(
+            config.num_iterations, start + config.debug_exit_after)
         history: list[dict[str, float]] = []
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
@@ -112,10 +113,12 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             control.finished(i, m)
             if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
                 last = i + 1
+            if follows := i + 1 < last and not control.paused:  # synchronous: the next rollout runs under
+                start_generation(config, i + 1)  # the save and the bookkeeping below (tasks/rollout.py)
             if save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60) or control.take_save():
                 saved_at = _save(config, control, i + 1)
             # asynchronous rollout: the next update starts now, under this bookkeeping and the next run's start
-            ahead = i + 1 < last and not control.paused and async_rollout.start_next(config, i + 1)
+            ahead = follows and async_rollout.start_next(config, i + 1)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
             if eval_due(config, i + 1, last):
                 pending.append(launch_eval(config, i + 1))
@@ -137,6 +140,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
                 "seconds": time.perf_counter() - t0}
     finally:
         async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
+        drop_started_generation(config)  # a stop or a failure after the next generation was launched
         if control is not None:
             control.close()
         if progress is not None:

@@ -134,6 +134,7 @@ class RolloutConfig(_Strict):
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
+    generate_ahead: bool = Field(True, description="Synchronous loop (max_staleness 0): launch the next iteration's generation right after the push, before its flow run starts, so Prefect's bookkeeping between iterations (and a checkpoint due then) overlaps the engines' work. Same prompts, seeds and policy, hence the same batch; false waits for the iteration's own generate task.")
     max_staleness: int = Field(0, ge=0, le=8, description="Asynchronous rollout: 0 is the synchronous loop (generate, then train); k >= 1 lets the engines generate the next batches while the trainer trains, each batch by a policy at most k versions behind the one it trains (a push waits for the batch being generated, so every batch has one version, recorded per sample). Stale batches are corrected by truncated importance sampling at algorithm.tis_cap (2.0 when unset). Needs engines that stay resident (not colocated with hand-overs).")
 
 

@@ -7,6 +7,7 @@ because an ObjectRef is not a meaningful cache key.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 from logging import Logger
 
@@ -104,22 +105,84 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
     asynchronous run's prefetcher (flows/async_rollout.py) passes the version the engines serve."""
     rt = get_runtime(cfg)
     if (cached := _cached(rt, iteration, "generated", log)) is not None:
+        drop_started_generation(cfg)  # a batch of an earlier flow run of this iteration goes first
         return cached
+    if version is None and (adopted := _adopt_started(rt, iteration, log)) is not None:
+        return adopted
     recreated: list[str] = []
     if version is None:
         # An engine lost since the last push (or during this task's previous attempt: the retry comes
         # back here) is recreated and given the current weights now, not after the retries are spent.
         recreated, version = ensure_engines(cfg, serve_version=iteration), iteration
+    ref, prompts = _launch(rt, iteration, version)
+    # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
+    ray.get(_size.remote(ref))
+    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated)),
+             "rollout_policy_version": float(version), "generate_started_ahead": 0.0, "generate_ahead_s": 0.0}
+    return _persist(rt, BatchRef(ref, stats, iteration), "generated")
+
+
+def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, list[Prompt]]:
+    """Send iteration `iteration`'s prompts (its sampling seeds) to the engines, which serve policy `version`."""
+    cfg = rt.cfg
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
     ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
                            version, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
                            cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg),
                            seed_key=iteration)
-    # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
-    ray.get(_size.remote(ref))
-    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated)),
-             "rollout_policy_version": float(version)}
+    return ref, prompts
+
+
+# ---------------------------------------------------------------- the synchronous loop's generation ahead
+
+_started: dict[str, tuple[int, ray.ObjectRef, list[Prompt], float]] = {}  # experiment -> (iteration, its generation,
+#                                                                           its prompts, when it was launched)
+
+
+def start_generation(cfg: RunConfig, iteration: int) -> bool:
+    """Launch iteration `iteration`'s generation now, ahead of its flow run; its `generate` task then waits
+    for it instead of launching its own. The parent flow calls this right after iteration - 1's flow run,
+    whose push left the engines serving policy `iteration`: the same prompts, seeds and policy as the task
+    would use, so the batch is the same; only Prefect's bookkeeping between the two flow runs (ending one,
+    the records, starting the next) and a checkpoint due then overlap the engines' work instead of
+    preceding it. The synchronous loop only (rollout.max_staleness = 0: the asynchronous one generates
+    ahead anyway) and unless `rollout.generate_ahead` is off. Returns whether it launched."""
+    if cfg.rollout.max_staleness or not cfg.rollout.generate_ahead:
+        return False
+    rt = get_runtime(cfg)
+    ref, prompts = _launch(rt, iteration, iteration)
+    _started[cfg.experiment] = (iteration, ref, prompts, time.perf_counter())
+    return True
+
+
+def drop_started_generation(cfg: RunConfig) -> None:
+    """Forget a generation launched ahead (the run ends before its iteration, or a recovery restores other
+    weights), after it leaves the engines: the next push never lands under it."""
+    started = _started.pop(cfg.experiment, None)
+    if started is not None:
+        ray.wait([started[1]], timeout=cfg.rollout.request_timeout_s)
+
+
+def _adopt_started(rt: Runtime, iteration: int, log: Logger | None) -> BatchRef | None:
+    """The generation launched ahead for this iteration, once done; None when there is none (or another
+    iteration's: dropped) or it failed (the caller then generates the batch the usual way)."""
+    started = _started.pop(rt.cfg.experiment, None)
+    if started is None:
+        return None
+    j, ref, prompts, launched = started
+    if j != iteration:
+        ray.wait([ref], timeout=rt.cfg.rollout.request_timeout_s)
+        return None
+    ahead_s = time.perf_counter() - launched
+    try:
+        ray.get(_size.remote(ref))
+    except Exception as e:  # deliberate: any failure (an engine lost mid-request) falls back to the usual path
+        (log or get_run_logger()).warning("iteration %d: its generation launched ahead failed (%s); generating it "
+                                          "again", iteration, next(iter(str(e).splitlines()), type(e).__name__))
+        return None
+    stats = {"prompts": len(prompts), "engines_recreated_before_generate": 0.0,
+             "rollout_policy_version": float(iteration), "generate_started_ahead": 1.0, "generate_ahead_s": ahead_s}
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 

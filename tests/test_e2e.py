@@ -88,6 +88,8 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
             assert key in m, f"iteration {i}: metric {key} missing"
             assert math.isfinite(m[key]), f"iteration {i}: {key}={m[key]}"
         assert m["push_verified_tensors"] > 0
+    # the first iteration generates in its own task; the next two find theirs launched as the one before ended
+    assert [m["generate_started_ahead"] for m in summary["history"]] == [0.0, 1.0, 1.0]
 
     runs, arts = asyncio.run(_flow_runs())
     names = {r.name: r for r in runs}

@@ -172,3 +172,49 @@ def test_engine_lost_during_generate_is_recreated_with_current_weights_before_th
         assert EngineClient(rt.engine_urls[0], api_key=rt.api_key).model_info()["weight_version"] == "1"
     finally:
         shutdown_runtime(cfg.experiment)
+
+
+def test_generation_launched_ahead_is_the_same_batch_and_falls_back_when_its_engine_dies(
+        ray_cluster, prefect_server, tiny_policy, tmp_path):
+    """The synchronous loop launches iteration i's generation as iteration i - 1 ends (tasks/rollout.py
+    start_generation): the generate task adopts it (the same samples as launching it itself), a batch of an
+    earlier flow run of the iteration in the stage cache still goes first, and a launched generation whose
+    engine died is generated again the usual way (engine recreated with the current weights)."""
+    import ray
+
+    from reflow.flows.iteration import iteration
+    from reflow.infra.config import load_config
+    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.tasks import rollout
+
+    cfg = load_config(None, [
+        "experiment=gen-ahead", f"model.path={tiny_policy}", "num_iterations=3", "data.num_train=64",
+        "data.num_eval=4", "rollout.num_engines=1", "rollout.prompts_per_iteration=16",
+        "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=48", "trainer.micro_batch_size=32",
+        f"storage.root=file://{tmp_path}/runs"])
+    rt = start_runtime(cfg)
+    try:
+        iteration(cfg, 0)  # the engine serves policy version 1
+        expected = ray.get(rollout._launch(rt, 1, 1)[0])  # what the task would generate itself (nothing stored)
+        assert rollout.start_generation(cfg, 1)
+        batch = rollout.generate(cfg, 1)
+        assert batch.stats["generate_started_ahead"] == 1.0 and batch.stats["generate_ahead_s"] > 0
+        assert ray.get(batch.ref).response_ids == expected.response_ids
+        ray.get(list(batch.saving))  # in the stage cache now: a re-run of iteration 1 loads it
+        assert rollout.start_generation(cfg, 1)
+        again = rollout.generate(cfg, 1)
+        assert again.stats["generated_from_storage"] == 1.0 and cfg.experiment not in rollout._started
+
+        victim, victim_url = rt.engines[0], rt.engine_urls[0]
+        killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
+        assert rollout.start_generation(cfg, 2)
+        batch = rollout.generate(cfg, 2)
+        killer.join(60)
+        assert killed.is_set() and rt.engine_urls[0] != victim_url
+        assert batch.stats["generate_started_ahead"] == 0.0
+        assert batch.stats["engines_recreated_before_generate"] == 1.0
+        assert len(ray.get(batch.ref)) == 16 * 4
+        off = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"generate_ahead": False})})
+        assert not rollout.start_generation(off, 2)
+    finally:
+        shutdown_runtime(cfg.experiment)
