@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -161,9 +162,29 @@ def create_artifact(kind: str, key: str, data: str | list[dict], description: st
 
     text = data if isinstance(data, str) else json.dumps(data)  # table cells: finite numbers or text
     RECORDS.api_turn()
-    with get_client(sync_client=True) as client:
+    with get_client(sync_client=True, httpx_settings={"verify": _tls_context()}) as client:
         client.create_artifact(ArtifactCreate(type=kind, key=key, data=text, description=description,
                                               flow_run_id=flow_run_id))
+
+
+_TLS: dict[tuple, ssl.SSLContext] = {}  # (skip verify, CA file) -> the TLS context of this process's API clients
+
+
+def _tls_context() -> ssl.SSLContext:
+    """One TLS context per process for the records' API clients, built as Prefect builds one for each new
+    client (PREFECT_API_TLS_INSECURE_SKIP_VERIFY, else PREFECT_API_SSL_CERT_FILE or certifi's bundle): that
+    costs ~17 ms of CPU (loading the CA bundle) per client, and the background writer opens three clients
+    an iteration (tests/test_records.py counts them; bench/RESULTS.md 12)."""
+    import certifi  # Prefect's own CA bundle source (a dependency of prefect and httpx)
+    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
+
+    key = (bool(PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value()), PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
+    if key not in _TLS:
+        ctx = ssl.create_default_context(cafile=None if key[0] else key[1])
+        if key[0]:
+            ctx.check_hostname, ctx.verify_mode = False, ssl.CERT_NONE
+        _TLS[key] = ctx
+    return _TLS[key]
 
 
 SAMPLES_SHOWN = 4

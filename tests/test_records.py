@@ -73,3 +73,32 @@ def test_the_iteration_flow_run_has_no_heartbeat_and_the_settings_come_back():
     with _without_heartbeat():
         assert get_current_settings() is inside  # built once, not per iteration
     assert get_current_settings() is before
+
+
+def test_artifacts_of_the_background_writer_share_one_tls_context(prefect_server, monkeypatch):
+    """Prefect builds a TLS context (CA bundle loaded: ~17 ms of CPU) for every client it makes; the records
+    writer makes three clients an iteration, so they share one built once per process."""
+    import ssl
+    from uuid import uuid4
+
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import flow_run
+
+    from reflow.tasks import report
+
+    @flow(name="records-tls")
+    def owner() -> str:
+        return flow_run.id
+
+    run_id = owner()
+    built = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: built.append(1) or real(*a, **k))
+    key = f"records-tls-{uuid4().hex[:8]}"
+    for i in range(3):
+        report.create_artifact("table", key, [{"i": i}], "three in a row", run_id)
+    assert len(built) <= 1  # the first one only, when no earlier artifact of this process built it
+    assert report._tls_context() is report._tls_context()
+    with get_client(sync_client=True) as client:
+        assert len([a for a in client.read_artifacts() if a.key == key]) == 3
