@@ -118,9 +118,10 @@ class ExperimentStore:
         df.to_parquet(buf, index=False)
         return self.write_bytes(rel, buf.getvalue())
 
-    def put_file(self, local: str | Path, rel: str) -> dict:
-        """Upload one local file; returns {"sha256", "bytes"} of what was sent (for the manifest)."""
-        return self.access.put_file(local, self.url(rel))
+    def put_file(self, local: str | Path, rel: str, link: bool = False) -> dict:
+        """Upload one local file; returns {"sha256", "bytes"} of what was sent (for the manifest). `link`: see
+        reflow.engines.storage_access.StorageAccess.put_file."""
+        return self.access.put_file(local, self.url(rel), link=link)
 
     # ------------------------------------------------------------ reads
 

@@ -315,3 +315,30 @@ def test_a_stalled_endpoint_is_logged_while_it_stalls(s3):
     assert live and done, warnings
     assert all(f"write {url}" in w and "storage.slow_call_warn_s=0.3" in w for w in live + done), warnings
     assert float(re.search(r"took (\d+\.\d)s", done[0]).group(1)) >= 1.4
+
+
+# ---------------------------------------------------------------- linked uploads (checkpoint saves)
+
+
+def test_a_linked_upload_is_a_second_name_on_one_filesystem_and_a_copy_across(tmp_path, monkeypatch):
+    """A checkpoint's files, staged in a folder of the save's own, go into a local root on the same filesystem
+    as hard links (no copy); where linking fails (another filesystem: EXDEV) they are copied; an upload not
+    marked as the caller's own file is always a copy, so a later change to the source cannot reach storage."""
+    store = ExperimentStore(f"file://{tmp_path}/runs", "exp")
+    src = tmp_path / "staged" / "part.bin"
+    src.parent.mkdir()
+    src.write_bytes(os.urandom(1 << 16))
+    linked = store.put_file(src, "checkpoints/a/part.bin", link=True)
+    copied = store.put_file(src, "checkpoints/b/part.bin")
+    a, b = tmp_path / "runs" / "exp" / "checkpoints" / "a" / "part.bin", tmp_path / "runs" / "exp" / "checkpoints" / "b" / "part.bin"
+    assert os.path.samefile(a, src) and not os.path.samefile(b, src)
+    assert linked == copied and a.read_bytes() == b.read_bytes() == src.read_bytes()
+
+    def exdev(*_):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", exdev)
+    store.put_file(src, "checkpoints/c/part.bin", link=True)
+    c = tmp_path / "runs" / "exp" / "checkpoints" / "c" / "part.bin"
+    assert not os.path.samefile(c, src) and c.read_bytes() == src.read_bytes()
+    assert not [p for p in (tmp_path / "runs").rglob("*.tmp-*")]  # no temp names left

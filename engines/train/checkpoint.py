@@ -55,11 +55,12 @@ def set_rng_state(state: dict) -> None:
 
 
 def _upload_tree(store, local_root: Path, prefix: str) -> dict[str, dict]:
-    """Upload every file under local_root to `prefix/<relative path>`; {relative path: sha/bytes}."""
+    """Upload every file under local_root (a folder of this save's own, removed after) to `prefix/<relative
+    path>`; {relative path: sha/bytes}. A local storage root on the same filesystem links the files in."""
     files = {}
     for f in sorted(p for p in local_root.rglob("*") if p.is_file()):
         rel = f.relative_to(local_root).as_posix()
-        files[rel] = store.put_file(f, f"{prefix}/{rel}")
+        files[rel] = store.put_file(f, f"{prefix}/{rel}", link=True)
     return files
 
 
