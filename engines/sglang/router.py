@@ -309,11 +309,29 @@ class SGLangRouter(WorkersClient):
 
         self.host, self._api_key = host, check_api_key(api_key)
         self.port = allocate_ports(1, host)[0]
+        self._initial = [u.rstrip("/") for u in worker_urls]
         self.cmd = sglang_router_command(worker_urls, host, self.port, python, self._api_key)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-router-{self.port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                                          env=env)
+
+    def ready(self, timeout: float = 60.0) -> bool:
+        """Block until it serves GET /workers *and* lists the workers it was started with: its start-up job
+        registers them after it begins answering, so a busy machine saw an empty list (`total` 0) right after
+        the first 200. Raises RouterError naming the workers still missing at the timeout."""
+        deadline = time.monotonic() + timeout
+        super().ready(timeout)
+        while True:
+            missing = sorted(set(self._initial) - {w["url"].rstrip("/") for w in self._listed()})
+            if not missing:
+                return True
+            if time.monotonic() > deadline:
+                raise RouterError(f"sglang-router at {self.url()} serves GET /workers but has not registered "
+                                  f"{missing} within {timeout:.0f}s (are they up and answering /health?); "
+                                  f"its log: {self.log_path}")
+            self._check_alive()
+            time.sleep(0.05)
 
     def _check_alive(self) -> None:
         if self.proc.poll() is not None:
