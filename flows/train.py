@@ -4,10 +4,9 @@
     -> eval (before training, fresh runs only)
     for each iteration: one `iteration` flow run (the next one's rollout launched as it ends); save at
     `checkpoint.save_interval`, every `checkpoint.save_every_minutes` (default 10), on the sentinel
-    file and at the end; eval every
-    `eval.interval` and at the end (eval.blocking=false: an eval overlaps the next iteration, its
-    generation gating the next weight push; all are recorded, in order, before the flow returns;
-    see tasks/evaluate.py)
+    file and at the end; eval every `eval.interval` and at the end (eval.blocking=false: an eval
+    overlaps the next iteration, its generation gating the next weight push; all are recorded, in
+    order, before the flow returns; see tasks/evaluate.py)
 
 `num_iterations` is the run's total: a run resumed after k iterations runs iterations k..n-1.
 While it runs, `reflow ctl` reaches its control API (infra/control.py: health, metrics, pause, resume,
