@@ -38,6 +38,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -278,8 +279,7 @@ class StorageAccess:
         def once() -> None:
             fs, path = self.fs_for(url)
             if is_local(url):
-                place = _link_or_copy if link else (lambda fs_, src, dst: fs_.put_file(src, dst))
-                _via_temp(fs, path, lambda tmp: place(fs, str(local), tmp))
+                _via_temp(fs, path, partial(_link_or_copy, fs, str(local)) if link else partial(fs.put_file, str(local)))
             else:
                 fs.put_file(str(local), path)
 

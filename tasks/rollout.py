@@ -116,9 +116,17 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
         recreated, version = ensure_engines(cfg, serve_version=iteration), iteration
     ref, prompts = _launch(rt, iteration, version)
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
+    return _generated(rt, ref, prompts, iteration, version, len(recreated), None)
+
+
+def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration: int, version: int,
+               recreated: int, ahead_s: float | None) -> BatchRef:
+    """The batch once generated (raises what its generation raised), its stats, its stage record started.
+    `ahead_s`: how long before the task its generation was launched (None: by the task itself)."""
     ray.get(_size.remote(ref))
-    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated)),
-             "rollout_policy_version": float(version), "generate_started_ahead": 0.0, "generate_ahead_s": 0.0}
+    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(recreated),
+             "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
+             "generate_ahead_s": ahead_s or 0.0}
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 
@@ -167,23 +175,17 @@ def drop_started_generation(cfg: RunConfig) -> None:
 def _adopt_started(rt: Runtime, iteration: int, log: Logger | None) -> BatchRef | None:
     """The generation launched ahead for this iteration, once done; None when there is none (or another
     iteration's: dropped) or it failed (the caller then generates the batch the usual way)."""
-    started = _started.pop(rt.cfg.experiment, None)
-    if started is None:
+    started = _started.get(rt.cfg.experiment)
+    if started is None or started[0] != iteration:
+        drop_started_generation(rt.cfg)
         return None
-    j, ref, prompts, launched = started
-    if j != iteration:
-        ray.wait([ref], timeout=rt.cfg.rollout.request_timeout_s)
-        return None
-    ahead_s = time.perf_counter() - launched
+    _, ref, prompts, launched = _started.pop(rt.cfg.experiment)
     try:
-        ray.get(_size.remote(ref))
+        return _generated(rt, ref, prompts, iteration, iteration, 0, time.perf_counter() - launched)
     except Exception as e:  # deliberate: any failure (an engine lost mid-request) falls back to the usual path
         (log or get_run_logger()).warning("iteration %d: its generation launched ahead failed (%s); generating it "
                                           "again", iteration, next(iter(str(e).splitlines()), type(e).__name__))
         return None
-    stats = {"prompts": len(prompts), "engines_recreated_before_generate": 0.0,
-             "rollout_policy_version": float(iteration), "generate_started_ahead": 1.0, "generate_ahead_s": ahead_s}
-    return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 
 def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:
