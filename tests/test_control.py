@@ -19,6 +19,7 @@ import pytest
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import control
 from reflow.infra.storage import ExperimentStore
+from tests import prefect_reads
 from tests.ckpt_fixtures import REFLOW, REPO
 from tests.test_e2e import e2e_config
 
@@ -90,10 +91,7 @@ def _kill_trainer_mid_iteration(rank: int, after: int, thread: threading.Thread,
 def _artifact_rows(key: str) -> list[dict]:
     import json
 
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
-        found = [a for a in client.read_artifacts() if a.key == key]
+    found = prefect_reads.artifacts(key)
     assert found, f"no artifact {key}"
     latest = max(found, key=lambda a: a.created)
     return json.loads(latest.data) if isinstance(latest.data, str) else latest.data

@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from reflow.infra.config import load_config
+from tests import prefect_reads
 
 pytestmark = pytest.mark.slow
 
@@ -26,15 +27,6 @@ def e2e_config(policy, tmp_path, *extra):
         "rollout.n_samples_per_prompt=4", "rollout.max_new_tokens=4", "rollout.num_engines=2", "trainer.num_ranks=2",
         "trainer.zero_stage=2", "trainer.micro_batch_size=4", "trainer.lr=1e-3",
         "algorithm.kl_coef=0.01", "weight_sync.verify=full", f"storage.root=file://{tmp_path}/runs", *extra])
-
-
-async def _flow_runs():
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        runs = await client.read_flow_runs()
-        arts = await client.read_artifacts()
-        return runs, arts
 
 
 async def _log_messages(flow_run_id) -> list[str]:
@@ -91,8 +83,8 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
     # the first iteration generates in its own task; the next two find theirs launched as the one before ended
     assert [m["generate_started_ahead"] for m in summary["history"]] == [0.0, 1.0, 1.0]
 
-    runs, arts = asyncio.run(_flow_runs())
-    names = {r.name: r for r in runs}
+    names = prefect_reads.flow_runs("e2e", *(f"e2e-iter-{i:04d}" for i in range(3)))
+    arts = prefect_reads.artifacts("e2e-iteration-metrics", "e2e-iteration-timings", "e2e-curves")
     assert "e2e" in names and names["e2e"].state.is_completed()
     for i in range(3):
         run = names[f"e2e-iter-{i:04d}"]

@@ -3,7 +3,6 @@ Prefect: a non-blocking run records every eval point, and eval-only runs on its 
 reproduce what the in-training eval recorded at those versions."""
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 
@@ -13,6 +12,7 @@ import pytest
 from reflow.infra.config import dump_config, load_config
 from reflow.rl.data import tokenize_prompts
 from reflow.rl.metrics import eval_summary, mean_pass_at_k, pass_at_k
+from tests import prefect_reads
 
 # ---------------------------------------------------------------- pass@k, by hand
 
@@ -150,13 +150,6 @@ def nonblocking_run(ray_cluster, prefect_server, tiny_policy, tmp_path_factory):
     return cfg, summary, tmp / "runs" / "eval-nb", overrides
 
 
-async def _artifacts():
-    from prefect.client.orchestration import get_client
-
-    async with get_client() as client:
-        return await client.read_artifacts()
-
-
 def _samples(base, rel):
     return pd.read_parquet(base / rel / "samples.parquet")
 
@@ -183,8 +176,7 @@ def test_nonblocking_run_records_every_eval_point(nonblocking_run):
                 assert recorded[f"pass@{k}"] == pytest.approx(mean_pass_at_k(per_prompt, k), abs=1e-12)
             assert recorded["reward_mean"] == pytest.approx(df.reward.mean())
             assert sum(v_ for k_, v_ in recorded.items() if k_.startswith("finish_")) == len(df)
-    keys = [a.key for a in asyncio.run(_artifacts())]
-    assert keys.count("eval-nb-eval") >= N + 1
+    assert len(prefect_reads.artifacts("eval-nb-eval")) >= N + 1
     assert (base / "plots" / "curves.png").read_bytes().startswith(b"\x89PNG")
     # the policy changes between eval points, so comparing eval records can tell versions apart
     lp = [_samples(base, f"iterations/{v:06d}/eval/heldout").logprob for v in range(N + 1)]
