@@ -184,7 +184,9 @@ def mark_crashed(lease: Lease) -> list[str]:
     if lease.flow_run_id is None:
         return []
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId, FlowRunFilterState,
+                                                FlowRunFilterStateType)
+    from prefect.client.schemas.objects import TERMINAL_STATES
     from prefect.states import Crashed
 
     message = (f"process {lease.pid} on {lease.host} ended without reporting (killed?); marked CRASHED by the next "
@@ -193,8 +195,10 @@ def mark_crashed(lease: Lease) -> list[str]:
     try:
         with get_client(sync_client=True) as client:
             runs = [client.read_flow_run(lease.flow_run_id)]
+            # only the unfinished children: a long run has more finished ones than the API's default page
             runs += client.read_flow_runs(flow_run_filter=FlowRunFilter(
-                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[runs[0].id])))
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[runs[0].id]),
+                state=FlowRunFilterState(type=FlowRunFilterStateType(not_any_=list(TERMINAL_STATES)))))
             for run in runs:
                 if run.state is not None and not run.state.is_final():
                     client.set_flow_run_state(run.id, Crashed(message=message), force=True)

@@ -85,3 +85,48 @@ def test_reused_pid_is_not_the_holder(tmp_path):
 def test_names_are_single_path_segments():
     with pytest.raises(ValueError):
         leases.take("../evil", None)
+
+
+def test_a_long_runs_unfinished_iteration_is_marked_crashed(prefect_server):
+    """A dead run of hundreds of iterations: its one unfinished iteration flow run is found among more
+    finished ones than the API's default page (200 rows) holds."""
+    import asyncio
+
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Running
+
+    @flow(name="leases-long-run")
+    def long_run():
+        pass
+
+    @task(name="iteration")
+    def iteration():
+        pass
+
+    async def make():
+        async with get_client() as client:
+            parent = await client.create_flow_run(long_run, name="long", state=Running())
+
+            in_parent = await client.create_task_run(iteration, flow_run_id=parent.id, dynamic_key="0")
+            calls = asyncio.Semaphore(4)  # a few at a time: the test server's SQLite answers 503 to a crowd
+
+            async def child(i):
+                async with calls:
+                    return await client.create_flow_run(long_run, name=f"long-iter-{i:04d}", state=Completed(),
+                                                        parent_task_run_id=in_parent.id)
+
+            children = await asyncio.gather(*(child(i) for i in range(205)))
+            # the API's default order is by id, descending: the smallest id is the one a first page leaves out
+            unfinished = min(children, key=lambda r: r.id)
+            await client.set_flow_run_state(unfinished.id, Running(), force=True)
+            return parent, children, unfinished
+
+    parent, children, unfinished = asyncio.run(make())
+    lease = leases.Lease(experiment="long", flow_run_id=str(parent.id), host="h", pid=1, pid_started=0.0,
+                         taken_at=0.0)
+    said = leases.mark_crashed(lease)
+    assert said == [f"marked 2 flow run(s) of dead process 1 CRASHED: long, {unfinished.name}"], said
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(unfinished.id).state.is_crashed()
+        assert all(client.read_flow_run(r.id).state.is_completed() for r in children[:3] if r.id != unfinished.id)
