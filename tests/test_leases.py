@@ -1,6 +1,7 @@
-"""infra/leases.py without Ray or Prefect: a dead holder's leftovers are ended, a live holder refuses
-a second run, a reused pid is not mistaken for the holder. The whole story with a real SIGKILLed
-`reflow train` (Ray's orphaned agents, the Prefect states) is in tests/test_resume.py."""
+"""infra/leases.py without Ray: a dead holder's leftovers are ended, a live holder refuses a second run, a
+reused pid is not mistaken for the holder, and (with the test Prefect server) a dead long run's unfinished
+iteration is marked CRASHED. The whole story with a real SIGKILLed `reflow train` (Ray's orphaned agents,
+the Prefect states) is in tests/test_resume.py."""
 from __future__ import annotations
 
 import os
