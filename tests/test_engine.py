@@ -166,6 +166,47 @@ def test_compaction_matches_batch_size_one(model, tok, monkeypatch):
     assert decode_batches[0] == 4 and min(decode_batches) == 1  # rows leave the batch as they finish
 
 
+
+def test_seeded_draws_are_uniform_and_follow_the_probabilities():
+    """One hashed uniform per (seed, position), independent across both; inverting a row's distribution at it
+    samples that distribution, renormalised after top-k, and never a token the filter dropped."""
+    from reflow.engines.embedded.sampling import TOP_K_ALL, sample_tokens, seeded_uniform
+
+    n = 100_000
+    u = seeded_uniform(torch.arange(n), torch.full((n,), 5))
+    assert 0 < u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.005 and abs(u.var() - 1 / 12) < 0.002
+    nxt = seeded_uniform(torch.arange(n), torch.full((n,), 6))
+    assert abs(torch.corrcoef(torch.stack([u, nxt]))[0, 1]) < 0.02  # positions
+    assert abs(torch.corrcoef(torch.stack([u[:-1], u[1:]]))[0, 1]) < 0.02  # neighbouring seeds
+    assert torch.equal(seeded_uniform(torch.tensor([7, 3]), torch.tensor([5, 9]))[0], u[7])  # batch-independent
+
+    probs = torch.tensor([0.1, 0.2, 0.0001, 0.6999])
+    logits, ones = probs.log().expand(n, 4).clone(), torch.ones(n)
+    for top_k, want in ((TOP_K_ALL, probs), (2, torch.tensor([0.0, 0.2, 0.0, 0.6999]) / 0.8999)):
+        tokens, _ = sample_tokens(logits, ones, ones, torch.full((n,), top_k), torch.zeros(n), u)
+        got = torch.bincount(tokens, minlength=4).double() / n
+        torch.testing.assert_close(got, want.double(), atol=0.006, rtol=0)
+    edge = torch.full((4,), 1 - 2.0**-53, dtype=torch.float64)  # the largest draw: the kept token before the cut
+    tokens, _ = sample_tokens(logits[:4], ones[:4], ones[:4], torch.full((4,), 2), torch.zeros(4), edge)
+    assert tokens.tolist() == [3, 3, 3, 3]
+
+
+def test_samples_sent_as_separate_requests_share_one_prefill(model, tok, monkeypatch):
+    """A seeded rollout sends each sample as its own request (n=1, its own seed): equal prompts are prefilled
+    once, and each sample is the one its seed gives alone."""
+    gen = Generator(model, tok, max_batch_size=16, threads=1)
+    prompts = _ids(tok, PROMPTS[:3])
+    sps = [{"temperature": 1.0, "max_new_tokens": 5, "sampling_seed": 100 + i} for i in range(12)]
+    sizes = []
+    real = gen._forward
+    monkeypatch.setattr(gen, "_forward", lambda ids, *a: sizes.append(tuple(ids.shape)) or real(ids, *a))
+    out = gen.generate([list(p) for p in prompts for _ in range(4)], sps)
+    monkeypatch.undo()
+    assert [b for b, t in sizes if t > 1] == [3]
+    alone = [gen.generate([p], [sp])[0]["output_ids"] for p, sp in zip([p for p in prompts for _ in range(4)], sps)]
+    assert [r["output_ids"] for r in out] == alone and len({tuple(a) for a in alone}) > 3
+
+
 # ---------------------------------------------------------------- HTTP contract
 
 

@@ -47,9 +47,9 @@ from reflow.engines.embedded.sampling import (
     TOP_K_ALL,
     SamplingConfig,
     SamplingTensors,
-    _seeded_noise,
     filter_probs,
     sample_tokens,
+    seeded_uniform,
 )
 from reflow.engines.embedded.static_decode import StaticDecoder
 
@@ -78,15 +78,19 @@ def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
 
 
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[list[int]], list[int]]:
-    """The distinct prompts among `rows` in first-seen order (samples of one prompt share its list
-    object: `_make_rows`), and each row's index into them; both prefill paths run a prompt once."""
-    index: dict[int, int] = {}  # id(prompt list) -> position among distinct prompts
+    """The distinct prompts among `rows` in first-seen order, and each row's index into them; both prefill
+    paths run a prompt once. By content: a seeded rollout sends each sample as its own request (n=1, its
+    own sampling_seed), so the samples of one prompt arrive as equal lists, not one."""
+    index: dict[tuple[int, ...], int] = {}  # prompt -> position among distinct prompts
     prompts: list[list[int]] = []
+    picks = []
     for r in rows:
-        if id(r.prompt) not in index:
-            index[id(r.prompt)] = len(prompts)
+        key = tuple(r.prompt)
+        if key not in index:
+            index[key] = len(prompts)
             prompts.append(r.prompt)
-    return prompts, [index[id(r.prompt)] for r in rows]
+        picks.append(index[key])
+    return prompts, picks
 
 
 @dataclass
@@ -198,7 +202,7 @@ class Generator:
         for i, (prompt, p, k) in enumerate(zip(prompts, params, ns)):
             cfg = p if isinstance(p, SamplingConfig) else SamplingConfig.from_dict(p)
             rid = rids[i] if rids else uuid.uuid4().hex
-            prompt = list(prompt)  # one list per prompt: its samples share one prefill
+            prompt = list(prompt)
             for _ in range(k):
                 rows.append(self._new_row(prompt, cfg, rid, rid if k == 1 else uuid.uuid4().hex))
         return rows
@@ -373,20 +377,27 @@ class Generator:
         return mask[:, first:]
 
     def _sample(self, logits: torch.Tensor, rows: list[_Row], params: SamplingTensors | None = None):
-        """Apply the min_new_tokens mask and seeded noise, then sample; `params` are the rows' parameters as
-        device tensors (built here when not given)."""
+        """Apply the min_new_tokens mask, draw each row's uniform (a seeded row's from its seed), then sample;
+        `params` are the rows' parameters as device tensors (built here when not given)."""
         B, V = logits.shape
         for b, r in enumerate(rows):
             if len(r.out) < r.cfg.min_new_tokens and r.mask_ids:
                 logits[b, r.mask_ids] = float("-inf")
         params = params or SamplingTensors.of([r.cfg for r in rows], logits.device)
-        noise = None
+        uniform = None
         if not params.all_greedy:
-            noise = torch.empty(B, V, device=logits.device).exponential_()  # [B, V]
-            for b, r in enumerate(rows):
-                if r.cfg.sampling_seed is not None and not r.cfg.greedy:
-                    noise[b] = _seeded_noise(r.cfg.sampling_seed, len(r.prompt) + len(r.out), V)
-        return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, noise,
+            seeded = [b for b, r in enumerate(rows) if r.cfg.sampling_seed is not None and not r.cfg.greedy]
+            if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
+                at = torch.tensor([[rows[b].cfg.sampling_seed, len(rows[b].prompt) + len(rows[b].out)]
+                                   for b in seeded])  # [S, 2]
+                drawn = seeded_uniform(at[:, 0], at[:, 1]).to(logits.device, non_blocking=True)  # [S]
+            if len(seeded) == B:
+                uniform = drawn
+            else:
+                uniform = torch.rand(B, device=logits.device, dtype=torch.float64)  # [B]
+                if seeded:
+                    uniform[torch.tensor(seeded, device=logits.device)] = drawn
+        return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, uniform,
                              filtered=params.filtered)
 
     def _append(self, r: _Row, token: int, logprob: float) -> None:

@@ -122,33 +122,56 @@ class SamplingTensors:
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor, min_p: torch.Tensor, noise: torch.Tensor | None,
+                  top_k: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor | None,
                   filtered: bool | None = None):
     """One sampling step. Returns (tokens [B] long, logprobs [B] float).
 
-    logits [B, V] float32; temperature [B] (< SAMPLING_EPS = greedy); noise [B, V] Exp(1) draws
+    logits [B, V] float32; temperature [B] (< SAMPLING_EPS = greedy); uniform [B] float64 draws in (0, 1)
     (None when every row is greedy); `filtered`: whether any row uses top-p/top-k/min-p (None: found out
-    from the tensors, a device sync on a GPU). Sampling is the exponential race argmax(p / E), which draws
-    from p normalised, so the filtered probs need no renormalisation. The logprob is SGLang's:
+    from the tensors, a device sync on a GPU). Sampling inverts each row's cumulative distribution at its
+    uniform draw (one draw per row, so a seeded row needs one hashed number, not one per token; the filtered
+    probs need no renormalisation: the draw is scaled by the row's total). The logprob is SGLang's:
     log_softmax(logits / T) of the chosen token, before filtering.
     """
     greedy = temperature < SAMPLING_EPS  # [B]
     t = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
     logprobs = torch.log_softmax(logits / t[:, None], dim=-1)  # [B, V]
     tokens = logits.argmax(-1)  # [B]
-    if noise is not None:
+    if uniform is not None:
         probs = logprobs.exp()  # [B, V]
         if filtered is None:
             filtered = bool((top_p < 1.0).any() | (top_k < probs.shape[-1]).any() | (min_p > 0).any())
         if filtered:
             probs = filter_probs(probs, top_p, top_k, min_p)
-        sampled = (probs / noise.clamp_min(1e-20)).argmax(-1)  # [B]
+        cdf = probs.cumsum(-1)  # [B, V]
+        target = (uniform * cdf[:, -1].double()).float()  # [B], below the row's total
+        sampled = torch.searchsorted(cdf, target[:, None], right=True)[:, 0].clamp_max(cdf.shape[-1] - 1)  # [B]
+        # rounding can land the draw on a token of probability 0 (past the last kept one): its row's mode then
+        kept = probs.gather(-1, sampled[:, None])[:, 0] > 0  # [B]
+        sampled = torch.where(kept, sampled, probs.argmax(-1))
         tokens = torch.where(greedy, tokens, sampled)
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)  # [B]
     return tokens, chosen.clamp_min(torch.finfo(chosen.dtype).min)  # as SGLang: never -inf in JSON
 
 
-def _seeded_noise(seed: int, position: int, vocab: int) -> torch.Tensor:
-    """Exp(1) noise [V] that depends only on (seed, position): batch-independent determinism."""
-    g = torch.Generator().manual_seed((seed * 1_000_003 + position) % (2**63))
-    return torch.empty(vocab).exponential_(generator=g)  # [V]
+# A counter-based draw: a seeded row's uniform is a hash of (seed, position), computed for every seeded row of
+# the batch at once. (A torch.Generator per row and step cost a host call, a draw over the vocabulary and, on a
+# GPU, a host-to-device copy that also waited for the queued steps, per row.)
+_MIX1, _MIX2 = -0x40A7B892E31B1A47, -0x6B2FB644ECCEEE15  # 0xbf58476d1ce4e5b9, 0x94d049bb133111eb as int64
+_SEED, _POS = 0x9E3779B97F4A7C15 - (1 << 64), 0x632BE59BD9B4E019
+
+
+def _mix(h: torch.Tensor) -> torch.Tensor:
+    """A 64-bit finaliser (xor-shift-multiply rounds) on int64, wrapping; logical shifts via masks."""
+    h = h ^ ((h >> 30) & ((1 << 34) - 1))
+    h = h * _MIX1
+    h = h ^ ((h >> 27) & ((1 << 37) - 1))
+    h = h * _MIX2
+    return h ^ ((h >> 31) & ((1 << 33) - 1))
+
+
+def seeded_uniform(seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Uniform draws float64 in (0, 1), one per row, from `seeds` [B] and `positions` [B] (int64): a function
+    of (seed, position) only, so a seeded sample is the same in any batch."""
+    h = _mix(seeds.long() * _SEED ^ _mix(positions.long() * _POS + 1))  # [B]
+    return (((h >> 11) & ((1 << 53) - 1)).double() + 0.5) * 2.0**-53  # 53 bits
