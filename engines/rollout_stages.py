@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from typing import Any
 
 import pandas as pd
@@ -58,9 +59,21 @@ def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int,
     engines hold policy `version` as a LoRA adapter (trainer.lora.rank > 0), which every request names."""
     seeds = sample_seeds(seed, version if seed_key is None else seed_key, len(prompts) * n) if seed is not None else None
     lora_path = adapter_name(version) if adapter else None
+    t0 = time.perf_counter()
     if generate_fn != DEFAULT_ROLLOUT_FN:
-        return rollout_with_fn(generate_fn, urls, prompts, sp, n, version, timeout, seeds, api_key, max_concurrent,
-                               limits, lora_path)
+        batch = rollout_with_fn(generate_fn, urls, prompts, sp, n, version, timeout, seeds, api_key, max_concurrent,
+                                limits, lora_path)
+    else:
+        batch = _one_turn(urls, prompts, sp, n, version, timeout, seeds, api_key, lora_path)
+    # how long the engines took, wherever it ran: a generation launched ahead or in the background is
+    # waited for by its `generate` task for less (time_generate), and throughput is counted over this
+    batch.extra["generate_s"] = time.perf_counter() - t0
+    return batch
+
+
+def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int, timeout: float,
+              seeds: list[int] | None, api_key: str | None, lora_path: str | None) -> RolloutBatch:
+    """The default rollout: one batched request per engine."""
     clients = [EngineClient(u, timeout=timeout, api_key=api_key) for u in urls]
     outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds, lora_path=lora_path)
     if len(outs) != len(prompts) * n:

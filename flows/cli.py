@@ -197,7 +197,8 @@ def _stage_line(history: list[dict]) -> str:
 
     n = max(len(history), 1)
     stages = " ".join(f"{k}={total('time_' + k) / n:.2f}s" for k in ("generate", "train", "push"))
-    tokens_per_s = total("response_tokens") / max(total("time_generate"), 1e-9)
+    # over the engines' own generation time: a generation run ahead is waited for by `generate` for less
+    tokens_per_s = total("response_tokens") / max(total("generate_engine_s") or total("time_generate"), 1e-9)
     samples_per_s = total("samples") / max(total("time_iteration"), 1e-9)
     return f"demo: per-iteration {stages} tokens_per_s={tokens_per_s:.0f} samples_per_s={samples_per_s:.1f}"
 

@@ -38,8 +38,9 @@ def write_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
 
 
 @ray.remote(num_cpus=0)
-def _size(batch: RolloutBatch) -> int:
-    return len(batch)
+def _engine_seconds(batch: RolloutBatch) -> float:
+    """How long the engines took to generate `batch` (waits for it; raises what its generation raised)."""
+    return float(batch.extra.get("generate_s", 0.0))
 
 
 @dataclass
@@ -123,8 +124,8 @@ def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration
                recreated: int, ahead_s: float | None) -> BatchRef:
     """The batch once generated (raises what its generation raised), its stats, its stage record started.
     `ahead_s`: how long before the task its generation was launched (None: by the task itself)."""
-    ray.get(_size.remote(ref))
-    stats = {"prompts": len(prompts), "engines_recreated_before_generate": float(recreated),
+    stats = {"generate_engine_s": ray.get(_engine_seconds.remote(ref)), "prompts": len(prompts),
+             "engines_recreated_before_generate": float(recreated),
              "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
              "generate_ahead_s": ahead_s or 0.0}
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")

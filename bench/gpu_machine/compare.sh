@@ -24,7 +24,7 @@ exp=gpu-cmp-$(date +%H%M%S)
 OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$iters" "$@" >/dev/null
 cp "$out/demo-one.log" "$out/demo-$exp.log"
 grep '^demo:' "$out/demo-$exp.log"
-OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$((iters + 10))" --resume auto "$@" \
+OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$((iters + 10))" "$@" --resume auto \
   >/dev/null || echo "resume: FAILED (see demo-one.log)"
 grep -E '^demo:|resum' "$out/demo-one.log" | tail -3 || true
 seconds=$(grep -o 'seconds=[0-9]*' "$out/demo-$exp.log" | tail -1 | cut -d= -f2)
