@@ -184,8 +184,12 @@ def mark_crashed(lease: Lease) -> list[str]:
     if lease.flow_run_id is None:
         return []
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import (FlowRunFilter, FlowRunFilterParentFlowRunId, FlowRunFilterState,
-                                                FlowRunFilterStateType)
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterParentFlowRunId,
+        FlowRunFilterState,
+        FlowRunFilterStateType,
+    )
     from prefect.client.schemas.objects import TERMINAL_STATES
     from prefect.states import Crashed
 
