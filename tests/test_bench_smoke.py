@@ -4,6 +4,7 @@ so without this a refactor can break the script unnoticed until a paid device ru
 `train_iteration`'s keywords changed under it)."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -24,3 +25,15 @@ def test_gpu_benchmark_runs_on_cpu_tiny(tmp_path):
     assert p.returncode == 0, out[-4000:]
     assert "gpu: trainer MFU" in out and "engine/generate" in out and "push" in out, out[-2000:]
     assert (tmp_path / "gpu.json").is_file()
+
+
+def test_rollout_generate_benchmark_runs_on_cpu_against_a_tree(tmp_path):
+    """bench/rollout_generate.py with a baseline tree (here: this one), as the GPU call runs it."""
+    out = tmp_path / "r.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "rollout_generate.py"), "--baseline", str(REPO), "--cpu",
+                        "--prompts", "4", "--n", "2", "--repeat", "1", "--rounds", "1", "--json", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "rollout_generate: this_samples_per_s=" in p.stdout and "speedup=" in p.stdout, p.stdout[-2000:]
+    res = json.loads(out.read_text())
+    assert res["shape"]["prompts"] == 4 and res["this"]["samples_per_s"] > 0 and res["baseline"]["samples_per_s"] > 0
