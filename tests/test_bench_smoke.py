@@ -1,7 +1,7 @@
-"""The GPU benchmark's own code path on CPU with a tiny model (`bench/gpu.py --device cpu --tiny`):
-the trainer, the plain loop, the engine and the push as bench/gpu.py drives them. CI has no GPU,
-so without this a refactor can break the script unnoticed until a paid device run (it did once:
-`train_iteration`'s keywords changed under it)."""
+"""The GPU benchmarks' own code paths on CPU with tiny models: `bench/gpu.py --device cpu --tiny` (the
+trainer, the plain loop, the engine and the push as bench/gpu.py drives them) and bench/rollout_generate.py
+against a tree. CI has no GPU, so without this a refactor can break a script unnoticed until a paid device
+run (it did once: `train_iteration`'s keywords changed under it)."""
 from __future__ import annotations
 
 import json
