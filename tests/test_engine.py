@@ -147,6 +147,8 @@ def test_sampling_seed_is_deterministic_and_batch_independent(gen, tok):
     assert alone == batched == gen.generate([p], sp)[0]["output_ids"]
     others = {tuple(gen.generate([p], {**sp, "sampling_seed": s})[0]["output_ids"]) for s in range(4)}
     assert len(others) > 1
+    wide = {**sp, "sampling_seed": 2**64 + 1234}  # past int64 (a direct caller; HTTP checks i64): its low 64 bits
+    assert gen.generate([p], wide)[0]["output_ids"] == alone
 
 
 def test_compaction_matches_batch_size_one(model, tok, monkeypatch):

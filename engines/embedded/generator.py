@@ -77,6 +77,11 @@ def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     return host, done.synchronize
 
 
+def _as_int64(x: int) -> int:
+    """A Python int as the int64 with the same low 64 bits (seeds past int64 hash as their low bits)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[list[int]], list[int]]:
     """The distinct prompts among `rows` in first-seen order, and each row's index into them; both prefill
     paths run a prompt once. By content: a seeded rollout sends each sample as its own request (n=1, its
@@ -388,7 +393,7 @@ class Generator:
         if not params.all_greedy:
             seeded = [b for b, r in enumerate(rows) if r.cfg.sampling_seed is not None and not r.cfg.greedy]
             if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
-                at = torch.tensor([[rows[b].cfg.sampling_seed, len(rows[b].prompt) + len(rows[b].out)]
+                at = torch.tensor([[_as_int64(rows[b].cfg.sampling_seed), len(rows[b].prompt) + len(rows[b].out)]
                                    for b in seeded])  # [S, 2]
                 drawn = seeded_uniform(at[:, 0], at[:, 1]).to(logits.device, non_blocking=True)  # [S]
             if len(seeded) == B:
