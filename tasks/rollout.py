@@ -117,14 +117,15 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
         recreated, version = ensure_engines(cfg, serve_version=iteration), iteration
     ref, prompts = _launch(rt, iteration, version)
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
-    return _generated(rt, ref, prompts, iteration, version, len(recreated), None)
+    engine_s = ray.get(_engine_seconds.remote(ref))
+    return _generated(rt, ref, prompts, iteration, version, len(recreated), None, engine_s)
 
 
 def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration: int, version: int,
-               recreated: int, ahead_s: float | None) -> BatchRef:
-    """The batch once generated (raises what its generation raised), its stats, its stage record started.
-    `ahead_s`: how long before the task its generation was launched (None: by the task itself)."""
-    stats = {"generate_engine_s": ray.get(_engine_seconds.remote(ref)), "prompts": len(prompts),
+               recreated: int, ahead_s: float | None, engine_s: float) -> BatchRef:
+    """A generated batch's stats and its stage record started. `ahead_s`: how long before the task its
+    generation was launched (None: by the task itself); `engine_s`: how long the engines took."""
+    stats = {"generate_engine_s": engine_s, "prompts": len(prompts),
              "engines_recreated_before_generate": float(recreated),
              "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
              "generate_ahead_s": ahead_s or 0.0}
@@ -181,12 +182,14 @@ def _adopt_started(rt: Runtime, iteration: int, log: Logger | None) -> BatchRef 
         drop_started_generation(rt.cfg)
         return None
     _, ref, prompts, launched = _started.pop(rt.cfg.experiment)
+    ahead_s = time.perf_counter() - launched
     try:
-        return _generated(rt, ref, prompts, iteration, iteration, 0, time.perf_counter() - launched)
+        engine_s = ray.get(_engine_seconds.remote(ref))
     except Exception as e:  # deliberate: any failure (an engine lost mid-request) falls back to the usual path
         (log or get_run_logger()).warning("iteration %d: its generation launched ahead failed (%s); generating it "
                                           "again", iteration, next(iter(str(e).splitlines()), type(e).__name__))
         return None
+    return _generated(rt, ref, prompts, iteration, iteration, 0, ahead_s, engine_s)
 
 
 def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:
