@@ -8,14 +8,15 @@ or flow runs than that, an unfiltered read misses some of a test's own. Ask for 
 from __future__ import annotations
 
 
-def artifacts(*keys: str) -> list:
-    """Every artifact version with one of these keys, oldest first."""
+def artifacts(*keys: str, flow_run_id: str | None = None) -> list:
+    """Every artifact version with one of these keys (of one flow run, when given), oldest first."""
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
     from prefect.client.schemas.sorting import ArtifactSort
 
+    run = None if flow_run_id is None else ArtifactFilterFlowRunId(any_=[flow_run_id])
     with get_client(sync_client=True) as client:
-        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=list(keys))),
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=list(keys)), flow_run_id=run),
                                      sort=ArtifactSort.CREATED_DESC)[::-1]
 
 

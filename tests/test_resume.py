@@ -17,6 +17,7 @@ import pytest
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import leases
 from reflow.infra.storage import ExperimentStore
+from tests import prefect_reads
 from tests.ckpt_fixtures import (
     LoopbackS3,
     assert_bit_identical,
@@ -77,15 +78,6 @@ def _assert_matches_baseline(store: ExperimentStore, baseline, tmp: Path) -> Non
         assert set(df.policy_version) == {i}
 
 
-def _artifacts(flow_run_id: str, key: str) -> list:
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
-
-    with get_client(sync_client=True) as client:
-        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id]),
-                                                                    key=ArtifactFilterKey(any_=[key])))
-
-
 def _state(flow_run_id: str):
     from prefect.client.orchestration import get_client
 
@@ -142,7 +134,7 @@ def _assert_lineage_after_resumes(store: ExperimentStore, initial: str) -> None:
     its = nodes[0].lineage["flow_runs"]["iterations"]
     assert list(its) == [str(N - 1)] and _state(its[str(N - 1)]).type.value == "COMPLETED"
     for run_id in (its[str(N - 1)], train_runs[0]):  # and each run names the checkpoint back
-        assert any(nodes[0].url in (a.data or "") for a in _artifacts(run_id, "killed-checkpoint")), run_id
+        assert any(nodes[0].url in (a.data or "") for a in prefect_reads.artifacts("killed-checkpoint", flow_run_id=run_id)), run_id
     assert len({n.manifest_sha256 for n in nodes}) == N
 
 
