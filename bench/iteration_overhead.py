@@ -112,7 +112,7 @@ def run_full(args) -> dict:
 
     # Timing hooks only: the flow looks these names up in its module at call time.
     hooks = [(recovery, "run_iteration", "iteration"), (ft, "run_iteration", "iteration"), (ft, "iteration", "iteration")]
-    hooks += [(ft, name, kind) for name, kind in (("save_checkpoint", "save"), ("evaluate", "eval"),
+    hooks += [(ft, name, kind) for name, kind in (("_save", "save"), ("evaluate", "eval"),
                                                   ("launch_eval", "eval"), ("collect", "eval"))]
     for module, name, kind in hooks:
         if hasattr(module, name) and not hasattr(getattr(module, name), "_bench_timed"):

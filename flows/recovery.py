@@ -31,7 +31,7 @@ from reflow.flows.iteration import run_iteration
 from reflow.infra.config import RunConfig
 from reflow.infra.control import RunControl, enter_stage, ray_record
 from reflow.infra.runtime import get_runtime, recreate_trainers
-from reflow.tasks.checkpoint import find_checkpoints, restore
+from reflow.tasks.checkpoint import find_checkpoints, finish_save, restore
 from reflow.tasks.report import artifact_key
 from reflow.tasks.rollout import drop_started_generation
 from reflow.tasks.train import initial_push
@@ -120,6 +120,8 @@ def _recover(cfg: RunConfig, i: int, failed: int, dead: list[str], control: RunC
     if ahead is not None:
         ahead.drain()  # the engines finish the batch they are generating before the restored policy lands
     drop_started_generation(cfg)  # by the policy the restore replaces
+    if (saved := finish_save(cfg.experiment, raise_errors=False)) is not None:  # committed in the background
+        control.saved(saved[0])  # before the rank died, so the restore below may take it
     recreate_trainers(cfg)
     found = find_checkpoints(cfg.model_copy(update={"resume": "auto"})) or find_checkpoints(cfg)
     restored = restore(cfg, found)

@@ -30,7 +30,7 @@ from reflow.infra.config import RunConfig
 from reflow.infra.control import RunControl, enter_stage, start_control
 from reflow.infra.flow_params import FlowConfig
 from reflow.infra.runtime import shutdown_runtime
-from reflow.tasks.checkpoint import check_storage, find_checkpoints, restore, save_checkpoint
+from reflow.tasks.checkpoint import check_storage, find_checkpoints, finish_save, restore, save_pending, start_save
 from reflow.tasks.cluster import start_cluster
 from reflow.tasks.evaluate import collect, launch_eval
 from reflow.tasks.progress import Progress
@@ -39,17 +39,30 @@ from reflow.tasks.rollout import drop_started_generation, start_generation
 from reflow.tasks.train import initial_push
 
 
-def _save(config: RunConfig, control: RunControl, done: int) -> float:
-    """Commit a checkpoint of `done` iterations (removing the sentinel file, if any); returns when."""
+def _save(config: RunConfig, control: RunControl, done: int, wait: bool = True) -> float:
+    """Checkpoint `done` iterations: every rank's write is queued now, ahead of any later call to the
+    ranks, and the commit runs in the background (tasks/checkpoint.py `start_save`); `wait`: committed
+    (and the sentinel file removed, if any) before this returns. Returns when it started."""
     enter_stage("checkpoint")
     RECORDS.wait()  # a checkpoint is committed only after the records of the iterations it holds
     if (ahead := async_rollout.current(config)) is not None:
         ahead.persisted(done)  # and the batches generated before it (flows/async_rollout.py)
-    get_run_logger().info("checkpoint: %s", save_checkpoint(config, done))
-    control.saved(done)
-    if ckpt.sentinel_present(config.checkpoint.sentinel):
-        ckpt.remove_sentinel(config.checkpoint.sentinel)
+    start_save(config, done)
+    if wait:
+        _settle(config, control)
+        if ckpt.sentinel_present(config.checkpoint.sentinel):
+            ckpt.remove_sentinel(config.checkpoint.sentinel)
     return time.monotonic()
+
+
+def _settle(config: RunConfig, control: RunControl, wait: bool = True) -> None:
+    """Record the checkpoint committed in the background (its error raised here): `wait` for it, or only
+    if it is done already."""
+    if not wait and save_pending(config.experiment) is not None:
+        return
+    if (done := finish_save(config.experiment)) is not None:
+        get_run_logger().info("checkpoint: %s", done[1])
+        control.saved(done[0])
 
 
 def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
@@ -114,8 +127,13 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
                 last = i + 1
             if follows := i + 1 < last and not control.paused:  # synchronous: the next rollout runs under
                 start_generation(config, i + 1)  # the save and the bookkeeping below (tasks/rollout.py)
-            if save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60) or control.take_save():
-                saved_at = _save(config, control, i + 1)
+            due = save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60)
+            if due or control.take_save():
+                # committed before the next iteration when it is the last, asked for (sentinel, /save) or
+                # when background commits are off; else while the next iteration runs
+                wait = (not due or i + 1 == last or not config.checkpoint.background_commit
+                        or ckpt.sentinel_present(config.checkpoint.sentinel))
+                saved_at = _save(config, control, i + 1, wait)
             # asynchronous rollout: the next update starts now, under this bookkeeping and the next run's start
             ahead = follows and async_rollout.start_next(config, i + 1)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
@@ -124,11 +142,13 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
             progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
+            _settle(config, control, wait=control.paused or control.stopping)  # a failed background save raises
             if i + 1 == last or (not ahead and control.hold(partial(_save, config, control, i + 1))):  # paused: waits
                 last = i + 1  # hold() is True on /stop: the iterations done are saved by now
                 break
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
         RECORDS.wait()  # and every iteration's records
+        _settle(config, control)  # and every checkpoint committed
         log.info("curves: %s", progress.finish(evals))
         if control.stopping:
             log.warning("stopped by the control API after %d of %d iterations", last, config.num_iterations)
@@ -145,5 +165,6 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         if progress is not None:
             progress.abort()  # trackers still open here: the run failed (finish() closed them otherwise)
         RECORDS.wait(raise_errors=False)  # a failed run: the records it queued are still written
+        finish_save(config.experiment, raise_errors=False)  # and its checkpoint in flight committed (or not)
         if release_cluster is not False:  # False keeps this process's runtime too (tests inspect it)
             shutdown_runtime(config.experiment, release_cluster)

@@ -10,10 +10,12 @@ each task from the config, so the key is never a Prefect parameter or result.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import ray
 from prefect import get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
+from prefect.futures import PrefectFuture
 
 from reflow.infra import checkpoint as ckpt
 from reflow.infra import lineage, signing
@@ -22,7 +24,7 @@ from reflow.infra.runtime import get_runtime, recreate_trainers
 from reflow.infra.settings import storage_access
 from reflow.infra.storage import ExperimentStore
 from reflow.tasks import report
-from reflow.tasks.faults import fault_point
+from reflow.tasks.faults import fault_point, fault_raise
 
 CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a checkpoint
 
@@ -30,6 +32,10 @@ CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a check
 # experiment -> the checkpoint the live trainer weights continue (None: model.path). Set by `restore`
 # (the one place that knows what was loaded) and by each save; read by the next save's lineage.
 _parents: dict[str, lineage.Parent | None] = {}
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint saved in the background could not be committed."""
 
 
 class ResumeError(RuntimeError):
@@ -171,32 +177,105 @@ def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: 
          keep_last: int, critic=None, keys: signing.Keyring | None = None, lineage_doc: dict | None = None) -> str:
     """Every rank uploads its part (the PPO critic's ranks under critic/, alongside), then
     MANIFEST -> SIGNATURE (with `keys`, default the experiment's key) -> COMMITTED -> latest; then retention."""
+    return commit_queued(queue_save(trainers, store, step, critic), store, state, config_yaml, keep_last, keys,
+                         lineage_doc)
+
+
+@dataclass
+class QueuedSave:
+    """A checkpoint whose rank writes are queued on the actors: `queue_save` submitted them, in order,
+    before any later call to the same actors (Ray runs one caller's calls to an actor in submission
+    order), so it holds the weights of exactly `step` iterations whatever the driver does next."""
+    ck: ckpt.Checkpoint
+    checksum: list  # ObjectRefs: each policy rank's weights_checksum (rank 0's is recorded)
+    policy: list  # ObjectRefs: each policy rank's {relative path: sha256/bytes}
+    critic: list  # the same for the PPO critic's ranks (under critic/)
+
+
+def queue_save(trainers, store: ExperimentStore, step: int, critic=None, checksum: bool = False) -> QueuedSave:
+    """Clear leftovers at `step`, then queue every rank's save (and, with `checksum`, the policy weights'
+    checksum just before it) without waiting for any of them."""
     ck = ckpt.at_step(store, step)
     ckpt.begin(ck)
+    sums = trainers.weights_checksum() if checksum else []
     critic_refs = critic.save_checkpoint(store, ck.rel(CRITIC.rstrip("/"))) if critic is not None else []
+    return QueuedSave(ck, sums, trainers.save_checkpoint(store, ck.prefix), critic_refs)
+
+
+def commit_queued(queued: QueuedSave, store: ExperimentStore, state: dict, config_yaml: str, keep_last: int,
+                  keys: signing.Keyring | None = None, lineage_doc: dict | None = None) -> str:
+    """Wait for a queued save's rank files, then commit it (nothing is marked complete unless every rank's
+    files are uploaded) and apply retention. Returns the checkpoint's URL."""
     files: dict[str, dict] = {}
-    for rank_files in ray.get(trainers.save_checkpoint(store, ck.prefix)):
+    for rank_files in ray.get(queued.policy):
         files.update(rank_files)
-    for rank_files in ray.get(critic_refs):
+    for rank_files in ray.get(queued.critic):
         files.update({CRITIC + rel: meta for rel, meta in rank_files.items()})
-    fault_point("KILL_DURING_SAVE", step)
-    url = ckpt.commit(ck, files, state, config_yaml, keys, lineage_doc)
-    fault_point("KILL_AFTER_COMMIT", step)
+    fault_point("KILL_DURING_SAVE", queued.ck.step)
+    fault_raise("FAIL_COMMIT", queued.ck.step)
+    url = ckpt.commit(queued.ck, files, state, config_yaml, keys, lineage_doc)
+    fault_point("KILL_AFTER_COMMIT", queued.ck.step)
     ckpt.apply_retention(store, keep_last)
     return url
 
 
+@dataclass
+class SaveInFlight:
+    """A checkpoint queued on the ranks whose commit runs as the `save-checkpoint` task in the background
+    (flows/train.py): the next save, a recovery and the end of the run wait for it first."""
+    step: int
+    future: PrefectFuture
+
+
+_in_flight: dict[str, SaveInFlight] = {}  # experiment -> its checkpoint being committed (at most one)
+
+
+def start_save(cfg: RunConfig, step: int) -> None:
+    """Queue the ranks' writes of checkpoint `step` now, then commit it in a background task run; a save
+    still in flight is finished first (`_parents` then names the checkpoint this one continues)."""
+    finish_save(cfg.experiment)
+    rt = get_runtime(cfg)
+    queued = queue_save(rt.trainers, rt.store, step, rt.critic, checksum=True)
+    parent = _parents.get(cfg.experiment)
+    runs = _flow_runs(cfg.experiment, 0 if parent is None else parent.step, step)  # this flow run's context
+    _in_flight[cfg.experiment] = SaveInFlight(step, save_checkpoint.submit(cfg, step, queued, runs))
+
+
+def save_pending(experiment: str) -> int | None:
+    """The step of the experiment's save in flight, or None (none, or one already finished: see `finish_save`)."""
+    f = _in_flight.get(experiment)
+    return None if f is None or f.future.wrapped_future.done() else f.step
+
+
+def finish_save(experiment: str, raise_errors: bool = True) -> tuple[int, str] | None:
+    """Wait for the experiment's save in flight: (step, URL) once committed, None when there was none. Its
+    error is raised (`raise_errors=False`: logged, and None returned: the checkpoint stays uncommitted)."""
+    f = _in_flight.pop(experiment, None)
+    if f is None:
+        return None
+    try:
+        return f.step, f.future.result()
+    except Exception as e:  # deliberate: raised as the run's error unless the caller only needs the save settled
+        why = f"checkpoint {ckpt.name_of(f.step)} was not committed ({type(e).__name__}: {e})"
+        if raise_errors:
+            raise CheckpointSaveError(f"{why}; the run stops here. resume=auto continues from the latest committed "
+                                      f"checkpoint; checkpoint.background_commit=false saves before going on") from e
+        ckpt.log.warning(why)
+        return None
+
+
 @task(name="save-checkpoint", cache_policy=NO_CACHE)
-def save_checkpoint(cfg: RunConfig, step: int) -> str:
+def save_checkpoint(cfg: RunConfig, step: int, queued: QueuedSave, runs: dict[str, object]) -> str:
+    """Wait for the ranks' files of a queued save, then sign and commit it (MANIFEST, SIGNATURE, COMMITTED,
+    latest), apply retention, and link the checkpoint and the flow runs that made it both ways."""
     rt = get_runtime(cfg)
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
-    state["weights_sha256"] = ray.get(rt.trainers.weights_checksum())[0]  # lets a reused trainer skip a reload
+    state["weights_sha256"] = ray.get(queued.checksum)[0]  # lets a reused trainer skip a reload
     config_yaml, parent = dump_config(cfg), _parents.get(cfg.experiment)
-    runs = _flow_runs(cfg.experiment, 0 if parent is None else parent.step, step)
     initial = cfg.model.path if "://" in cfg.model.path else os.path.abspath(cfg.model.path)
     doc = lineage.record(parent, initial, config_yaml, _data_lineage(cfg, parent, step), runs)
-    url = save(rt.trainers, rt.store, step, state, config_yaml, cfg.checkpoint.keep_last, critic=rt.critic,
-               keys=keyring(cfg), lineage_doc=doc)
+    url = commit_queued(queued, rt.store, state, config_yaml, cfg.checkpoint.keep_last, keys=keyring(cfg),
+                        lineage_doc=doc)
     _parents[cfg.experiment] = lineage.Parent(url, step, lineage.manifest_sha256(ckpt.at_step(rt.store, step)), doc)
     _link_runs(cfg.experiment, url, step, runs)
     return url

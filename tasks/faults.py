@@ -49,3 +49,13 @@ def fault_point(kind: str, step: int) -> None:
     if os.environ.get(f"REFLOW_FAULT_{kind}") == str(step):
         log.warning("fault injection: REFLOW_FAULT_%s=%d, killing pid %d", kind, step, os.getpid())
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+class InjectedFault(OSError):
+    """What `fault_raise` raises: an I/O error only the crash tests cause."""
+
+
+def fault_raise(kind: str, step: int) -> None:
+    """Fault injection for tests: REFLOW_FAULT_<kind>=<step> raises an I/O error here."""
+    if os.environ.get(f"REFLOW_FAULT_{kind}") == str(step):
+        raise InjectedFault(f"fault injection: REFLOW_FAULT_{kind}={step}")

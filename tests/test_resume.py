@@ -118,6 +118,28 @@ def test_kill_after_commit_and_mid_save_resume_exactly(env, baseline, tiny_polic
     assert "Started a local Ray instance" not in out
 
 
+def test_background_commit_failure_stops_the_run_and_a_synchronous_resume_is_exact(env, baseline, tiny_policy,
+                                                                                  tmp_path):
+    """Checkpoints commit in the background while the next iteration runs (checkpoint.background_commit,
+    the default, which the baseline ran with). One whose commit fails stops the run at the next iteration's
+    end with the reason, leaving it uncommitted; a resume with synchronous saves then ends bit-identical to
+    the baseline, so both ways checkpoint the same weights."""
+    root = f"file://{tmp_path}/runs"
+    store = ExperimentStore.open(root, "bgsave")
+    cfg = write_config(tmp_path / "run.yaml", tiny_policy, root, "bgsave")
+    rc, out = run_train(cfg, env | {"REFLOW_FAULT_FAIL_COMMIT": "2"})
+    assert rc != 0 and "checkpoint iter_000002 was not committed (InjectedFault" in out, out[-3000:]
+    assert "resume=auto continues from the latest committed checkpoint" in out, out[-3000:]
+    assert store.read_text(ckpt.LATEST) == ckpt.name_of(1)
+    assert not store.exists(f"{ckpt.ROOT}/{ckpt.name_of(2)}/{ckpt.MARKER}")
+    assert not store.exists("iterations/000003/metrics.json")  # no iteration starts once the failure is known
+
+    sync = write_config(tmp_path / "sync.yaml", tiny_policy, root, "bgsave", **{"checkpoint.background_commit": False})
+    rc, out = run_train(sync, env)
+    assert rc == 0 and f"{ckpt.name_of(1)}: 1 iterations done" in out, out[-3000:]
+    _assert_matches_baseline(store, baseline, tmp_path)
+
+
 def _assert_lineage_after_resumes(store: ExperimentStore, initial: str) -> None:
     """Three runs (killed after commit 3, killed saving 5, completed): one chain 6..1 back to the
     initial model, each checkpoint naming the train flow run that saved it, and consuming one iteration."""
