@@ -125,6 +125,8 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             control.finished(i, m)
             if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
                 last = i + 1
+            if eval_due(config, i + 1, last):  # first: its records are written while the engines generate next
+                pending.append(launch_eval(config, i + 1))
             if follows := i + 1 < last and not control.paused:  # synchronous: the next rollout runs under
                 start_generation(config, i + 1)  # the save and the bookkeeping below (tasks/rollout.py)
             due = save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60)
@@ -137,8 +139,6 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             # asynchronous rollout: the next update starts now, under this bookkeeping and the next run's start
             ahead = follows and async_rollout.start_next(config, i + 1)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
-            if eval_due(config, i + 1, last):
-                pending.append(launch_eval(config, i + 1))
             evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
             progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)

@@ -275,8 +275,11 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
 # What the iteration's Ray tasks (tasks/rollout.py, tasks/stage_cache.py) import in their worker: torch,
 # pandas, the reward and rollout modules. A driver's task workers start cold (workers belong to one job),
 # and the first generate / score of a run paid it: 5.7 s and 3.0 s on 2 cores against 0.1 s after.
-_TASK_MODULES = ("reflow.engines.rollout_stages", "reflow.tasks.stage_cache")
-_WARM_WORKERS = 2  # generate or score, with a stage record written beside it
+_TASK_MODULES = ("reflow.engines.rollout_stages", "reflow.tasks.stage_cache", "reflow.tasks.rollout",
+                 "reflow.tasks.evaluate")
+# The next rollout (launched ahead) and an eval set generate at once, with a stage record and the records'
+# tasks beside them. With 2, an eval waited 2-3 s for a worker in 2 of 4 evals of a 25M run (Ray's timeline).
+_WARM_WORKERS = 3
 
 
 @ray.remote(num_cpus=0)

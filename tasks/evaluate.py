@@ -1,13 +1,14 @@
 """Evaluation: every eval set at one policy version -> per-sample parquet, summary JSON, a table artifact.
 
-    launch_eval   sends each set's generation to the engines (Ray tasks) and chains scoring and
-                  the records behind it; returns a `PendingEval` of ObjectRefs at once
+    launch_eval   one Ray task per set: its generation on the engines, then its scoring and records;
+                  returns a `PendingEval` of ObjectRefs at once
     record_eval   waits for a launched eval, logs it and adds the Prefect table artifact
     collect       records launched evals in launch order (all of them, or those already done)
 
 Non-blocking evaluation (eval.blocking=false). The engines hold one weight version, so an eval of
 policy version v must finish *generating* before version v+1 is pushed; scoring and writing need
-no engine. `launch_eval` registers each set's generation as an engine reader, and every weight
+no engine. `launch_eval` registers each set's task as an engine reader (its scoring, a few ms,
+included), and every weight
 push (tasks/train.py) and every colocated hand-over of the GPUs (tasks/colocate.py) first waits
 for the readers (`wait_for_eval_generation`). So the eval of version v generates alongside the next
 iteration's rollout (same weights) and while the trainer trains, and is gated only at the next
@@ -40,7 +41,6 @@ from reflow.rl.types import RolloutBatch
 from reflow.tasks.report import artifact_key
 from reflow.tasks.rollout import uses_adapter
 
-_generate = ray.remote(num_cpus=0)(ro.generate)
 _GENERATING: dict[str, list[ray.ObjectRef]] = {}  # runtime namespace -> eval generations its engines still serve
 
 
@@ -62,6 +62,15 @@ def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold
 
 
 @ray.remote(num_cpus=0)
+def _eval_set(generation: tuple, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
+              prompt_index: list[int], store: ExperimentStore, out_dir: str) -> dict:
+    """One set's eval in one Ray task: generate (`generation`: `rollout_stages.generate`'s arguments), then
+    score and record. Scoring in a task of its own, chained on the generation's ref, waited 1.4-2.2 s for
+    a worker in 3 of 4 evals of a 25M run (Ray's timeline: the generation done, every worker idle or
+    generating the next rollout); here it follows the generation in the same worker."""
+    return _score_and_record(ro.generate(*generation), name, reward_fn, threshold, ks, n, prompt_index, store, out_dir)
+
+
 def _score_and_record(batch: RolloutBatch, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
                       prompt_index: list[int], store: ExperimentStore, out_dir: str) -> dict:
     """Score one set's samples, compute its metrics and write its records (inside Ray: the batch
@@ -91,25 +100,24 @@ class PendingEval:
         return len(ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)[0]) == len(refs)
 
 
-def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: float) -> tuple[ray.ObjectRef, ray.ObjectRef]:
+def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: float) -> ray.ObjectRef:
     sp = ro.sampling_params(es.temperature, es.top_p, es.top_k, es.max_new_tokens, [rt.eos_id],
                             es.skip_special_tokens, es.no_stop_trim)
     r = rt.cfg.rollout  # eval sets roll out with the run's rollout function too
     # An eval-only runtime (no trainers) serves a LoRA checkpoint merged (tasks/checkpoint.resolve_checkpoint): no adapter.
     adapter = rt.trainers is not None and uses_adapter(rt.cfg)
-    gen = _generate.remote(rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key,
-                           r.generate_fn, r.max_concurrent_requests, r.turn_limits(), adapter)
-    summary = _score_and_record.remote(gen, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
-                                       [p.index for p in es.prompts], rt.store, out_dir)
-    return gen, summary
+    generation = (rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key, r.generate_fn,
+                  r.max_concurrent_requests, r.turn_limits(), adapter)
+    return _eval_set.remote(generation, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
+                            [p.index for p in es.prompts], rt.store, out_dir)
 
 
 def launch(rt: Runtime, version: int, out_dir: str) -> PendingEval:
     """Start every eval set of `rt` against the weights its engines hold now (policy `version`)."""
     pending = PendingEval(version, out_dir, rt.namespace)
     for es in rt.eval_sets:
-        gen, pending.summaries[es.name] = _launch_set(rt, es, version, out_dir, rt.cfg.rollout.request_timeout_s)
-        pending.generations.append(gen)
+        pending.summaries[es.name] = _launch_set(rt, es, version, out_dir, rt.cfg.rollout.request_timeout_s)
+        pending.generations.append(pending.summaries[es.name])  # the engines' reader until it is scored too
     _GENERATING.setdefault(rt.namespace, []).extend(pending.generations)
     return pending
 
