@@ -92,8 +92,7 @@ class PendingEval:
     version: int
     out_dir: str
     namespace: str  # of the runtime whose engines generate it
-    summaries: dict[str, ray.ObjectRef] = field(default_factory=dict)
-    generations: list[ray.ObjectRef] = field(default_factory=list)
+    summaries: dict[str, ray.ObjectRef] = field(default_factory=dict)  # each set's one task: the engines' reader
 
     def done(self) -> bool:
         refs = list(self.summaries.values())
@@ -117,8 +116,7 @@ def launch(rt: Runtime, version: int, out_dir: str) -> PendingEval:
     pending = PendingEval(version, out_dir, rt.namespace)
     for es in rt.eval_sets:
         pending.summaries[es.name] = _launch_set(rt, es, version, out_dir, rt.cfg.rollout.request_timeout_s)
-        pending.generations.append(pending.summaries[es.name])  # the engines' reader until it is scored too
-    _GENERATING.setdefault(rt.namespace, []).extend(pending.generations)
+    _GENERATING.setdefault(rt.namespace, []).extend(pending.summaries.values())  # readers until scored too
     return pending
 
 
@@ -152,7 +150,7 @@ def record_eval(cfg: RunConfig, pending: PendingEval, where: str = "") -> dict[s
     names = list(pending.summaries)
     results = dict(zip(names, ray.get([pending.summaries[n] for n in names])))
     if pending.namespace in _GENERATING:  # done generating too: stop holding its batches
-        _GENERATING[pending.namespace] = [r for r in _GENERATING[pending.namespace] if r not in pending.generations]
+        _GENERATING[pending.namespace] = [r for r in _GENERATING[pending.namespace] if r not in pending.summaries.values()]
     log = get_run_logger()
     for name, s in results.items():
         passes = " ".join(f"{k} {v:.3f}" for k, v in s.items() if k.startswith("pass@"))
