@@ -1,7 +1,7 @@
 """Evaluation: every eval set at one policy version -> per-sample parquet, summary JSON, a table artifact.
 
     launch_eval   one Ray task per set: its generation on the engines, then its scoring and records;
-                  returns a `PendingEval` of ObjectRefs at once
+                  returns a `PendingEval` of ObjectRefs at once (not a task run: a few Ray submissions)
     record_eval   waits for a launched eval, logs it and adds the Prefect table artifact
     collect       records launched evals in launch order (all of them, or those already done)
 
@@ -131,9 +131,9 @@ def wait_for_eval_generation(namespace: str) -> float:
     return time.perf_counter() - t0
 
 
-@task(name="launch-eval", cache_policy=NO_CACHE)
 def launch_eval(cfg: RunConfig, version: int) -> PendingEval:
-    """In-training eval of policy `version`, recorded under iterations/<version>/eval/."""
+    """In-training eval of policy `version`, recorded under iterations/<version>/eval/. A plain call (a few
+    Ray submissions): the eval's task run in the UI is `record-eval`, with its results."""
     rt = get_runtime(cfg)
     return launch(rt, version, f"{rt.store.iteration_dir(version)}/eval")
 

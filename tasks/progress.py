@@ -3,15 +3,17 @@ summary in the run's log, the terminal bar (only when the CLI asked for one: inf
 experiment trackers of `tracking:` (infra/tracking.py) and the curves artifact. The curves artifact
 carries its image inside the markdown (a data: URI), so the Prefect UI shows it whatever the storage
 (a browser cannot load file:// or s3:// images from a page);
-it is redrawn when an eval lands, every CURVES_EVERY iterations and at the end, and updated in place
-(one artifact per run, not one per redraw)."""
+it is redrawn when an eval lands and every CURVES_EVERY iterations, but not within CURVES_MIN_SECONDS of
+the last redraw (it then waits for the next iteration past that), and at the end; updated in place (one
+artifact per run, not one per redraw). A redraw during the run is drawn by the records writer
+(tasks/report.py), after the metrics.json files it reads: off the loop, as a plain call (no task run)."""
 from __future__ import annotations
 
+import time
 from uuid import UUID
 
-from prefect import get_run_logger, task
-from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect import get_run_logger
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.runtime import flow_run
 
 from reflow.infra import console
@@ -22,16 +24,19 @@ from reflow.infra.records import eval_points, iteration_table
 from reflow.infra.runtime import get_runtime
 from reflow.infra.storage import ExperimentStore
 from reflow.infra.tracking import Trackers
-from reflow.tasks.report import artifact_key
+from reflow.tasks.report import RECORDS, api_call, artifact_key, create_artifact
 
 CURVES_EVERY = 10  # iterations between redraws when no eval lands (each reads every metrics.json)
+# At most one redraw in this many seconds while the run goes: with an eval after every 6 s iteration (25M,
+# bench/iteration_overhead.py large) a redraw each time cost ~0.1 s of CPU (matplotlib, every
+# metrics.json read, the artifact's ~20 kB) of a machine the engine and trainer already fill.
+CURVES_MIN_SECONDS = 15.0
 
 
-@task(name="plot-curves", cache_policy=NO_CACHE)
-def plot_curves(cfg: RunConfig, artifact_id: UUID | None = None) -> tuple[str, UUID]:
+def plot_curves(cfg: RunConfig, run_id: UUID, artifact_id: UUID | None = None) -> tuple[str, UUID]:
     """Reward + eval curves (one per eval set) of the whole experiment (resumed runs included), drawn
-    from the records in storage: plots/curves.png, and the curves artifact (created, or updated when
-    `artifact_id` names it). Returns the PNG's URL and the artifact's id."""
+    from the records in storage: plots/curves.png, and the curves artifact of the flow run `run_id`
+    (created, or updated when `artifact_id` names it). Returns the PNG's URL and the artifact's id."""
     rt = get_runtime(cfg)
     table, evals = iteration_table(rt.store), eval_points(rt.store)
     curves = {name: [(v, float(s["pass@1"])) for v, s in points] for name, points in evals.items()}
@@ -40,18 +45,16 @@ def plot_curves(cfg: RunConfig, artifact_id: UUID | None = None) -> tuple[str, U
     markdown = views.curves_markdown(cfg.experiment, data_uri(png), url, table, curves)
     description = f"{cfg.experiment}: reward and eval curves, key metrics per policy version"
     if artifact_id is None:
-        return url, create_markdown_artifact(key=artifact_key(cfg.experiment, "curves"), markdown=markdown,
-                                             description=description)
+        return url, create_artifact("markdown", artifact_key(cfg.experiment, "curves"), markdown, description, run_id)
     _update_artifact(artifact_id, markdown, description)
     return url, artifact_id
 
 
 def _update_artifact(artifact_id: UUID, data: str, description: str) -> None:
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import ArtifactUpdate
 
-    with get_client(sync_client=True) as client:  # also updates the key's "latest" when this is it
-        client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description))
+    # also updates the key's "latest" when this is it
+    api_call(lambda client: client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description)))
 
 
 class Progress:
@@ -59,8 +62,11 @@ class Progress:
 
     def __init__(self, cfg: RunConfig, done: int, total: int) -> None:
         self.cfg, self.total = cfg, total
+        self.run_id = UUID(str(flow_run.get_id()))  # the train run: its records are written from another thread
         self.curves_id: UUID | None = None
         self.evals_seen = 0
+        self.stale = False  # something to redraw that the last redraw did not show
+        self.drawn_at = float("-inf")  # time.monotonic() of the last redraw
         self.artifact = create_progress_artifact(
             progress=100.0 * done / max(total, 1), key=artifact_key(cfg.experiment, "progress"),
             description=f"{cfg.experiment}: iterations done of num_iterations={total}")
@@ -81,12 +87,20 @@ class Progress:
             shown = f"reward {metrics.get('reward_mean', float('nan')):.3f}"
             self.bar.set_postfix_str(shown + (f" | eval {views.last_eval(evals)}" if evals else ""), refresh=False)
             self.bar.update(1)
-        if new_eval or done % CURVES_EVERY == 0:
-            self.curves()
+        self.stale |= new_eval or done % CURVES_EVERY == 0
+        if self.stale and time.monotonic() - self.drawn_at >= CURVES_MIN_SECONDS:
+            RECORDS.submit(self._draw)  # after this iteration's metrics.json, which it reads
+            self.stale, self.drawn_at = False, time.monotonic()
+            self.trackers.flush()  # as often as the curves: uploads TensorBoard's files to remote storage
+
+    def _draw(self) -> str:
+        url, self.curves_id = plot_curves(self.cfg, self.run_id, self.curves_id)
+        return url
 
     def curves(self) -> str:
-        url, self.curves_id = plot_curves(self.cfg, self.curves_id)
-        self.trackers.flush()  # as often as the curves: uploads TensorBoard's files to remote storage
+        """Redraw now (the records writer has nothing queued: the run waits for it first)."""
+        url = self._draw()
+        self.trackers.flush()
         return url
 
     def finish(self, evals: dict[int, dict[str, dict]]) -> str:

@@ -154,17 +154,44 @@ def _write_metrics(cfg: RunConfig, iteration: int, metrics: dict[str, float], fl
     return url
 
 
-def create_artifact(kind: str, key: str, data: str | list[dict], description: str, flow_run_id: UUID) -> None:
+def create_artifact(kind: str, key: str, data: str | list[dict], description: str, flow_run_id: UUID) -> UUID:
     """An artifact of the flow run `flow_run_id`, created from any thread (Prefect's own helpers take
-    the run from the calling thread's context, which a background writer does not have)."""
-    from prefect.client.orchestration import get_client
+    the run from the calling thread's context, which a background writer does not have). Returns its id."""
     from prefect.client.schemas.actions import ArtifactCreate
 
     text = data if isinstance(data, str) else json.dumps(data)  # table cells: finite numbers or text
     RECORDS.api_turn()
-    with get_client(sync_client=True, httpx_settings={"verify": _tls_context()}) as client:
-        client.create_artifact(ArtifactCreate(type=kind, key=key, data=text, description=description,
-                                              flow_run_id=flow_run_id))
+    return api_call(lambda client: client.create_artifact(ArtifactCreate(
+        type=kind, key=key, data=text, description=description, flow_run_id=flow_run_id)).id)
+
+
+_CLIENTS = threading.local()  # this thread's open Prefect client: (API URL setting, client)
+
+
+def api_call(call: Callable[[Any], Any]) -> Any:
+    """`call(client)` with this thread's Prefect client for the current API, kept open between records: a
+    new client fetched a CSRF token first (one more request for the server, 5 an iteration) and set up its
+    connection. A client whose server went away (a temporary server restarted) is replaced once."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+
+    api = PREFECT_API_URL.value()  # None: this process's temporary server
+    for attempt in (1, 2):
+        held = getattr(_CLIENTS, "held", None)
+        if held is None or held[0] != api:
+            if held is not None:
+                held[1].__exit__(None, None, None)
+            client = get_client(sync_client=True, httpx_settings={"verify": _tls_context()})
+            _CLIENTS.held = held = (api, client.__enter__())
+        try:
+            return call(held[1])
+        except httpx.TransportError:  # deliberate: a stale connection gets one fresh client
+            _CLIENTS.held = None
+            held[1].__exit__(None, None, None)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
 
 
 _TLS: dict[tuple, ssl.SSLContext] = {}  # (skip verify, CA file) -> the TLS context of this process's API clients

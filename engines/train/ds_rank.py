@@ -263,11 +263,14 @@ class DeepSpeedRank:
         raise NotImplementedError
 
     def weights_checksum(self) -> str:
-        """sha256 over (name, dtype, shape, bytes) of the gathered weights in name order. Collective."""
+        """sha256 over (name, dtype, shape, bytes) of the gathered weights in name order. Collective.
+        Below ZeRO-3 it reads the parameters in place (a CUDA one is copied to the host one at a time): no
+        copy of the whole model, which was two (a gathered copy, then `tobytes`) at every save."""
         h = hashlib.sha256()
-        for name, t in sorted(self._gathered(keep=True), key=lambda nt: nt[0]):
+        for name, t in sorted(self._gathered(keep=True, on_device=self.zero_stage < 3), key=lambda nt: nt[0]):
+            t = t.contiguous().cpu()  # the same tensor when it is a contiguous host one
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
         return h.hexdigest()
 
     @torch.no_grad()
