@@ -46,6 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
+from _trees import importable  # noqa: E402
 
 DEMO_MODEL = dict(hidden=128, layers=4, mlp=512)
 LARGE_MODEL = dict(hidden=512, layers=6, mlp=2048)
@@ -449,7 +450,7 @@ def main() -> None:
             policy = C.demo_policy(work / f"policy-{config}", **CONFIGS[config]["model"])
             runs = _paired(args, config, policy, work)
             if args.baseline:
-                code = str(_baseline_package(Path(args.baseline)))
+                code = str(importable(Path(args.baseline).resolve()))
                 runs["baseline"] = _child(args, "full", config, policy, work / f"{config}-baseline.json",
                                           work / f"{config}-baseline.log", code)
             results[config] = _report(config, C.n_params(policy), runs)
@@ -460,15 +461,6 @@ def main() -> None:
     extra = f" large10_full_over_bare={results['large10']['full_over_bare']:.2f}" if "large10" in results else ""
     print(f"iteration_overhead: small_fixed_s={small.get('fixed', float('nan')):.3f} "
           f"large_full_over_bare={large.get('full_over_bare', float('nan')):.2f}{extra}")
-
-
-def _baseline_package(tree: Path) -> Path:
-    """`tree` importable as the `reflow` package (as pyproject.toml maps it): tree/reflow/<layer> -> tree/<layer>."""
-    pkg = tree / "reflow"
-    for layer in ("flows", "tasks", "infra", "engines", "rl"):
-        if not (pkg / layer).exists():
-            (pkg / layer).symlink_to(tree / layer, target_is_directory=True)
-    return tree
 
 
 if __name__ == "__main__":

@@ -27,15 +27,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _shim(tree: Path) -> Path:
-    """A folder whose `reflow` package is `tree`'s layers (reflow.engines -> tree/engines, as pyproject.toml
-    maps them), so a tree of another commit imports without being installed."""
-    d = Path(tempfile.mkdtemp(prefix="reflow-shim-")) / "reflow"
-    d.mkdir()
-    (d / "__init__.py").write_text(f"__path__ = [{str(tree)!r}]\n")
-    return d.parent
+sys.path.insert(0, str(ROOT / "bench"))
+from _trees import importable  # noqa: E402
 
 
 def child(args) -> dict:
@@ -90,7 +83,7 @@ def _run(tree: Path, args, label: str, profile: bool) -> dict:
     cmd = [sys.executable, __file__, "--part", "child", "--json", str(out), "--prompts", str(args.prompts),
            "--n", str(args.n), "--batch", str(args.batch), "--repeat", str(args.repeat)]
     cmd += ["--profile"] * profile + ["--cpu"] * args.cpu
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(_shim(tree)), os.environ.get("PYTHONPATH", "")]),
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(importable(tree)), os.environ.get("PYTHONPATH", "")]),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=tempfile.gettempdir())  # not a checkout: its reflow/ would shadow
     r = json.loads(out.read_text())

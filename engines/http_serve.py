@@ -52,7 +52,11 @@ class ThreadedServer:
         self.sock.bind((host, port))
         self.sock.listen(512)
         self.host, self.port = host, self.sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, **uvicorn_kw))
+        # log_config=None: uvicorn's own logging dict would shut down every handler of this process first (the
+        # driver's Prefect API log handler among them, flushing its queue: 5.5 s on the H200, bench/RESULTS.md 16);
+        # its loggers propagate to the process's handlers instead.
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, log_config=None,
+                                                    **uvicorn_kw))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name=thread_name,
                                        daemon=True)
         self.thread.start()

@@ -1,0 +1,17 @@
+"""Another commit's tree, importable as the `reflow` package for a same-run baseline (bench/iteration_overhead.py
+--baseline, bench/rollout_generate.py --baseline). No side effects on import (bench/_common.py puts the repo root
+first on sys.path, which on the GPU machine would shadow the installed package)."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+
+def importable(tree: Path) -> Path:
+    """A new folder whose `reflow` package is `tree`'s layers (reflow.engines -> tree/engines, as pyproject.toml
+    maps them), so a tree of another commit (e.g. `git archive <commit> | tar -x -C tree`) imports without being
+    installed: put it first on sys.path and PYTHONPATH. The tree itself is not touched."""
+    d = Path(tempfile.mkdtemp(prefix="reflow-shim-")) / "reflow"
+    d.mkdir()
+    (d / "__init__.py").write_text(f"__path__ = [{str(tree)!r}]\n")
+    return d.parent
