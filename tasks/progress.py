@@ -33,7 +33,7 @@ CURVES_EVERY = 10  # iterations between redraws when no eval lands (each reads e
 CURVES_MIN_SECONDS = 15.0
 
 
-def plot_curves(cfg: RunConfig, run_id: UUID, artifact_id: UUID | None = None) -> tuple[str, UUID]:
+def plot_curves(cfg: RunConfig, run_id: UUID | None, artifact_id: UUID | None = None) -> tuple[str, UUID]:
     """Reward + eval curves (one per eval set) of the whole experiment (resumed runs included), drawn
     from the records in storage: plots/curves.png, and the curves artifact of the flow run `run_id`
     (created, or updated when `artifact_id` names it). Returns the PNG's URL and the artifact's id."""
@@ -62,7 +62,8 @@ class Progress:
 
     def __init__(self, cfg: RunConfig, done: int, total: int) -> None:
         self.cfg, self.total = cfg, total
-        self.run_id = UUID(str(flow_run.get_id()))  # the train run: its records are written from another thread
+        run_id = flow_run.get_id()  # the train run: its records are written from another thread
+        self.run_id = UUID(str(run_id)) if run_id else None
         self.curves_id: UUID | None = None
         self.evals_seen = 0
         self.stale = False  # something to redraw that the last redraw did not show

@@ -154,7 +154,7 @@ def _write_metrics(cfg: RunConfig, iteration: int, metrics: dict[str, float], fl
     return url
 
 
-def create_artifact(kind: str, key: str, data: str | list[dict], description: str, flow_run_id: UUID) -> UUID:
+def create_artifact(kind: str, key: str, data: str | list[dict], description: str, flow_run_id: UUID | None) -> UUID:
     """An artifact of the flow run `flow_run_id`, created from any thread (Prefect's own helpers take
     the run from the calling thread's context, which a background writer does not have). Returns its id."""
     from prefect.client.schemas.actions import ArtifactCreate
