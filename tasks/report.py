@@ -165,7 +165,7 @@ def create_artifact(kind: str, key: str, data: str | list[dict], description: st
         type=kind, key=key, data=text, description=description, flow_run_id=flow_run_id)).id)
 
 
-_CLIENTS = threading.local()  # this thread's open Prefect client: (API URL setting, client)
+_CLIENTS = threading.local()  # this thread's open Prefect client: ((API URL, API key settings), client)
 
 
 def api_call(call: Callable[[Any], Any]) -> Any:
@@ -174,9 +174,9 @@ def api_call(call: Callable[[Any], Any]) -> Any:
     connection. A client whose server went away (a temporary server restarted) is replaced once."""
     import httpx
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL
+    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
 
-    api = PREFECT_API_URL.value()  # None: this process's temporary server
+    api = (PREFECT_API_URL.value(), PREFECT_API_KEY.value())  # URL None: this process's temporary server
     for attempt in (1, 2):
         held = getattr(_CLIENTS, "held", None)
         if held is None or held[0] != api:
