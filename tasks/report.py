@@ -173,25 +173,32 @@ def api_call(call: Callable[[Any], Any]) -> Any:
     new client fetched a CSRF token first (one more request for the server, 5 an iteration) and set up its
     connection. A client whose server went away (a temporary server restarted) is replaced once."""
     import httpx
+
+    try:
+        return call(_thread_client())
+    except httpx.TransportError:  # deliberate: a stale connection gets one fresh client
+        _drop_thread_client()
+        return call(_thread_client())
+
+
+def _thread_client() -> Any:
+    """This thread's open client for the current API URL and key (a new one when either changed)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
 
     api = (PREFECT_API_URL.value(), PREFECT_API_KEY.value())  # URL None: this process's temporary server
-    for attempt in (1, 2):
-        held = getattr(_CLIENTS, "held", None)
-        if held is None or held[0] != api:
-            if held is not None:
-                held[1].__exit__(None, None, None)
-            client = get_client(sync_client=True, httpx_settings={"verify": _tls_context()})
-            _CLIENTS.held = held = (api, client.__enter__())
-        try:
-            return call(held[1])
-        except httpx.TransportError:  # deliberate: a stale connection gets one fresh client
-            _CLIENTS.held = None
-            held[1].__exit__(None, None, None)
-            if attempt == 2:
-                raise
-    raise AssertionError("unreachable")
+    held = getattr(_CLIENTS, "held", None)
+    if held is None or held[0] != api:
+        _drop_thread_client()
+        client = get_client(sync_client=True, httpx_settings={"verify": _tls_context()})
+        _CLIENTS.held = held = (api, client.__enter__())
+    return held[1]
+
+
+def _drop_thread_client() -> None:
+    held, _CLIENTS.held = getattr(_CLIENTS, "held", None), None
+    if held is not None:
+        held[1].__exit__(None, None, None)
 
 
 _TLS: dict[tuple, ssl.SSLContext] = {}  # (skip verify, CA file) -> the TLS context of this process's API clients
@@ -200,8 +207,8 @@ _TLS: dict[tuple, ssl.SSLContext] = {}  # (skip verify, CA file) -> the TLS cont
 def _tls_context() -> ssl.SSLContext:
     """One TLS context per process for the records' API clients, built as Prefect builds one for each new
     client (PREFECT_API_TLS_INSECURE_SKIP_VERIFY, else PREFECT_API_SSL_CERT_FILE or certifi's bundle): that
-    costs ~17 ms of CPU (loading the CA bundle) per client, and the background writer opens three clients
-    an iteration (tests/test_records.py counts them; bench/RESULTS.md 12)."""
+    costs ~17 ms of CPU (loading the CA bundle) per client (bench/RESULTS.md 12); `api_call` keeps one client
+    per thread and makes a new one after a lost connection, and they all share this context."""
     import certifi  # Prefect's own CA bundle source (a dependency of prefect and httpx)
     from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
 

@@ -77,8 +77,8 @@ def test_the_iteration_flow_run_has_no_heartbeat_and_the_settings_come_back():
 
 
 def test_artifacts_of_the_background_writer_share_one_tls_context(prefect_server, monkeypatch):
-    """Prefect builds a TLS context (CA bundle loaded: ~17 ms of CPU) for every client it makes; the records
-    writer makes three clients an iteration, so they share one built once per process."""
+    """Prefect builds a TLS context (CA bundle loaded: ~17 ms of CPU) for every client it makes; the records'
+    clients (one per thread, a new one after a lost connection) share one built once per process."""
     import ssl
     from uuid import uuid4
 
