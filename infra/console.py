@@ -6,13 +6,18 @@ iterations. `--verbose`: Prefect's own settings, every task's state line, no bar
 
 Without PREFECT_API_URL each process starts Prefect's temporary server; on a busy 2-core machine it
 took longer than Prefect's default 20 s start-up timeout, so the timeout is raised (a setting the
-user sets wins) and a start that still fails ends with one line saying what to do.
+user sets wins) and a start that still fails ends with one line saying what to do. The server begins to
+start in the background as the command enters `terminal` (a thread waits for its health check), so its
+15-20 s overlap the preflight and Ray's start; `prefect_ready()` waits for it before the first flow runs.
+A preflight that fails stops it again (a bad input still ends with its one line and leaves no server).
 """
 from __future__ import annotations
 
 import logging
 import os
 import sys
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -20,6 +25,7 @@ QUIET_LOGGING = Path(__file__).resolve().parents[1] / "configs" / "prefect-loggi
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 STARTUP_TIMEOUT_S = 120
 _STATE: dict = {"quiet": False, "bar": None}  # the CLI asks for quiet; a flow run opens the bar (tasks/progress.py)
+SERVER_START_FAILED = "ephemeral Prefect API server"  # in the RuntimeError Prefect raises when its server does not answer
 
 
 class ServerStartError(RuntimeError):
@@ -27,27 +33,40 @@ class ServerStartError(RuntimeError):
 
 
 @contextmanager
-def terminal(verbose: bool):
+def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
+             meanwhile: Callable[[], object] | None = None):
     """Around one CLI command that runs a flow: Prefect's settings are chosen before Prefect is imported
-    (it reads them once), a line says which Prefect server the flows use, log records go above the bar,
-    the bar closes however the run ends, and a temporary server that did not start becomes
-    ServerStartError. The environment and this module's state are restored afterwards (tests call the
-    CLI in-process)."""
+    (it reads them once) and Prefect's temporary server (when the flows would use one) begins to start in
+    the background. While it starts, `preflight` runs (a failure there ends the command before anything
+    is printed, and stops the server), then a line says which Prefect server the flows use and `meanwhile`
+    runs (Ray's start); the body runs once the server answers. Log records go above the bar, the bar closes
+    however the run ends, and a temporary server that did not start becomes ServerStartError. The
+    environment and this module's state are restored afterwards (tests call the CLI in-process)."""
     names = ("PREFECT_LOGGING_SETTINGS_PATH", STARTUP_TIMEOUT_ENV, "PREFECT_SERVER_ANALYTICS_ENABLED")
     saved = {k: os.environ.get(k) for k in names}
-    print(_choose_settings(verbose), file=sys.stderr)
-    _STATE["quiet"] = not verbose
+    line = _choose_settings(verbose)
+    early = None if "PREFECT_API_URL" in os.environ else _EarlyServer.begin()
     try:
+        if preflight is not None:
+            preflight()
+        print(line, file=sys.stderr)
+        _STATE["quiet"] = not verbose
         with _logs_above_bar():
+            if meanwhile is not None:
+                meanwhile()
+            if early is not None:
+                early.wait()  # no Prefect client before this: Prefect marks its server running before it answers
             yield
     except RuntimeError as e:
-        if "ephemeral Prefect API server" not in str(e):  # deliberate: only Prefect's start-up failure
+        if SERVER_START_FAILED not in str(e):  # deliberate: only Prefect's start-up failure
             raise
         raise ServerStartError(
             f"Prefect's temporary server did not answer within {os.environ.get(STARTUP_TIMEOUT_ENV)} s. "
             f"Raise {STARTUP_TIMEOUT_ENV} (e.g. to 300), or start a server once (`prefect server start "
             f"--host 127.0.0.1 --port 4200 &`) and export PREFECT_API_URL=http://127.0.0.1:4200/api") from None
     finally:
+        if early is not None:
+            early.cancel()  # stops the server if the body never ran (a failed preflight or Ray start)
         close_bar()
         _STATE["quiet"] = False
         for k, v in saved.items():
@@ -55,6 +74,60 @@ def terminal(verbose: bool):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+class _EarlyServer:
+    """Prefect's temporary server, started by a thread while the command's preflight and Ray start run
+    (Prefect's own client starts the same server, a per-process singleton, at the first flow otherwise).
+    Prefect marks that server running before its health check passes, so no Prefect client may be made
+    before `wait()` (terminal waits before its body runs)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.cancelled = self.started = self.ready = False
+        self.error: BaseException | None = None
+        self.server = None
+        self.thread = threading.Thread(target=self._run, name="prefect-server-start", daemon=True)
+
+    @classmethod
+    def begin(cls) -> _EarlyServer | None:
+        from prefect.settings import PREFECT_API_URL
+
+        if PREFECT_API_URL.value():  # a profile or settings file names a server: Prefect starts none
+            return None
+        early = cls()
+        early.thread.start()
+        return early
+
+    def _run(self) -> None:
+        try:
+            from prefect.server.api.server import SubprocessASGIServer  # ~4 s of imports, beside the preflight
+
+            with self.lock:  # cancel() either comes first (no server at all) or waits for this start
+                if self.cancelled:
+                    return
+                self.started = True
+                self.server = SubprocessASGIServer()
+                self.server.start()
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread by wait()
+            self.error = e
+
+    def wait(self) -> None:
+        """Wait for the server; a failure to start is raised here, as Prefect raises it at the first flow."""
+        self.thread.join()
+        self.ready = True
+        if self.error is not None:
+            raise self.error
+
+    def cancel(self) -> None:
+        """After the command: a server no flow used (the preflight failed) is stopped; one the flows used
+        stays until the process exits, as Prefect's own would (its atexit hook stops it)."""
+        if self.ready:
+            return
+        with self.lock:
+            self.cancelled = True
+            if self.started and self.server is not None:
+                self.server.stop()
 
 
 def _choose_settings(verbose: bool) -> str:

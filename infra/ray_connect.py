@@ -17,6 +17,7 @@ from reflow.infra.ray_head import ray_env, read_head, use_ray_env, worker_pool_c
 
 log = logging.getLogger("reflow.ray")
 _ATTACHED: list[str] = []  # the address this process attached to (empty: a cluster of its own, or none)
+_CONNECTED: list[str] = []  # what connect() did first in this process (the CLI connects before the flow runs)
 
 # Passed to every worker so actors find the same JIT-extension cache and stay quiet.
 # S3-compatible endpoints and regions (not secrets) go along too, so model paths and disk pushes
@@ -45,7 +46,13 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     Already-initialised Ray (tests, a notebook) is reused as it is.
     """
     if ray.is_initialized():
-        return "reusing the Ray cluster this process is already connected to"
+        how = f" ({_CONNECTED[0]})" if _CONNECTED else ""
+        return f"reusing the Ray cluster this process is already connected to{how}"
+    _CONNECTED[:] = [_connect(address, num_cpus, namespace)]
+    return _CONNECTED[0]
+
+
+def _connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         # The head `reflow cluster up` recorded (in this folder's .reflow/cluster or

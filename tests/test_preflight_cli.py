@@ -1,6 +1,7 @@
 """The CLI as a user runs it (a subprocess): `reflow train` runs the preflight before Prefect or Ray
 start, so a bad input ends it with one line, exit code 2 and nothing written to storage; `--debug`
-shows the traceback instead. No Ray, no Prefect server is started by these runs."""
+shows the traceback instead. No Ray starts; Prefect's temporary server may begin to start beside the
+preflight, and is stopped when it fails."""
 from __future__ import annotations
 
 import json
@@ -17,17 +18,18 @@ def _reflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([REFLOW, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _config(tmp_path: Path, policy: Path) -> Path:
+def _config(tmp_path: Path, policy: Path, **extra) -> Path:
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
     return write_config(tmp_path / "c.yaml", policy, f"file://{tmp_path}/runs", "cli",
                         **{"data.task": "file", "data.path": str(tmp_path / "p.jsonl"), "data.prompt_key": "q",
-                           "data.label_key": "answer", "data.num_eval": 4})
+                           "data.label_key": "answer", "data.num_eval": 4, **extra})
 
 
 def test_train_stops_at_the_preflight_with_one_line(tmp_path, tiny_policy):
     r = _reflow("train", "-c", str(_config(tmp_path, tiny_policy)))
     assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr[-3000:])
-    # Only the line: no "starting Prefect's temporary server", no Ray start-up, no traceback.
+    # Only the line: no "starting Prefect's temporary server" (said once the preflight passed), no Ray
+    # start-up, no traceback.
     assert r.stderr == (f"reflow: '{tmp_path}/p.jsonl' has no column 'answer' (data.label_key); its columns are "
                         f"['q', 'a']: set data.label_key to the one holding the ground truth\n"), r.stderr[-3000:]
     assert not (tmp_path / "runs").exists()  # nothing in storage
@@ -44,3 +46,43 @@ def test_config_check_catches_it_too_and_debug_shows_the_traceback(tmp_path, tin
     r = _reflow("config", "-c", cfg, "--check", "data.label_key=a")
     assert r.returncode == 0 and r.stdout.startswith("experiment: cli\n"), r.stderr[-3000:]
     assert r.stderr.startswith("reflow: preflight passed in ") and "Traceback" not in r.stderr, r.stderr
+
+
+def _servers_of(prefect_home: Path) -> list[int]:
+    """Processes whose environment names this PREFECT_HOME (a temporary Prefect server left running)."""
+    import psutil
+
+    pids = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("PREFECT_HOME") == str(prefect_home):
+                pids.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return pids
+
+
+def test_prefects_server_starts_beside_the_preflight_and_a_failure_stops_it(tmp_path, tiny_policy):
+    """Without PREFECT_API_URL, the temporary server begins to start while the preflight runs (on the GPU
+    machine they took ~10 and ~19 s one after the other). Here the reward module's import, which the
+    preflight does, waits until that server has created its database, then fails: the command still ends
+    with its one line, and no server is left running."""
+    home = tmp_path / "prefect"
+    (tmp_path / "slow_reward.py").write_text(
+        "import os, time\n"
+        f"db = {str(home / 'prefect.db')!r}\n"
+        "deadline = time.time() + 90\n"
+        "while not os.path.exists(db) and time.time() < deadline:\n"
+        "    time.sleep(0.2)\n"
+        "raise ImportError('slow_reward: the scorer is not installed (the server database exists: '"
+        " + str(os.path.exists(db)) + ')')\n")
+    cfg = _config(tmp_path, tiny_policy, **{"data.label_key": "a", "data.reward_fn": "slow_reward:reward"})
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env.update(PYTHONPATH=f"{REPO}:{tmp_path}", PREFECT_HOME=str(home))
+    r = subprocess.run([REFLOW, "train", "-c", str(cfg)], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=240)
+    assert (r.returncode, r.stdout) == (2, ""), (r.returncode, r.stdout, r.stderr[-3000:])
+    assert r.stderr.count("\n") == 1 and "slow_reward" in r.stderr, r.stderr[-3000:]
+    assert "the server database exists: True" in r.stderr, r.stderr[-3000:]  # it was starting during the preflight
+    assert _servers_of(home) == []  # and it was stopped
+    assert not (tmp_path / "runs").exists()

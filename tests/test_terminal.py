@@ -82,3 +82,16 @@ def test_a_temporary_server_that_does_not_start_ends_with_one_line(tiny_policy, 
         "reflow: Prefect's temporary server did not answer within 0 s. Raise "
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"), err[-3000:]
     assert "export PREFECT_API_URL=" in err
+
+
+def test_a_run_on_its_own_temporary_server_with_ray_started_before_the_flow(tiny_policy, tmp_path):
+    """No PREFECT_API_URL: the command starts Prefect's temporary server beside the preflight and Ray beside
+    that server's start, then the flow runs on both (its runtime finds Ray up and says so)."""
+    env = {"PREFECT_HOME": str(tmp_path / "prefect")}
+    cfg = write_config(tmp_path / "own.yaml", tiny_policy, f"file://{tmp_path}/runs", "own-server", num_iterations=1)
+    rc, out, err = _reflow(["train", "--verbose", "-c", str(cfg)], env, tmp_path)
+    assert rc == 0, err[-3000:]
+    assert json.loads(out[out.index("{\n"):])["iterations"] == 1
+    assert "reflow: starting Prefect's temporary server" in err, err[-3000:]
+    assert "reusing the Ray cluster this process is already connected to (started a local Ray cluster" in err, \
+        err[-3000:]
