@@ -6,7 +6,9 @@ and wall-clock budget, matched group size).
 
 Trains the initial policy with TRL (HF `generate` rollouts, no vLLM: the GPU machine has none; GRPO with
 beta=0, clip 0.2, group-normalised rewards, constant learning rate, as configs/gpu-demo.yaml) until
-`--seconds` of training have passed, then scores the held-out split greedily. `--reflow-model` scores
+`--seconds` have passed, then scores the held-out split greedily. `--clock training` (the default) starts
+those seconds at TRL's first step; `--clock command` at this process's start, as reflow's `seconds=` counts
+its whole command (imports, servers, model loading and evals included), so TRL's own start-up counts too. `--reflow-model` scores
 reflow's trained policy with the same function (rl/demo_policy.greedy_accuracy), so both accuracies come
 from one evaluator. Samples/s counts the completions TRL's reward function scored, over its training time.
 Ends with `trl: samples_per_s=<x> accuracy=<a> reflow_accuracy=<b> seconds=<s> steps=<n>`.
@@ -21,20 +23,23 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 
-def _budget_callback(seconds: float):
+def _budget_callback(seconds: float, clock: str):
     from transformers import TrainerCallback
 
     class Budget(TrainerCallback):
-        """Stop after `seconds` of training (measured from the first step's start)."""
+        """Stop once `seconds` have passed since training began (`clock` training) or since this process
+        started (`clock` command)."""
 
         def on_train_begin(self, args, state, control, **kw):
-            self.t0 = time.perf_counter()
+            self.began = time.time()
+            self.t0 = psutil.Process().create_time() if clock == "command" else self.began
 
         def on_step_end(self, args, state, control, **kw):
-            if time.perf_counter() - self.t0 >= seconds:
+            if time.time() - self.t0 >= seconds:
                 control.should_training_stop = True
 
     return Budget()
@@ -60,13 +65,15 @@ def train_trl(a, train_rows: list[dict], tokenizer) -> tuple[object, dict]:
                      use_cpu=not cuda, logging_steps=10, max_steps=10**6, save_strategy="no", report_to=[],
                      seed=a.seed, disable_dropout=True)
     data = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in train_rows])
+    budget = _budget_callback(a.seconds, a.clock)
     trainer = GRPOTrainer(model=a.policy, reward_funcs=reward, args=cfg, train_dataset=data,
-                          processing_class=tokenizer, callbacks=[_budget_callback(a.seconds)])
-    t0 = time.perf_counter()
+                          processing_class=tokenizer, callbacks=[budget])
     trainer.train()
-    seconds = time.perf_counter() - t0
+    seconds = time.time() - budget.began
     return trainer.model, {"trl_samples": scored[0], "trl_seconds": seconds, "trl_steps": trainer.state.global_step,
-                           "trl_samples_per_s": scored[0] / seconds}
+                           "trl_samples_per_s": scored[0] / seconds,
+                           "trl_startup_s": budget.began - psutil.Process().create_time(),
+                           "trl_command_s": time.time() - psutil.Process().create_time()}
 
 
 def main() -> None:
@@ -77,7 +84,10 @@ def main() -> None:
     p.add_argument("--num-train", type=int, default=50000)
     p.add_argument("--num-eval", type=int, default=500)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seconds", type=float, default=200.0, help="training wall-clock budget")
+    p.add_argument("--seconds", type=float, default=200.0, help="wall-clock budget (see --clock)")
+    p.add_argument("--clock", choices=("training", "command"), default="training",
+                   help="training: the seconds start at TRL's first step; command: at this process's start, "
+                        "as reflow's seconds= (its whole command) does")
     p.add_argument("--batch", type=int, default=512, help="completions per optimizer step (prompts x generations)")
     p.add_argument("--generations", type=int, default=8, help="group size (reflow's n_samples_per_prompt)")
     p.add_argument("--lr", type=float, default=3e-5)
@@ -101,7 +111,7 @@ def main() -> None:
         Path(a.out).write_text(json.dumps({**vars(a), **stats}, indent=2))
     print(f"trl: samples_per_s={stats['trl_samples_per_s']:.1f} accuracy={stats['trl_accuracy']:.3f} "
           f"reflow_accuracy={stats.get('reflow_accuracy', float('nan')):.3f} seconds={stats['trl_seconds']:.0f} "
-          f"steps={stats['trl_steps']}")
+          f"steps={stats['trl_steps']} clock={a.clock} startup_s={stats['trl_startup_s']:.1f}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
 #   bash bench/gpu_machine/compare.sh [iterations] [overrides...]   # all three (over 10 minutes at 100)
 #   STEP=reflow bash bench/gpu_machine/compare.sh 100; STEP=trl bash bench/gpu_machine/compare.sh
 #     (two calls on one warm machine: the second reads what the first left in /tmp/gpurun/compare.env)
+#   RESUME=0 skips the resume; CLOCK=command gives TRL its seconds from its process's start, as reflow's
+#   seconds= counts its whole command (default CLOCK=training: from TRL's first step, TRL's start-up free)
 set -euo pipefail
 step=${STEP:-all}
 cd "$(dirname "$0")/../.."
@@ -23,10 +25,12 @@ if [ "$step" != trl ]; then
 exp=gpu-cmp-$(date +%H%M%S)
 OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$iters" "$@" >/dev/null
 cp "$out/demo-one.log" "$out/demo-$exp.log"
-grep '^demo:' "$out/demo-$exp.log"
+grep -E '^(\[ *[0-9.]+\] )?demo:' "$out/demo-$exp.log"
+if [ "${RESUME:-1}" != 0 ]; then
 OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$((iters + 10))" "$@" --resume auto \
   >/dev/null || echo "resume: FAILED (see demo-one.log)"
-grep -E '^demo:|resum' "$out/demo-one.log" | tail -3 || true
+grep -E 'demo:|resum' "$out/demo-one.log" | tail -3 || true
+fi
 seconds=$(grep -o 'seconds=[0-9]*' "$out/demo-$exp.log" | tail -1 | cut -d= -f2)
 printf 'exp=%s\niters=%s\nseconds=%s\n' "$exp" "$iters" "$seconds" > /tmp/gpurun/compare.env
 fi
@@ -36,4 +40,4 @@ cd /tmp/gpurun
 ckpt=$(ls -d .reflow/runs/$exp/checkpoints/iter_$(printf %06d "$iters"))
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 python3 "$repo/bench/trl_baseline.py" --policy .reflow/models/gpu-demo-policy --reflow-model "$ckpt/model" \
-  --seconds "$seconds" --out "$out/trl.json" 2>&1 | grep -E '^trl:|Error|error' | tail -5
+  --seconds "$seconds" --clock "${CLOCK:-training}" --out "$out/trl.json" 2>&1 | grep -E '^trl:|Error|error' | tail -5

@@ -25,4 +25,4 @@ tp=$!
 $spy record --nonblocking -r 200 -d "$secs" -f raw -o "$out/engine.txt" --pid "$engine" > /dev/null 2>&1
 wait $tp || true
 wait $run || echo "profile.sh: the run failed (see profile-run.txt)"
-grep '^demo:' "$out/demo-one.log" || true
+grep -E '^(\[ *[0-9.]+\] )?demo:' "$out/demo-one.log" || true
