@@ -3,8 +3,9 @@
 A user error (a bad config, a missing file or column, a reward function that does not import or
 score, unreachable storage, a Prefect server that does not start) ends the command with one
 `reflow: ...` line naming the field or file and the fix, and exit code 2; `--debug` raises it
-instead, with its traceback. `train` and `demo` run the preflight (infra/preflight.py) before
-Prefect or Ray start; `config --check` runs it alone."""
+instead, with its traceback. `train` and `demo` run the preflight (infra/preflight.py) before Ray
+starts and before any flow runs (Prefect's temporary server, where one is used, starts meanwhile and is
+stopped when the preflight fails); `config --check` runs it alone."""
 from __future__ import annotations
 
 import argparse
