@@ -62,7 +62,7 @@ def train_trl(a, train_rows: list[dict], tokenizer) -> tuple[object, dict]:
     cfg = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=a.batch,
                      num_generations=a.generations, max_completion_length=a.max_new, learning_rate=a.lr,
                      lr_scheduler_type="constant", beta=0.0, epsilon=0.2, temperature=1.0, bf16=cuda,
-                     use_cpu=not cuda, logging_steps=10, max_steps=10**6, save_strategy="no", report_to=[],
+                     use_cpu=not cuda, logging_steps=10, max_steps=a.steps or 10**6, save_strategy="no", report_to=[],
                      seed=a.seed, disable_dropout=True)
     data = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in train_rows])
     budget = _budget_callback(a.seconds, a.clock)
@@ -88,6 +88,8 @@ def main() -> None:
     p.add_argument("--clock", choices=("training", "command"), default="training",
                    help="training: the seconds start at TRL's first step; command: at this process's start, "
                         "as reflow's seconds= (its whole command) does")
+    p.add_argument("--steps", type=int, default=None, help="stop after this many optimizer steps (or at the "
+                   "--seconds budget, whichever comes first): learning per step against reflow's")
     p.add_argument("--batch", type=int, default=512, help="completions per optimizer step (prompts x generations)")
     p.add_argument("--generations", type=int, default=8, help="group size (reflow's n_samples_per_prompt)")
     p.add_argument("--lr", type=float, default=3e-5)
