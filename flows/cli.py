@@ -119,10 +119,33 @@ def _flow_terminal(args, cfg):
 
 
 def _connect_ray(cfg) -> None:
+    """Ray for the flow's runtime, started while Prefect's server finishes starting; not when the run's
+    checkpoint already reached num_iterations (the flow then trains nothing and starts no cluster)."""
     from reflow.infra.ray_connect import connect, namespace_for
 
+    if _already_done(cfg):
+        return
     logging.getLogger("reflow.ray").info(
         connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)))
+
+
+def _already_done(cfg) -> bool:
+    """A guess from the `latest` pointer (or the resume URL's name) alone; the flow decides from the verified
+    checkpoints. A wrong guess costs only the overlap (Ray then starts in the flow), or an idle start."""
+    from reflow.engines.storage_access import StorageError
+    from reflow.infra import checkpoint as ckpt
+    from reflow.infra.storage import ExperimentStore
+
+    if cfg.resume == "never":
+        return False
+    if cfg.resume != "auto":
+        step = ckpt.step_of(cfg.resume.rstrip("/").rpartition("/")[2])
+    else:
+        try:
+            step = ckpt.latest_step(ExperimentStore.from_config(cfg.storage, cfg.experiment))
+        except (StorageError, OSError, ValueError):  # deliberate: the flow's own storage check says what is wrong
+            return False
+    return step is not None and step >= cfg.num_iterations
 
 
 def cmd_train(args) -> None:
