@@ -48,11 +48,14 @@ def server_env(prefect_server) -> dict[str, str]:
 
 def test_quiet_by_default_a_bar_and_the_server_it_uses_and_verbose_brings_back_task_states(server_env, tiny_policy,
                                                                                           tmp_path):
-    """Two runs at once (their start-up is mostly waiting): quiet by default, and --verbose."""
+    """Two runs at once (their start-up is mostly waiting): quiet by default on the session's server, and
+    --verbose on a temporary server of its own (no PREFECT_API_URL: the command starts it beside the
+    preflight and Ray beside its start, and the flow's runtime finds Ray up and says so)."""
     cfg = write_config(tmp_path / "quiet.yaml", tiny_policy, f"file://{tmp_path}/runs", "quiet", num_iterations=3)
     loud_cfg = write_config(tmp_path / "loud.yaml", tiny_policy, f"file://{tmp_path}/runs", "loud", num_iterations=1)
     quiet = _start(["train", "-c", str(cfg)], server_env, tmp_path / "quiet")
-    loud = _start(["train", "--verbose", "-c", str(loud_cfg)], server_env, tmp_path / "loud")
+    loud = _start(["train", "--verbose", "-c", str(loud_cfg)], {"PREFECT_HOME": str(tmp_path / "loud-prefect")},
+                  tmp_path / "loud")
     rc, out, err = _finish(quiet, tmp_path / "quiet")
     assert rc == 0, err[-3000:]
     assert json.loads(out[out.index("{\n"):])["iterations"] == 3  # after what Ray relays from actors (warnings)
@@ -68,6 +71,9 @@ def test_quiet_by_default_a_bar_and_the_server_it_uses_and_verbose_brings_back_t
     assert rc == 0, err[-3000:]
     assert err.count(TASK_STATE) >= 6 and "iteration 0: reward " in err, err[-3000:]
     assert "train:" not in err  # no bar
+    assert "reflow: starting Prefect's temporary server" in err, err[-3000:]
+    assert "reusing the Ray cluster this process is already connected to (started a local Ray cluster" in err, \
+        err[-3000:]
 
 
 def test_a_temporary_server_that_does_not_start_ends_with_one_line(tiny_policy, tmp_path):
@@ -83,15 +89,3 @@ def test_a_temporary_server_that_does_not_start_ends_with_one_line(tiny_policy, 
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"), err[-3000:]
     assert "export PREFECT_API_URL=" in err
 
-
-def test_a_run_on_its_own_temporary_server_with_ray_started_before_the_flow(tiny_policy, tmp_path):
-    """No PREFECT_API_URL: the command starts Prefect's temporary server beside the preflight and Ray beside
-    that server's start, then the flow runs on both (its runtime finds Ray up and says so)."""
-    env = {"PREFECT_HOME": str(tmp_path / "prefect")}
-    cfg = write_config(tmp_path / "own.yaml", tiny_policy, f"file://{tmp_path}/runs", "own-server", num_iterations=1)
-    rc, out, err = _reflow(["train", "--verbose", "-c", str(cfg)], env, tmp_path)
-    assert rc == 0, err[-3000:]
-    assert json.loads(out[out.index("{\n"):])["iterations"] == 1
-    assert "reflow: starting Prefect's temporary server" in err, err[-3000:]
-    assert "reusing the Ray cluster this process is already connected to (started a local Ray cluster" in err, \
-        err[-3000:]
