@@ -77,15 +77,21 @@ class ThreadedServer:
 
 
 def new_api_key() -> str:
-    """A fresh random API key (256 bits, URL-safe text)."""
-    return secrets.token_urlsafe(32)
+    """A fresh random API key (256 bits, URL-safe text), never starting with '-' (see check_api_key)."""
+    while (key := secrets.token_urlsafe(32)).startswith("-"):
+        pass
+    return key
 
 
 def check_api_key(api_key: object) -> str:
-    """`api_key` if usable as a bearer token; an empty key would switch SGLang's check off."""
+    """`api_key` if usable as a bearer token; an empty key would switch SGLang's check off, and one starting
+    with '-' would be read as an option by sglang-router's and SGLang's command lines (`--api-key KEY`)."""
     if not isinstance(api_key, str) or not api_key or not api_key.isascii() or any(c.isspace() for c in api_key):
         raise ValueError("api_key must be a non-empty ASCII string without whitespace (infra/runtime.py makes one "
                          "per runtime with reflow.engines.http_serve.new_api_key)")
+    if api_key.startswith("-"):
+        raise ValueError("api_key must not start with '-': the SGLang server's and sglang-router's command lines "
+                         "would read it as an option (reflow.engines.http_serve.new_api_key makes none such)")
     return api_key
 
 

@@ -111,3 +111,13 @@ def test_sglang_router_that_exits_is_reported_with_its_log():
             r.ready(timeout=60)
     finally:
         r.shutdown()
+
+
+def test_api_keys_never_start_with_a_dash_which_command_lines_would_take_for_an_option():
+    """sglang-router and SGLang's server get the key as `--api-key KEY`: one that starts with '-' is read
+    as an option and the process exits ('argument --api-key: expected one argument'; a clean-clone CI
+    rehearsal hit it: token_urlsafe starts with '-' once in 64). Fresh keys avoid it; a given one is refused
+    with the reason before anything starts."""
+    assert not [k for k in (new_api_key() for _ in range(2000)) if k.startswith("-")]
+    with pytest.raises(ValueError, match="must not start with '-'"):
+        SGLangRouter(["http://127.0.0.1:2"], api_key="-" + KEY, python=sys.executable)
