@@ -8,8 +8,8 @@ Trains the initial policy with TRL (HF `generate` rollouts, no vLLM: the GPU mac
 beta=0, clip 0.2, group-normalised rewards, constant learning rate, as configs/gpu-demo.yaml) until
 `--seconds` have passed, then scores the held-out split greedily. `--clock training` (the default) starts
 those seconds at TRL's first step; `--clock command` at this process's start, as reflow's `seconds=` counts
-its whole command (imports, servers, model loading and evals included), so TRL's own start-up counts too. `--reflow-model` scores
-reflow's trained policy with the same function (rl/demo_policy.greedy_accuracy), so both accuracies come
+its whole command (imports, servers, model loading and evals included), so TRL's own start-up counts too.
+`--reflow-model` scores reflow's trained policy with the same function (rl/demo_policy.greedy_accuracy), so both accuracies come
 from one evaluator. Samples/s counts the completions TRL's reward function scored, over its training time.
 Ends with `trl: samples_per_s=<x> accuracy=<a> reflow_accuracy=<b> seconds=<s> steps=<n>`.
 TRL, datasets, dill and multiprocess are bench-only dependencies (carried to the GPU machine, not in
@@ -26,6 +26,8 @@ from pathlib import Path
 import psutil
 import torch
 
+PROCESS_START = psutil.Process().create_time()  # wall-clock seconds (epoch) at which this process started
+
 
 def _budget_callback(seconds: float, clock: str):
     from transformers import TrainerCallback
@@ -36,7 +38,7 @@ def _budget_callback(seconds: float, clock: str):
 
         def on_train_begin(self, args, state, control, **kw):
             self.began = time.time()
-            self.t0 = psutil.Process().create_time() if clock == "command" else self.began
+            self.t0 = PROCESS_START if clock == "command" else self.began
 
         def on_step_end(self, args, state, control, **kw):
             if time.time() - self.t0 >= seconds:
@@ -72,8 +74,7 @@ def train_trl(a, train_rows: list[dict], tokenizer) -> tuple[object, dict]:
     seconds = time.time() - budget.began
     return trainer.model, {"trl_samples": scored[0], "trl_seconds": seconds, "trl_steps": trainer.state.global_step,
                            "trl_samples_per_s": scored[0] / seconds,
-                           "trl_startup_s": budget.began - psutil.Process().create_time(),
-                           "trl_command_s": time.time() - psutil.Process().create_time()}
+                           "trl_startup_s": budget.began - PROCESS_START, "trl_command_s": time.time() - PROCESS_START}
 
 
 def main() -> None:

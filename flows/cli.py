@@ -113,8 +113,9 @@ def _resume_override(args) -> list[str]:
 def _flow_terminal(args, cfg):
     """console.terminal for `train` and `demo`: the preflight runs while Prefect's temporary server starts
     (a bad input still ends the command with one line, and the server is stopped), then Ray starts (or is
-    attached to) while the server finishes starting; the flow's runtime finds Ray up. On the GPU machine
-    this took ~20 s off the command's start (bench/RESULTS.md 16): the three ran one after another."""
+    attached to) while the server finishes starting; the flow's runtime finds Ray up. They ran one after
+    another before (~40 s of a GPU run's start, bench/RESULTS.md 16); this VM: 0.94x to the first iteration
+    (RESULTS.md 18; not yet measured on a GPU)."""
     return console.terminal(args.verbose, preflight=lambda: _preflight(cfg), meanwhile=lambda: _connect_ray(cfg))
 
 

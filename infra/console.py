@@ -8,7 +8,7 @@ Without PREFECT_API_URL each process starts Prefect's temporary server; on a bus
 took longer than Prefect's default 20 s start-up timeout, so the timeout is raised (a setting the
 user sets wins) and a start that still fails ends with one line saying what to do. The server begins to
 start in the background as the command enters `terminal` (a thread waits for its health check), so its
-15-20 s overlap the preflight and Ray's start; `prefect_ready()` waits for it before the first flow runs.
+15-20 s overlap the preflight and Ray's start; `terminal` waits for it before its body (the flow) runs.
 A preflight that fails stops it again (a bad input still ends with its one line and leaves no server).
 """
 from __future__ import annotations
@@ -45,7 +45,7 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
     names = ("PREFECT_LOGGING_SETTINGS_PATH", STARTUP_TIMEOUT_ENV, "PREFECT_SERVER_ANALYTICS_ENABLED")
     saved = {k: os.environ.get(k) for k in names}
     line = _choose_settings(verbose)
-    early = None if "PREFECT_API_URL" in os.environ else _EarlyServer.begin()
+    early = _EarlyServer.begin()  # None where a server is named (PREFECT_API_URL, a profile)
     try:
         if preflight is not None:
             preflight()
@@ -84,9 +84,9 @@ class _EarlyServer:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.cancelled = self.started = self.ready = False
+        self.cancelled = self.ready = False
         self.error: BaseException | None = None
-        self.server = None
+        self.server = None  # set once the start is under way (under the lock)
         self.thread = threading.Thread(target=self._run, name="prefect-server-start", daemon=True)
 
     @classmethod
@@ -106,7 +106,6 @@ class _EarlyServer:
             with self.lock:  # cancel() either comes first (no server at all) or waits for this start
                 if self.cancelled:
                     return
-                self.started = True
                 self.server = SubprocessASGIServer()
                 self.server.start()
         except BaseException as e:  # noqa: BLE001 - raised in the main thread by wait()
@@ -126,7 +125,7 @@ class _EarlyServer:
             return
         with self.lock:
             self.cancelled = True
-            if self.started and self.server is not None:
+            if self.server is not None:
                 self.server.stop()
 
 
