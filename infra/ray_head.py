@@ -58,13 +58,26 @@ class HeadInfo:
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
-def worker_pool_config(cpus: int) -> dict[str, int]:
-    """Ray keeps at most `num_workers_soft_limit` worker processes (default: the node's CPUs), actors'
+def worker_pool_config(cpus: int) -> dict[str, int | bool]:
+    """Ray's worker pool for a cluster reflow starts.
+
+    Ray keeps at most `num_workers_soft_limit` worker processes (default: the node's CPUs), actors'
     included, and kills idle task workers above it after a second. The engines and trainer ranks take
     most of that, so an iteration's short tasks (scoring, advantages, stage records) kept starting
     new workers, ~0.25 s of an iteration's reward stage with 2 engines on 2 cores, and more when an
-    asynchronous run's rollouts add tasks of their own. Twice the CPUs keeps them warm."""
-    return {"num_workers_soft_limit": 2 * cpus}
+    asynchronous run's rollouts add tasks of their own. Twice the CPUs keeps them warm.
+
+    Ray also starts one idle worker per logical CPU when the first driver connects, and holds that
+    driver's `ray.init` until they are up (raylet's worker pool). reflow's actors never use them (they
+    get workers of their own) and its tasks need a few, so those starts were CPU taken from the
+    driver's and the actors' own start-up: 16 workers importing Ray beside them on a 16-core GPU
+    machine, 4 on a 2-core VM. Workers now start when a task first needs one (bench/RESULTS.md 19)."""
+    return {"num_workers_soft_limit": 2 * cpus, "prestart_worker_first_driver": False}
+
+
+def ray_setting_env(settings: dict[str, int | bool]) -> dict[str, str]:
+    """Ray's settings as the RAY_<name> variables its processes read (`ray start` takes no dict)."""
+    return {f"RAY_{k}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items()}
 
 
 def write_token(path: Path) -> Path:
@@ -152,7 +165,7 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
     # `reflow cluster down` means stop now, and reflow runs no Serve, so the drain is turned off.
     env = {**{k: v for k, v in os.environ.items() if k != "RAY_AUTH_TOKEN"}, **ray_env(token, host),
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
-           **{f"RAY_{k}": str(v) for k, v in worker_pool_config(cpus).items()}}  # Ray reads RAY_<setting>
+           **ray_setting_env(worker_pool_config(cpus))}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
     deadline = time.monotonic() + timeout_s
     while not _port_open(host, port):

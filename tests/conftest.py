@@ -91,10 +91,13 @@ def ray_cluster():
     """A real local Ray cluster shared by the whole test session."""
     import ray
 
+    from reflow.infra.ray_head import worker_pool_config
+
     tmp = tempfile.mkdtemp(prefix="ray_", dir="/tmp")
+    env = {"TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"], "TOKENIZERS_PARALLELISM": "false"}
+    # The worker pool a run's own cluster gets (infra/ray_head.py): no idle workers started up front.
     ctx = ray.init(num_cpus=8, include_dashboard=False, _temp_dir=tmp, log_to_driver=True,
-                   runtime_env={"env_vars": {"TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"],
-                                             "TOKENIZERS_PARALLELISM": "false"}})
+                   _system_config=worker_pool_config(8), runtime_env={"env_vars": env})
     yield ctx
     ray.shutdown()
 
