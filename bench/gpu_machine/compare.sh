@@ -16,7 +16,7 @@ iters=${1:-100}; shift || true
 out=$(realpath "${OUT:-gpu-out}"); mkdir -p "$out"
 repo=$PWD
 [ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site > "$out/install.log"
-[ -e /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .gpuwheels/trl/*.whl
+[ -e /tmp/site/trl ] || python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpuwheels/trl/*.whl
 if [ "$step" != trl ]; then
 # The policy first (the demo would build it inside its timed run): `seconds=` is then start-up + training + evals.
 [ -e /tmp/gpurun/.reflow/models/gpu-demo-policy/config.json ] || (mkdir -p /tmp/gpurun && cd /tmp/gpurun &&

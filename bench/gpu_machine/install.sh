@@ -17,3 +17,11 @@ for first in "$src"/*.whl.part00; do
 done
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$target" "$src"/*.whl
 echo "installed $(ls "$src"/*.whl | wc -l) wheels into $target"
+# That machine sets PYTHONDONTWRITEBYTECODE=1 and its torch ships without .pyc files, so every process
+# (the command, Prefect's server, each Ray worker and actor; TRL's too) compiled torch's and these
+# wheels' Python source again at each import: `import torch` 4.1 s, transformers with a model class
+# 14-16 s (measured there, RESULTS.md 19). Compiled once here, the imports read the cached bytecode
+# (Python reads .pyc files whatever that variable says; it only stops writing them).
+site=$(python3 -c "import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))")
+python3 -m compileall -q -j 0 "$target" "$site" > /dev/null || true  # a file that does not compile is left as it was
+echo "compiled bytecode for $target and $site"

@@ -14,7 +14,7 @@ layout=${1:-one}; shift || true
 out=${OUT:-gpu-out}; mkdir -p "$out"
 [ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site >"$out/install.log"
 [ -e /tmp/site/reflow/flows/cli.py ] && [ -z "${REINSTALL_REFLOW:-}" ] \
-  || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpuwheels/reflow/*.whl
+  || python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuwheels/reflow/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PREFECT_HOME=/tmp/prefect-home RAY_USAGE_STATS_ENABLED=0
 # NVLink multicast off (the device notes: it is not available to lent machines)
