@@ -59,8 +59,10 @@ lint: $(BIN)/.installed-test
 		-m reflow.engines.weights.settings
 
 # The whole suite (CI runs this). Per-test timeout and summary: pyproject.toml [tool.pytest.ini_options].
+# tests/suite.sh runs tests/test_deployments.py (its own stack) in a second pytest process beside the
+# rest; with ARGS (`make test ARGS="-k push"`) everything runs in one process.
 test: lint
-	$(BIN)/python -m pytest -q --durations=60 tests $(ARGS)
+	tests/suite.sh $(BIN)/python $(ARGS)
 
 # The same suite with modules and tests shuffled. The seed is printed first (pytest -q hides the
 # plugin's header line); repeat an order with `make test-random SEED=N`.
