@@ -9,12 +9,14 @@ took longer than Prefect's default 20 s start-up timeout, so the timeout is rais
 user sets wins) and a start that still fails ends with one line saying what to do. The server begins to
 start in the background as the command enters `terminal` (a thread waits for its health check), so its
 15-20 s overlap the preflight and Ray's start; `terminal` waits for it before its body (the flow) runs.
-A preflight that fails stops it again (a bad input still ends with its one line and leaves no server).
+A preflight that fails stops it again (a bad input still ends with its one line and leaves no server),
+and so does SIGTERM: for the command's duration it raises SystemExit instead of ending the process at once.
 """
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -45,6 +47,7 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
     names = ("PREFECT_LOGGING_SETTINGS_PATH", STARTUP_TIMEOUT_ENV, "PREFECT_SERVER_ANALYTICS_ENABLED")
     saved = {k: os.environ.get(k) for k in names}
     line = _choose_settings(verbose)
+    sigterm = _exit_on_sigterm()
     early = _EarlyServer.begin()  # None where a server is named (PREFECT_API_URL, a profile)
     try:
         if preflight is not None:
@@ -67,6 +70,8 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
     finally:
         if early is not None:
             early.cancel()  # stops the server if the body never ran (a failed preflight or Ray start)
+        if sigterm is not None and signal.getsignal(signal.SIGTERM) is _sigterm_exit:
+            signal.signal(signal.SIGTERM, sigterm)
         close_bar()
         _STATE["quiet"] = False
         for k, v in saved.items():
@@ -74,6 +79,22 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _sigterm_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _exit_on_sigterm():
+    """SIGTERM (`kill PID`, a scheduler stopping the job) ends the command as an exception does, so
+    `terminal`'s cleanup and the atexit hooks run: Python's default action ended the process at once and
+    left Prefect's temporary server, a child that outlives it, running. Ray's `ray.init` and Prefect's
+    flow engine install handlers of their own later, which end the same way (Ray's calls sys.exit; Prefect's
+    re-sends the signal to the handler it found). Returns the handler to restore, or None where another
+    handler was already set (an embedding program's) or this is not the main thread: then nothing changes."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        return None
+    return signal.signal(signal.SIGTERM, _sigterm_exit)
 
 
 class _EarlyServer:

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 from tests.ckpt_fixtures import REFLOW, REPO, write_config
@@ -86,3 +88,38 @@ def test_prefects_server_starts_beside_the_preflight_and_a_failure_stops_it(tmp_
     assert "the server database exists: True" in r.stderr, r.stderr[-3000:]  # it was starting during the preflight
     assert _servers_of(home) == []  # and it was stopped
     assert not (tmp_path / "runs").exists()
+
+
+def test_sigterm_while_the_server_starts_stops_it_too(tmp_path, tiny_policy):
+    """`kill PID` (SIGTERM) while the temporary server starts and the preflight runs: the command ends
+    with 128 + 15 and leaves no server behind (Python's default action ended it at once, leaving its
+    server child running)."""
+    home, waiting = tmp_path / "prefect", tmp_path / "waiting"
+    (tmp_path / "stuck_reward.py").write_text(
+        "import os, time, pathlib\n"
+        f"db = {str(home / 'prefect.db')!r}\n"
+        "deadline = time.time() + 90\n"
+        "while not os.path.exists(db) and time.time() < deadline:\n"
+        "    time.sleep(0.2)\n"
+        f"pathlib.Path({str(waiting)!r}).write_text(str(os.path.exists(db)))\n"
+        "time.sleep(300)\n")
+    cfg = _config(tmp_path, tiny_policy, **{"data.label_key": "a", "data.reward_fn": "stuck_reward:reward"})
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env.update(PYTHONPATH=f"{REPO}:{tmp_path}", PREFECT_HOME=str(home))
+    proc = subprocess.Popen([REFLOW, "train", "-c", str(cfg)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not waiting.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert waiting.exists() and waiting.read_text() == "True", proc.poll()  # the server was starting
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, err[-3000:])
+        assert _servers_of(home) == [], err[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in _servers_of(home):  # what a failing run left: not for the next tests to find
+            os.kill(pid, signal.SIGKILL)
