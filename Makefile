@@ -59,8 +59,9 @@ lint: $(BIN)/.installed-test
 		-m reflow.engines.weights.settings
 
 # The whole suite (CI runs this). Per-test timeout and summary: pyproject.toml [tool.pytest.ini_options].
-# tests/suite.sh runs tests/test_deployments.py (its own stack) in a second pytest process beside the
-# rest; with ARGS (`make test ARGS="-k push"`) everything runs in one process.
+# tests/suite.sh runs tests/test_deployments.py and tests/test_resume.py (their own stack, their own Ray
+# clusters) in a second pytest process beside the rest; with ARGS (`make test ARGS="-k push"`) everything
+# runs in one process.
 test: lint
 	tests/suite.sh $(BIN)/python $(ARGS)
 
