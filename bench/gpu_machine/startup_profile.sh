@@ -3,7 +3,8 @@
 # `reflow demo --gpu` (the real train flow), every output line stamped with the seconds since start:
 #   1. under py-spy, which samples the command and every process it starts (Prefect's server, Ray's
 #      processes, the trainer rank and the engine) for the first PROFILE_S seconds, idle threads
-#      included: $OUT/startup-spy.txt (py-spy's raw collapsed stacks, one line per stack and count);
+#      included: $OUT/startup-spy.txt.gz (py-spy's raw collapsed stacks, one line per stack and count,
+#      child processes nested under their parents; ~50 MB before gzip, over what one call brings back);
 #   2. the same again without py-spy (Python's, inductor's and the page caches now warm), for the plain
 #      timeline.
 #   bash bench/gpu_machine/startup_profile.sh [iterations] [overrides...]
@@ -32,8 +33,9 @@ t0=$(date +%s.%N)
 python3 -m reflow.flows.cli "${args[@]}" experiment=su-spy > >(python3 -u -c "$stamp" "$t0" > "$out/startup-spy.log") 2>&1 &
 pid=$!  # the command itself (its output goes through the stamping process)
 "$spy" record --pid "$pid" --subprocesses --idle --nonblocking -r 50 -d "${PROFILE_S:-100}" -f raw \
-  -o "$out/startup-spy.txt" > "$out/py-spy.log" 2>&1 || echo "py-spy failed: see py-spy.log"
+  -o /tmp/startup-spy.txt > "$out/py-spy.log" 2>&1 || echo "py-spy failed: see py-spy.log"
 wait "$pid" || echo "the profiled run failed: see startup-spy.log"
+gzip -c /tmp/startup-spy.txt > "$out/startup-spy.txt.gz"
 t0=$(date +%s.%N)
 python3 -m reflow.flows.cli "${args[@]}" experiment=su-plain 2>&1 | python3 -u -c "$stamp" "$t0" > "$out/startup-plain.log"
 grep -E 'demo:' "$out/startup-plain.log" || true
