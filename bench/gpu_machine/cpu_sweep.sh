@@ -18,7 +18,7 @@ seeds=${1:?seeds, e.g. 0 or 0,1}
 out=${OUT:-cpu-out}; mkdir -p "$out"; out=$(realpath "$out")
 [ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site >"$out/install.log" || exit 2
 [ -e /tmp/site/reflow/flows/cli.py ] && [ -z "${REINSTALL_REFLOW:-}" ] \
-  || python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .gpuwheels/reflow/*.whl
+  || python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuwheels/reflow/*.whl
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_USAGE_STATS_ENABLED=0
 export CUDA_VISIBLE_DEVICES= NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Outside the checkout: its reflow/ folder would shadow the installed package; bench/ finds configs/ and
