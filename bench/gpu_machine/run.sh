@@ -27,14 +27,11 @@ case $layout in
 esac
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 out=$(realpath "$out")
+stamp=$PWD/bench/gpu_machine/stamp.py
 # Run outside the checkout: its reflow/ folder would shadow the installed package (the layers live elsewhere).
 mkdir -p /tmp/gpurun && cd /tmp/gpurun
 # Every line stamped with the seconds since the command started (where start-up time goes: RESULTS.md 16, 18).
-stamp='import sys, time
-t0 = time.time()
-for line in sys.stdin:
-    sys.stdout.write(f"[{time.time() - t0:7.1f}] {line}"); sys.stdout.flush()'
-python3 -m reflow.flows.cli demo --gpu "${extra[@]}" "$@" 2>&1 | python3 -u -c "$stamp" | tee "$out/demo-$layout.log"
+python3 -m reflow.flows.cli demo --gpu "${extra[@]}" "$@" 2>&1 | python3 -u "$stamp" | tee "$out/demo-$layout.log"
 # The run's per-iteration metrics and evals, for RESULTS.md (small: JSON only).
 run=$(ls -td .reflow/runs/*/ | head -1); run=${run%/}  # the newest run, whatever experiment= named it
 tar -czf "$out/records-$layout.tgz" --exclude='checkpoints' --exclude='*.parquet' -C "$(dirname "$run")" "$(basename "$run")"

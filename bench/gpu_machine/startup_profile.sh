@@ -18,25 +18,21 @@ out=$(realpath "${OUT:-gpu-out}"); mkdir -p "$out"
 if ls .gpuwheels/reflow/*.whl > /dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuwheels/reflow/*.whl
 fi
-spy=$PWD/.gpuwheels/tools/py-spy
+spy=$PWD/.gpuwheels/tools/py-spy stamp=$PWD/bench/gpu_machine/stamp.py
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PREFECT_HOME=/tmp/prefect-home RAY_USAGE_STATS_ENABLED=0
 mkdir -p /tmp/gpurun && cd /tmp/gpurun
 [ -e .reflow/models/gpu-demo-policy/config.json ] || python3 -m reflow.flows.cli bootstrap --size gpu --digits 3 \
   --data-out '' --out .reflow/models/gpu-demo-policy > "$out/bootstrap.json" 2>/dev/null
-stamp='import sys, time
-t0 = float(sys.argv[1])
-for line in sys.stdin:
-    sys.stdout.write(f"[{time.time() - t0:7.1f}] {line}"); sys.stdout.flush()'
 args=(demo --gpu --verbose "num_iterations=$iters" checkpoint.save_interval=1000 eval.interval=1000 "$@")
 t0=$(date +%s.%N)
-python3 -m reflow.flows.cli "${args[@]}" experiment=su-spy > >(python3 -u -c "$stamp" "$t0" > "$out/startup-spy.log") 2>&1 &
+python3 -m reflow.flows.cli "${args[@]}" experiment=su-spy > >(python3 -u "$stamp" "$t0" > "$out/startup-spy.log") 2>&1 &
 pid=$!  # the command itself (its output goes through the stamping process)
 "$spy" record --pid "$pid" --subprocesses --idle --nonblocking -r 50 -d "${PROFILE_S:-100}" -f raw \
   -o /tmp/startup-spy.txt > "$out/py-spy.log" 2>&1 || echo "py-spy failed: see py-spy.log"
 wait "$pid" || echo "the profiled run failed: see startup-spy.log"
 gzip -c /tmp/startup-spy.txt > "$out/startup-spy.txt.gz"
 t0=$(date +%s.%N)
-python3 -m reflow.flows.cli "${args[@]}" experiment=su-plain 2>&1 | python3 -u -c "$stamp" "$t0" > "$out/startup-plain.log"
+python3 -m reflow.flows.cli "${args[@]}" experiment=su-plain 2>&1 | python3 -u "$stamp" "$t0" > "$out/startup-plain.log"
 grep -E 'demo:' "$out/startup-plain.log" || true
 tar -czf "$out/startup-records.tgz" --exclude='checkpoints' --exclude='*.parquet' -C .reflow/runs .
