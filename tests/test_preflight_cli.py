@@ -64,20 +64,25 @@ def _servers_of(prefect_home: Path) -> list[int]:
     return pids
 
 
+def _reward_after_server_db(path: Path, prefect_home: Path, then: str) -> None:
+    """A reward module whose import (the preflight does it) waits up to 90 s for the temporary server's
+    database under `prefect_home` (`db`, its path), then runs the source `then`."""
+    path.write_text("import os, pathlib, time\n"
+                    f"db = {str(prefect_home / 'prefect.db')!r}\n"
+                    "deadline = time.time() + 90\n"
+                    "while not os.path.exists(db) and time.time() < deadline:\n"
+                    "    time.sleep(0.2)\n" + then)
+
+
 def test_prefects_server_starts_beside_the_preflight_and_a_failure_stops_it(tmp_path, tiny_policy):
     """Without PREFECT_API_URL, the temporary server begins to start while the preflight runs (on the GPU
     machine they took ~10 and ~19 s one after the other). Here the reward module's import, which the
     preflight does, waits until that server has created its database, then fails: the command still ends
     with its one line, and no server is left running."""
     home = tmp_path / "prefect"
-    (tmp_path / "slow_reward.py").write_text(
-        "import os, time\n"
-        f"db = {str(home / 'prefect.db')!r}\n"
-        "deadline = time.time() + 90\n"
-        "while not os.path.exists(db) and time.time() < deadline:\n"
-        "    time.sleep(0.2)\n"
-        "raise ImportError('slow_reward: the scorer is not installed (the server database exists: '"
-        " + str(os.path.exists(db)) + ')')\n")
+    _reward_after_server_db(tmp_path / "slow_reward.py", home,
+                            "raise ImportError('slow_reward: the scorer is not installed (the server database exists: '"
+                            " + str(os.path.exists(db)) + ')')\n")
     cfg = _config(tmp_path, tiny_policy, **{"data.label_key": "a", "data.reward_fn": "slow_reward:reward"})
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
     env.update(PYTHONPATH=f"{REPO}:{tmp_path}", PREFECT_HOME=str(home))
@@ -95,14 +100,9 @@ def test_sigterm_while_the_server_starts_stops_it_too(tmp_path, tiny_policy):
     with 128 + 15 and leaves no server behind (Python's default action ended it at once, leaving its
     server child running)."""
     home, waiting = tmp_path / "prefect", tmp_path / "waiting"
-    (tmp_path / "stuck_reward.py").write_text(
-        "import os, time, pathlib\n"
-        f"db = {str(home / 'prefect.db')!r}\n"
-        "deadline = time.time() + 90\n"
-        "while not os.path.exists(db) and time.time() < deadline:\n"
-        "    time.sleep(0.2)\n"
-        f"pathlib.Path({str(waiting)!r}).write_text(str(os.path.exists(db)))\n"
-        "time.sleep(300)\n")
+    _reward_after_server_db(tmp_path / "stuck_reward.py", home,
+                            f"pathlib.Path({str(waiting)!r}).write_text(str(os.path.exists(db)))\n"
+                            "time.sleep(300)\n")
     cfg = _config(tmp_path, tiny_policy, **{"data.label_key": "a", "data.reward_fn": "stuck_reward:reward"})
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
     env.update(PYTHONPATH=f"{REPO}:{tmp_path}", PREFECT_HOME=str(home))
