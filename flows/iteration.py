@@ -5,9 +5,11 @@ PPO's first `critic.warmup_iterations` train the critic alone.
 Colocated mode wraps train + push in the GPU hand-over (engines release memory, trainer reloads; then
 trainer offloads, engines resume weights, push, engines resume the rest).
 
-Asynchronous mode (rollout.max_staleness >= 1, flows/async_rollout.py): the iteration takes its scored
-batch from the prefetcher (`time_generate` is then the trainer's wait for it) and, before its push,
-waits for the batch the engines are generating (`time_await_rollouts`).
+Run by the `train` flow, the iteration takes its scored batch from the run's prefetcher
+(flows/async_rollout.py; `time_generate` is then the trainer's wait for it, its update usually submitted
+already). Asynchronous mode (rollout.max_staleness >= 1): before its push it waits for the batch the
+engines are generating (`time_await_rollouts`); the synchronous loop's prefetcher launches the next batch
+right after the push.
 
 The parent flow calls `run_iteration`: it times the flow run from the parent's side (creating the
 run and setting its final state are part of the iteration's wall time and of `time_orchestration`),
@@ -68,12 +70,12 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     """Rollout iteration `iteration` (0-based); leaves the engines on policy version iteration+1."""
     timer = StageTimer()
     report.RECORDS.free_api()  # the flow run exists: earlier iterations' records may post while this one computes
-    ahead = async_rollout.current(config)  # rollout.max_staleness >= 1: batches generated while earlier ones trained
+    ahead = async_rollout.current(config)  # batches generated (and updates started) ahead of their flow runs
     batch, waits = None, {}
     if ahead:
         with timer("generate"):  # asynchronous: the trainer's wait for its (scored) batch
             batch, waits = ahead.take(iteration)
-    if batch is None:  # the synchronous loop, or a batch that failed in the background
+    if batch is None:  # no prefetcher (hand-overs, generate_ahead off, on its own), or a batch that failed
         with timer("generate"):
             batch = generate(config, iteration)
         with timer("reward"):  # reward and advantages: one Ray call each, so no task run of their own

@@ -108,14 +108,15 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         start = restored["step"]
         control = start_control(config, flow_run.id, start)  # control API (`reflow ctl`), stack dumps
         initial_push(config, start, restored["loaded"])
-        async_rollout.open_prefetcher(config, start)  # rollout.max_staleness >= 1: generating from here on
+        last = config.num_iterations if config.debug_exit_after is None else min(
+            config.num_iterations, start + config.debug_exit_after)
+        # batches generated (and updates started) ahead of their flow runs from here on (flows/async_rollout.py)
+        prefetcher = async_rollout.open_prefetcher(config, start, last)
         evals: dict[int, dict[str, dict]] = {}  # policy version -> {eval set: summary}
         pending: list = []  # launched evals not recorded yet
         if config.eval.before_train and start == 0:
             pending.append(launch_eval(config, 0))
             evals |= collect(config, pending, wait=config.eval.blocking)
-        last = config.num_iterations if config.debug_exit_after is None else min(
-            config.num_iterations, start + config.debug_exit_after)
         history: list[dict[str, float]] = []
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
@@ -127,8 +128,8 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
                 last = i + 1
             if eval_due(config, i + 1, last):  # first: its records are written while the engines generate next
                 pending.append(launch_eval(config, i + 1))
-            if follows := i + 1 < last and not control.paused:  # synchronous: the next rollout runs under
-                start_generation(config, i + 1)  # the save and the bookkeeping below (tasks/rollout.py)
+            if (follows := i + 1 < last and not control.paused) and prefetcher is None:  # hand-overs: the next
+                start_generation(config, i + 1)  # rollout runs under the save and the bookkeeping below
             due = save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60)
             if due or control.take_save():
                 # committed before the next iteration when it is the last, asked for (sentinel, /save) or
@@ -136,7 +137,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
                 wait = (not due or i + 1 == last or not config.checkpoint.background_commit
                         or ckpt.sentinel_present(config.checkpoint.sentinel))
                 saved_at = _save(config, control, i + 1, wait)
-            # asynchronous rollout: the next update starts now, under this bookkeeping and the next run's start
+            # the next update starts now (in the background), under this bookkeeping and the next run's start
             ahead = follows and async_rollout.start_next(config, i + 1)
             leases.record(config.experiment)  # engines recreated during the iteration are new processes
             evals |= collect(config, pending, wait=config.eval.blocking)

@@ -25,7 +25,14 @@ from tests.test_e2e import e2e_config
 
 EXP = "ctl"
 N = 40  # far more than the test lets it run: only /stop ends it
-MID_ITERATION = {"generate", "reward", "advantages", "train"}  # stages of flows/iteration.py before the push
+# stages of flows/iteration.py up to its push, and the parent's start of the next flow run, while the update
+# submitted ahead of it runs (flows/async_rollout.py): on this tiny model the generate and train stages of a
+# flow run mostly only collect what was started before it, too briefly for a poll to see them
+MID_ITERATION = {"generate", "reward", "advantages", "train", "push"}
+
+
+def _mid_iteration(stage: str) -> bool:
+    return stage in MID_ITERATION or stage.startswith("iteration ")
 
 
 def _ask(command: str) -> dict:
@@ -81,9 +88,9 @@ def _start(cfg) -> tuple[threading.Thread, dict]:
 
 
 def _kill_trainer_mid_iteration(rank: int, after: int, thread: threading.Thread, exp: str = EXP) -> dict:
-    """SIGKILL trainer rank `rank` while an iteration past `after` is in a stage before its push."""
+    """SIGKILL trainer rank `rank` while an iteration past `after` is under way (up to its push)."""
     h = _wait("an iteration mid-way", lambda: (h := control.request(exp, "health").json())["iteration"] > after
-              and h["stage"] in MID_ITERATION and h, thread=thread, timeout=120)
+              and _mid_iteration(h["stage"]) and h, thread=thread, timeout=120)
     os.kill({a["name"]: a for a in h["actors"]}[f"policy-trainer-{rank}"]["pid"], signal.SIGKILL)
     return h
 
@@ -198,7 +205,10 @@ def test_trainer_recovery_gives_up_after_its_bound(ray_cluster, prefect_server, 
             thread.join(timeout=180)
     error = out.get("error")
     assert isinstance(error, TrainerGroupLost), out
-    assert f"policy-trainer-1 died during iteration {health['iteration']}" in str(error)
+    # the iteration whose stage saw the death: the one health showed, or the next, whose update was
+    # submitted before its flow run (flows/async_rollout.py)
+    assert any(f"policy-trainer-1 died during iteration {i} " in str(error)
+               for i in (health["iteration"], health["iteration"] + 1)), error
     assert "max_trainer_recoveries=0, so it gives up" in str(error)
     state = _parent_state(health["flow_run_id"])
     assert state.type.value == "FAILED" and "max_trainer_recoveries=0" in state.message, state
