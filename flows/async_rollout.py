@@ -31,8 +31,8 @@ trainer idle; the data, the order of calls on the ranks and what each checkpoint
 A batch that fails in the background (an engine lost mid-request) is generated again by the
 iteration's own `generate` task (its retries, its engine recreation) at the iteration's policy.
 
-The synchronous loop (k = 0, `rollout.generate_ahead`, engines resident: no hand-overs) runs through the
-same prefetcher, on-policy: batch i + 1 launches right after the push of policy i + 1 (inside iteration i's
+The synchronous loop (k = 0, `rollout.generate_ahead` and `update_ahead`, engines resident: no hand-overs)
+runs through the same prefetcher, on-policy: batch i + 1 launches right after the push of policy i + 1 (inside iteration i's
 flow run, when the engines serve it), and `start_next` waits for it, scores it, computes its advantages and
 submits its update in a background thread. So the parent's bookkeeping between two flow runs (ending one,
 its records, a checkpoint queued, starting the next) runs beside the generation and the update instead of
@@ -212,11 +212,15 @@ class Prefetcher:
 
 def prefetches(cfg: RunConfig) -> bool:
     """Whether the run's batches come from a prefetcher: always when asynchronous (k >= 1); the synchronous
-    loop's with `rollout.generate_ahead` and engines that stay resident (with hand-overs the engines hold
-    no memory while the trainer trains: tasks/rollout.start_generation launches the next batch between two
-    flow runs instead, and the update waits for the hand-over in its flow run)."""
+    loop's with `rollout.generate_ahead` and `rollout.update_ahead` (auto: on GPUs) and engines that stay
+    resident. Otherwise tasks/rollout.start_generation launches the next batch between two flow runs and
+    the update is submitted in its flow run (with hand-overs it must wait for the trainer's turn there)."""
     r, cl = cfg.rollout, cfg.cluster
-    return bool(r.max_staleness) or (r.generate_ahead and not (cl.colocate and cl.hand_over))
+    if r.max_staleness:
+        return True
+    if not r.generate_ahead or (cl.colocate and cl.hand_over):
+        return False
+    return use_gpus(cfg) if r.update_ahead is None else r.update_ahead
 
 
 def open_prefetcher(cfg: RunConfig, version: int, end: int | None = None) -> Prefetcher | None:
