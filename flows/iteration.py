@@ -26,6 +26,7 @@ from prefect.context import FlowRunContext, SettingsContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
 from reflow.flows import async_rollout
+from reflow.infra import prefect_retry
 from reflow.infra.config import RunConfig
 from reflow.infra.control import enter_stage
 from reflow.tasks import report
@@ -60,6 +61,8 @@ class StageTimer:
                                                  if k.startswith("time_") and k not in self.seconds)
         return {**self.seconds, "time_orchestration": max(whole - timed, 0.0), "time_iteration": whole}
 
+
+prefect_retry.install()  # a flow-run start refused while SQLite is busy: retried in ms, not after 2 s
 
 # Set by `run_iteration`: the flow run hands its metrics, timer and run back instead of recording them.
 _handoff: ContextVar[list | None] = ContextVar("reflow_iteration_handoff", default=None)
