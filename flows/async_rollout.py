@@ -79,8 +79,9 @@ class Prefetcher:
     def yield_cpu(self) -> dict[str, float]:
         """Embedded engines on CPU generate only on idle CPU time (EmbeddedEngine.run_in_background): on a
         shared machine their background batches then fill the cores the trainer and the flow leave idle
-        rather than slow those two down, which are the loop's critical path. (A run on GPUs is left alone.)"""
-        if self.cfg.rollout.backend == "embedded" and not use_gpus(self.cfg):
+        rather than slow those two down, which are the loop's critical path. (A run on GPUs is left alone,
+        and so is the synchronous loop, whose generation is on that path.)"""
+        if self.k and self.cfg.rollout.backend == "embedded" and not use_gpus(self.cfg):
             engines = get_runtime(self.cfg).engines
             ids = [actors.actor_id(e) for e in engines]
             if ids == self.yielded[0]:  # asked after every push, which may have recreated an engine
@@ -147,7 +148,13 @@ class Prefetcher:
         i, fut = self.started
         self.started = None
         t0 = time.perf_counter()
-        batch, waits = fut.result()  # _start catches what its steps raise
+        try:
+            batch, waits = fut.result()  # _start catches what its own steps raise
+        except Exception as e:  # deliberate: anything else, too, leaves the batch to the flow run's tasks
+            log.warning("iteration %d: its batch and update ahead failed (%s: %s); the flow run makes them", i,
+                        type(e).__name__, next(iter(str(e).splitlines()), ""))
+            drop_started_update(self.cfg)
+            batch, waits = None, {"async_fallback": 1.0}
         return i, (batch, {**waits, "async_update_ahead_wait_s": time.perf_counter() - t0})
 
     def _take(self, i: int) -> tuple[BatchRef | None, dict[str, float]]:

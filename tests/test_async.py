@@ -99,3 +99,21 @@ def test_synchronous_prefetcher_is_on_where_asked_and_trains_the_same_weights(ra
     final = [tmp_path / "runs" / f"algo-sync-{n}" / "checkpoints" / "iter_000003" / "model" / "model.safetensors"
              for n in ("ahead", "own")]
     assert final[0].read_bytes() == final[1].read_bytes()
+
+
+def test_a_failure_ahead_of_the_flow_run_leaves_the_batch_to_the_flow_run():
+    """Whatever the background step raises (here taking the batch itself), the flow run's `take` gets
+    no batch and a fallback mark, so its own tasks generate and train; close() does not raise it."""
+    from reflow.flows.async_rollout import Prefetcher
+
+    cfg = load_config(None, ["rollout.update_ahead=true"])
+    p = Prefetcher(cfg, 0, end=0)  # k = 0 and nothing left to generate: no batch is launched
+
+    def broken(i):
+        raise RuntimeError(f"iteration {i}: lost")
+    p._take = broken  # type: ignore[method-assign]
+    assert p.start_next(3)
+    batch, waits = p.take(3)
+    assert batch is None and waits["async_fallback"] == 1.0
+    assert p.start_next(4)
+    p.close()
