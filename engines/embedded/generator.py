@@ -502,9 +502,10 @@ class Generator:
             with self.lock:
                 self.model.to(self.device)
 
-    def get_weight(self, name: str) -> torch.Tensor:
-        """A detached copy of one model tensor, by HF name."""
+    def get_weight(self, name: str, rows: int | None = None) -> torch.Tensor:
+        """A detached copy of one model tensor, by HF name (its first `rows` along dim 0 when given)."""
         if name not in self._params:
             raise KeyError(f"unknown weight name {name!r}")
         with self.lock:
-            return self._params[name].detach().clone()
+            t = self._params[name].detach()
+            return (t[:rows] if rows is not None and t.dim() else t).clone()

@@ -217,11 +217,12 @@ def verify_weights(clients: list[EngineClient], named_tensors: Named, version: s
 def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtypes: tuple[torch.dtype, ...],
              atol: float = 0.0, rows: int | None = None) -> None:
     """Pass when the engine's values equal `pushed` cast to one of `dtypes` (what the engine may hold)."""
-    src = pushed.detach().to("cpu")
+    src = pushed.detach()
     if rows is not None and src.dim() and src.shape[0] > rows:
-        src = src[:rows]  # the engine truncates along dim 0 the same way
+        src = src[:rows].to("cpu")  # the engine truncates along dim 0 the same way (sliced before leaving the GPU)
         size = rows
     else:
+        src = src.to("cpu")
         size = max(src.shape[0] if src.dim() else 1, src.numel())
     got = torch.tensor(client.get_weights_by_name(name, truncate_size=size), dtype=torch.float32)
     src = src.reshape(1) if src.dim() == 0 else src
