@@ -76,15 +76,14 @@ class RankWatch:
             pass
 
 
-def run_recovering(cfg: RunConfig, i: int, control: RunControl, follows: bool = False) -> dict[str, float]:
-    """Iteration `i` (flows/iteration.run_iteration), recovered from dead trainer ranks as the module says.
-    follows: iteration i + 1 comes next (its flow run is created while i runs)."""
+def run_recovering(cfg: RunConfig, i: int, control: RunControl) -> dict[str, float]:
+    """Iteration `i` (flows/iteration.run_iteration), recovered from dead trainer ranks as the module says."""
     j = i
     while True:
         watch, control.iteration = RankWatch(cfg), j
         try:
             with watch:
-                m = run_iteration(cfg, j, prestart_next=j < i or follows)
+                m = run_iteration(cfg, j)
         except Exception as e:  # deliberate: only a dead rank is recovered; anything else is raised as it came
             if not _dead_ranks(watch, e):
                 raise
