@@ -9,6 +9,8 @@
 #     (two calls on one warm machine: the second reads what the first left in /tmp/gpurun/compare.env)
 #   RESUME=0 skips the resume; CLOCK=command gives TRL its seconds from its process's start, as reflow's
 #   seconds= counts its whole command (default CLOCK=training: from TRL's first step, TRL's start-up free)
+#   EVALS=0 runs reflow without its evals before and during training (the one after the last iteration stays):
+#   TRL evaluates nothing inside its clock, and one evaluator scores both policies afterwards anyway
 set -euo pipefail
 step=${STEP:-all}
 cd "$(dirname "$0")/../.."
@@ -23,7 +25,8 @@ if [ "$step" != trl ]; then
   PYTHONPATH=/tmp/site python3 -m reflow.flows.cli bootstrap --size gpu --digits 3 --data-out '' \
     --out .reflow/models/gpu-demo-policy > "$out/bootstrap.json" 2>/dev/null)
 exp=gpu-cmp-$(date +%H%M%S)
-OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$iters" "$@" >/dev/null
+evals=(); [ "${EVALS:-1}" = 0 ] && evals=(eval.before_train=false eval.interval=null)
+OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$iters" "${evals[@]}" "$@" >/dev/null
 cp "$out/demo-one.log" "$out/demo-$exp.log"
 grep -E '^(\[ *[0-9.]+\] )?demo:' "$out/demo-$exp.log"
 if [ "${RESUME:-1}" != 0 ]; then
