@@ -604,3 +604,22 @@ def test_verify_every_checks_due_versions_in_full_and_the_others_by_version(fres
 
     with pytest.raises(WeightSyncError, match="weight_version 'v5', expected '6'"):
         versions_only([c], "6")  # what a push whose check is not due still proves
+
+
+def test_weights_by_name_copies_only_the_rows_asked_for(tok):
+    """/get_weights_by_name answers the first truncate_size rows, and converts only those: converting the whole
+    tensor first made a sampled read-back of an embedding matrix cost ~0.5 s on the GPU demo (RESULTS.md 21)."""
+    from reflow.engines.embedded.server import _weights_by_name
+    from reflow.engines.embedded.state import EngineState
+
+    gen = Generator(build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=3), tok, max_batch_size=4, threads=1)
+    full = gen.get_weight("model.embed_tokens.weight")
+    head = gen.get_weight("model.embed_tokens.weight", rows=3)
+    assert head.shape == (3, full.shape[1]) and head.untyped_storage().nbytes() == head.numel() * head.element_size()
+    assert torch.equal(head, full[:3])
+    state = EngineState(gen, {})
+    assert torch.equal(torch.tensor(_weights_by_name(state, {"name": "model.embed_tokens.weight", "truncate_size": 3})),
+                       full[:3].float())
+    bias = next(n for n, t in gen.model.named_parameters() if t.dim() == 1)  # a 1-D tensor: its first entries
+    assert torch.equal(torch.tensor(_weights_by_name(state, {"name": bias, "truncate_size": 2})),
+                       gen.get_weight(bias)[:2].float())
