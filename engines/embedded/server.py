@@ -403,4 +403,4 @@ def _weights_by_name(state: EngineState, body: dict) -> list:
     if not isinstance(name, str):
         raise ContractError("name must be a string (an HF parameter name)")
     values = state.gen.get_weight(name, rows=size).float().tolist()  # truncated first: an embedding matrix as
-    return values if isinstance(values, list) else [values]  # nested lists took ~0.7 s (bench/RESULTS.md 21)
+    return values if isinstance(values, list) else [values]  # nested lists took ~0.5 s (bench/RESULTS.md 21)

@@ -219,11 +219,10 @@ def _compare(client: EngineClient, name: str, pushed: torch.Tensor, dtypes: tupl
     """Pass when the engine's values equal `pushed` cast to one of `dtypes` (what the engine may hold)."""
     src = pushed.detach()
     if rows is not None and src.dim() and src.shape[0] > rows:
-        src = src[:rows].to("cpu")  # the engine truncates along dim 0 the same way (sliced before leaving the GPU)
-        size = rows
+        src, size = src[:rows], rows  # the engine truncates along dim 0 the same way
     else:
-        src = src.to("cpu")
         size = max(src.shape[0] if src.dim() else 1, src.numel())
+    src = src.to("cpu")  # after slicing: only the rows compared leave the GPU
     got = torch.tensor(client.get_weights_by_name(name, truncate_size=size), dtype=torch.float32)
     src = src.reshape(1) if src.dim() == 0 else src
     if tuple(got.shape) != tuple(src.shape):
