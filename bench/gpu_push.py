@@ -4,10 +4,12 @@ CUDA IPC only works between processes (a process cannot open its own handles), s
 in a real run: an `EmbeddedEngine` (HTTP server, model on the GPU) in a spawned child process; the
 trainer (DeepSpeed `TrainerRank`, ZeRO-1, bf16) is this process.
 
-- push: `push_weights` in mode=tensor with the trainer's parameters gathered on the GPU, i.e. CUDA IPC
-  (verify off), against two plain copies of the same bytes in this process: one device-to-device copy
-  of a flat buffer, and one `copy_` per parameter (what loading the tensors costs an engine that
-  already holds them). Reported also: the same push staged through host memory (the path before).
+- push: `push_weights` in mode=tensor with the trainer's parameters on the GPU (verify off): mapped (the
+  default, weight_sync.map_once: the engine maps the parameters once by CUDA IPC, a push is one call), mapped
+  and packed (one buffer packed per push), and SGLang's calls (a CUDA IPC handle per bucket inside pause,
+  flush, begin, end, continue), against plain copies of the same bytes in this process: one
+  device-to-device copy of a flat buffer, one multi-tensor copy of every parameter, and one `copy_` per
+  parameter. Reported also: the same push staged through host memory (the path before CUDA IPC).
 - colocated hand-over: free GPU memory (`cudaMemGetInfo`, the whole device) at each step of
   tasks/colocate.py's sequence: both resident -> engine releases everything -> trainer reloads and trains
   one step -> trainer offloads -> engine resumes weights -> push -> engine resumes the rest and generates.
@@ -86,16 +88,28 @@ def bench_push(trainer, client, args) -> dict:
     version = iter(range(1, 10**6))
     off = PushSettings(verify="off")
 
-    def ipc():
+    sglang_calls = PushSettings(verify="off", map_once=False)
+
+    def mapped():  # the default: the engine maps the trainer's parameters once; a push is one call
+        push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off, stable=True)
+
+    def mapped_packed():  # mapped once, but packed into one buffer at each push (what ZeRO-3 gathers take)
         push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off)
 
+    def ipc():  # SGLang's calls: pause, flush, begin, a CUDA IPC handle per bucket, end, continue
+        push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), sglang_calls)
+
     def staged():
-        push_weights([client], trainer._gathered(keep=True), str(next(version)), off)
+        push_weights([client], trainer._gathered(keep=True), str(next(version)), sglang_calls)
 
     def per_tensor():
         with torch.no_grad():
             for d, s in zip(twins, src):
                 d.copy_(s)
+
+    def foreach():  # the same copies as one multi-tensor launch group (what the engine's load does)
+        with torch.no_grad():
+            torch._foreach_copy_(twins, src)
 
     from reflow.engines.weights.buckets import SharedBucket
     from reflow.engines.weights.push import update_window
@@ -122,25 +136,37 @@ def bench_push(trainer, client, args) -> dict:
     res = {"window_s": _best(window, args.repeat), "pack_s": _best(pack, args.repeat),
            "flatten_s": _best(lambda: flatten(named), args.repeat),
            "window_and_send_s": _best(send, args.repeat)}
-    res |= {"gb": nbytes / 1e9, "ipc_s": _best(ipc, args.repeat), "staged_s": _best(staged, args.repeat),
-           "gather_device_s": _best(lambda: trainer._gathered(keep=True, on_device=True), args.repeat),
-           "d2d_flat_s": _best(lambda: flat_b.copy_(flat_a), args.repeat), "d2d_per_tensor_s": _best(per_tensor, args.repeat)}
-    for k in ("ipc", "staged", "d2d_flat", "d2d_per_tensor"):
+    storages = len({p.untyped_storage().data_ptr() for p in src})
+    res |= {"gb": nbytes / 1e9, "parameters": len(src), "parameter_storages": storages,
+            "mapped_s": _best(mapped, args.repeat), "mapped_packed_s": _best(mapped_packed, args.repeat),
+            "ipc_s": _best(ipc, args.repeat), "staged_s": _best(staged, args.repeat),
+            "gather_device_s": _best(lambda: trainer._gathered(keep=True, on_device=True), args.repeat),
+            "d2d_flat_s": _best(lambda: flat_b.copy_(flat_a), args.repeat),
+            "d2d_per_tensor_s": _best(per_tensor, args.repeat), "d2d_foreach_s": _best(foreach, args.repeat)}
+    for k in ("mapped", "mapped_packed", "ipc", "staged", "d2d_flat", "d2d_per_tensor", "d2d_foreach"):
         res[f"{k}_gbs"] = res["gb"] / res[f"{k}_s"]
-    res["ipc_ratio"] = res["ipc_gbs"] / res["d2d_flat_gbs"]
-    res["ipc_ratio_per_tensor"] = res["ipc_gbs"] / res["d2d_per_tensor_gbs"]
-    t0 = time.perf_counter()
-    checked = push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)),
-                           PushSettings(verify="sample"))
-    res["ipc_verified_s"] = time.perf_counter() - t0  # sampled tensors read back bit-exact: the handles carried data
-    res["verify"] = {k: v for k, v in checked.items() if k.startswith("verif")}
-    print(f"  push parts: update window {res['window_s'] * 1e3:.1f} ms, pack {res['pack_s'] * 1e3:.1f} ms (flatten "
-          f"{res['flatten_s'] * 1e3:.1f}), window + "
-          f"send {res['window_and_send_s'] * 1e3:.1f} ms, gather on the GPU {res['gather_device_s'] * 1e3:.1f} ms")
-    print(f"  push {res['gb']:.2f} GB: CUDA IPC {res['ipc_s'] * 1e3:.1f} ms ({res['ipc_gbs']:.0f} GB/s), staged "
-          f"{res['staged_s'] * 1e3:.0f} ms; plain flat d2d {res['d2d_flat_s'] * 1e3:.2f} ms, per-tensor "
-          f"{res['d2d_per_tensor_s'] * 1e3:.2f} ms; ratio {res['ipc_ratio']:.2f} (flat), "
-          f"{res['ipc_ratio_per_tensor']:.2f} (per tensor)", flush=True)
+    # ipc_ratio: the default colocated push (mapped) against one plain device copy of the same bytes
+    res["ipc_ratio"] = res["mapped_gbs"] / res["d2d_flat_gbs"]
+    res["ipc_ratio_foreach"] = res["mapped_gbs"] / res["d2d_foreach_gbs"]
+    res["ipc_ratio_per_tensor"] = res["mapped_gbs"] / res["d2d_per_tensor_gbs"]
+    res["sglang_calls_ratio"] = res["ipc_gbs"] / res["d2d_flat_gbs"]  # the push before map_once
+    checks = {}
+    for name, kw in (("mapped", {"stable": True}), ("sglang_calls", {})):
+        t0 = time.perf_counter()
+        settings = PushSettings(verify="sample", verify_rows=None, map_once=name == "mapped")
+        checked = push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), settings, **kw)
+        checks[name] = {"seconds": time.perf_counter() - t0,  # sampled tensors read back whole, bit-exact
+                        **{k: v for k, v in checked.items() if k.startswith("verif")}}
+    res["verify"] = checks
+    print(f"  push parts (SGLang's calls): update window {res['window_s'] * 1e3:.1f} ms, pack {res['pack_s'] * 1e3:.1f} ms "
+          f"(flatten {res['flatten_s'] * 1e3:.1f}), window + send {res['window_and_send_s'] * 1e3:.1f} ms, gather on "
+          f"the GPU {res['gather_device_s'] * 1e3:.1f} ms; {len(src)} parameters in {storages} storages")
+    print(f"  push {res['gb']:.2f} GB: mapped {res['mapped_s'] * 1e3:.2f} ms ({res['mapped_gbs']:.0f} GB/s), mapped and "
+          f"packed {res['mapped_packed_s'] * 1e3:.2f} ms, SGLang's calls (CUDA IPC) {res['ipc_s'] * 1e3:.1f} ms, staged "
+          f"{res['staged_s'] * 1e3:.0f} ms; plain d2d: flat {res['d2d_flat_s'] * 1e3:.2f} ms, foreach "
+          f"{res['d2d_foreach_s'] * 1e3:.2f} ms, per-tensor {res['d2d_per_tensor_s'] * 1e3:.2f} ms; mapped/plain "
+          f"{res['ipc_ratio']:.2f} (flat), {res['ipc_ratio_foreach']:.2f} (foreach), {res['ipc_ratio_per_tensor']:.2f} "
+          f"(per tensor); verified {checks}", flush=True)
     return res
 
 
@@ -170,7 +196,8 @@ def handover(trainer, client, step, args) -> dict:
     trainer_gib["offloaded"] = torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else 0.0
     client.resume_memory_occupation(["weights"])
     points["engine_weights_back"] = _free_gib()
-    push_weights([client], trainer._gathered(keep=True, on_device=True), "handover", PushSettings(verify="off"))
+    push_weights([client], trainer._gathered(keep=True, on_device=True), "handover", PushSettings(verify="off"),
+                 stable=True)  # as the trainer pushes its parameters
     client.resume_memory_occupation(["kv_cache", "cuda_graph"])
     client.continue_generation()
     client.generate(input_ids=prompts, sampling_params=sp)
@@ -194,7 +221,8 @@ def handover(trainer, client, step, args) -> dict:
 def write(res: dict, args, out_dir: str | None) -> dict:
     summary = {"commit": args.commit, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                "ipc_ratio": res.get("push", {}).get("ipc_ratio"),
-               "ipc_ratio_per_tensor": res.get("push", {}).get("ipc_ratio_per_tensor"), "nccl_ratio": None,
+               "ipc_ratio_per_tensor": res.get("push", {}).get("ipc_ratio_per_tensor"),
+               "ipc_ratio_foreach": res.get("push", {}).get("ipc_ratio_foreach"), "nccl_ratio": None,
                "nccl_note": "needs two GPUs (nvidia-h200-x2), not lent in this session",
                "engine_release_fraction": res.get("handover", {}).get("engine_release_fraction"), **res}
     if out_dir:

@@ -1,8 +1,9 @@
 """The one client for rollout engines: the embedded engine and a real SGLang server alike.
 
 Every method is one SGLang native endpoint (see /work/shared/SGLANG_API.md); callers never
-branch on the backend. Any non-2xx answer raises `EngineError` naming URL, endpoint, status and
-the server's own message. Requests carry `Authorization: Bearer <api_key>` (the runtime's key:
+branch on the backend, except for the two `/reflow/` extensions of the embedded engine, used only
+where /server_info advertises them (reflow.engines.weights.mapped). Any non-2xx answer raises
+`EngineError` naming URL, endpoint, status and the server's own message. Requests carry `Authorization: Bearer <api_key>` (the runtime's key:
 engines and router refuse everything but their probes without it); the key travels when a client
 is pickled into a Ray task, and never shows in a repr or an error.
 """
@@ -127,6 +128,18 @@ class EngineClient:
         return self._call("POST", "/update_weights_from_tensor", {
             "serialized_named_tensors": list(serialized_named_tensors), "load_format": load_format,
             "flush_cache": flush_cache, "weight_version": weight_version})
+
+    def map_weights(self, serialized_buckets: Sequence[str], mapping_id: str) -> dict:
+        """reflow's embedded engine only: keep these flattened buckets mapped as `mapping_id`
+        (reflow.engines.weights.mapped)."""
+        return self._call("POST", "/reflow/map_weights", {"serialized_buckets": list(serialized_buckets),
+                                                          "mapping_id": mapping_id})
+
+    def update_weights_from_mapped(self, mapping_id: str, weight_version: str | None = None,
+                                   pause_mode: str = "abort") -> dict:
+        """reflow's embedded engine only: pause, copy from mapping `mapping_id`, set the version, resume."""
+        return self._call("POST", "/reflow/update_weights_from_mapped", {
+            "mapping_id": mapping_id, "weight_version": weight_version, "pause_mode": pause_mode})
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
                                  weight_version: str | None = None) -> dict:

@@ -66,5 +66,5 @@ def push_settings(cfg: RunConfig) -> PushSettings:
     w = cfg.weight_sync
     return PushSettings(mode=w.mode, bucket_bytes=w.bucket_mb << 20, verify=w.verify, verify_sample=w.verify_sample,
                         verify_rows=w.verify_rows, verify_atol=w.verify_atol, verify_every=w.verify_every,
-                        backend=w.backend, disk_dir=w.disk_dir,
+                        backend=w.backend, disk_dir=w.disk_dir, map_once=w.map_once,
                         storage=storage_access(cfg))

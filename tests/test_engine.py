@@ -373,7 +373,12 @@ def test_every_embedded_route_is_sglangs_with_its_methods(engine):
     ours = {r.path: set(r.methods) for r in engine.app.routes if isinstance(r, APIRoute)}
     for path in ("/get_model_info", "/get_server_info", "/update_weight_version", "/model_info", "/server_info"):
         assert path in ours, f"the embedded engine does not serve {path}"
+    extensions = {p for p in ours if p.startswith("/reflow/")}  # reflow's own, asked only where advertised
+    assert extensions == {"/reflow/map_weights", "/reflow/update_weights_from_mapped"}
+    assert all(path not in sglang for path in extensions)
     for path, methods in ours.items():
+        if path in extensions:
+            continue
         assert path in sglang, f"{path} is not an endpoint of SGLang 0.5.23"
         assert methods == sglang[path], (path, methods, sglang[path])
 
@@ -519,12 +524,15 @@ def test_payload_globals_are_on_sglangs_allow_list():
     assert seen <= SGLANG_ALLOWED, seen - SGLANG_ALLOWED
 
 
-def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
+@pytest.mark.parametrize("map_once", [False, True])
+def test_push_weights_full_verify_changes_generation(fresh_engine, tok, map_once):
+    """SGLang's calls (buckets, each a handle) and the mapping the engine keeps (weights/mapped.py) alike."""
     c = EngineClient(fresh_engine.url(), api_key=KEY)
     new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=7)
     named = list(new.state_dict().items())
-    stats = push_weights([c], named, "v1", PushSettings(bucket_bytes=16 << 10, verify="full"))
-    assert stats["buckets"] > 1 and stats["verified_tensors"] == len(named)
+    stats = push_weights([c], named, "v1", PushSettings(bucket_bytes=16 << 10, verify="full", map_once=map_once))
+    assert stats["buckets"] == 1 if map_once else stats["buckets"] > 1
+    assert stats["verified_tensors"] == len(named) and ("mapped" in stats) == map_once
     assert c.model_info()["weight_version"] == "v1"
     p = tok.encode("(3+4)*5=")
     out = c.generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 12})
@@ -536,7 +544,8 @@ def test_push_weights_full_verify_changes_generation(fresh_engine, tok):
     with pytest.raises(WeightSyncError, match="weight_version 'v1', expected 'v2'"):
         verify_weights([c], named, "v2", "sample", 3)
     with pytest.raises(EngineError, match="shape mismatch for 'model.norm.weight'"):
-        push_weights([c], [("model.norm.weight", torch.ones(3))], "v3", PushSettings(bucket_bytes=1 << 20, verify="off"))
+        push_weights([c], [("model.norm.weight", torch.ones(3))], "v3", PushSettings(bucket_bytes=1 << 20, verify="off",
+                                                                                   map_once=map_once))
     c.begin_weight_update()  # the failed push left no session open and generation running
     c.end_weight_update()
     assert c.generate(input_ids=p, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2

@@ -98,10 +98,63 @@ def test_push_to_long_lived_embedded_engines(engine_processes, receivers):
     for push in range(2):
         named = _named(100 * receivers + push)
         version = f"r{receivers}-p{push}"
-        stats = push_weights(clients, named, version, PushSettings(bucket_bytes=BUCKET_BYTES, verify="full"))
+        stats = push_weights(clients, named, version, PushSettings(bucket_bytes=BUCKET_BYTES, verify="full",
+                                                                   map_once=False))  # SGLang's calls
         assert stats["buckets"] >= 8 and stats["engines"] == receivers
         assert stats["verified_tensors"] == receivers * len(named)
         assert [c.model_info()["weight_version"] for c in clients] == [version] * receivers
+
+
+# ---------------------------------------------------------------- mappings the engines keep (weight_sync.map_once)
+
+
+def _engine_weights(client, names) -> dict:
+    return {n: client.get_weights_by_name(n, truncate_size=10**6) for n in names}
+
+
+def test_mapped_pushes_map_once_and_follow_the_trainers_tensors(engine_processes):
+    """Two engine processes map the sender's weights once: later pushes of new values are one call each and
+    land bit-exactly; tensors already in shared memory are mapped where they are (the engines read the
+    sender's memory); a layout change maps again; an engine that another sender mapped since (as after a
+    restart) answers 400 and the push maps it again."""
+    import torch
+
+    from reflow.engines.weights.buckets import _use_file_system_sharing
+    from reflow.engines.weights.mapped import MappedSender
+
+    clients, sender = engine_processes[:2], MappedSender()
+    assert sender.supports(clients)
+    assert not sender.supports([_NoExtensions()])  # SGLang engines keep SGLang's calls
+    full = PushSettings(verify="full")
+    for push in range(3):  # packed: one shared buffer, packed again at each push, mapped by each engine once
+        named = _named(300 + push)
+        stats = push_weights(clients, named, f"packed-{push}", full)
+        assert stats["buckets"] == 1 and stats["mapped"] == (2 if push == 0 else 0)
+        assert stats["verified_tensors"] == 2 * len(named)
+    _use_file_system_sharing()
+    live = [(n, t.clone().share_memory_()) for n, t in _named(400)]  # the trainer's own tensors, in shared memory
+    mapped = weight_push.MAPPED.map_calls
+    for push in range(3):
+        with torch.no_grad():
+            for _, t in live:
+                t.add_(0.25 * (push + 1))  # an optimizer step, in place
+        stats = push_weights(clients, live, f"live-{push}", full, stable=True)
+        assert stats["verified_tensors"] == 2 * len(live) and stats["buckets"] == len(live)  # a storage each
+        assert stats["mapped"] == (2 if push == 0 else 0)
+    assert weight_push.MAPPED.map_calls == mapped + 2
+    names = [n for n, _ in live[:3]]
+    assert _engine_weights(clients[0], names) == {n: t.tolist() for n, t in live[:3]}
+    # another sender maps engine 0 (as a restarted trainer would): the next push re-maps it, once
+    sender.push(clients[:1], _named(500), "other-sender")
+    stats = push_weights(clients, live, "live-again", full, stable=True)
+    assert stats["mapped"] == 1 and stats["verified_tensors"] == 2 * len(live)
+
+
+class _NoExtensions:
+    url = "sglang-standin://no-extensions"
+
+    def server_info(self) -> dict:
+        return {"tp_size": 1}
 
 
 # ---------------------------------------------------------------- SGLang's own receiving code

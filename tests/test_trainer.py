@@ -217,7 +217,8 @@ def test_push_survives_a_lost_shared_memory_manager(ray_cluster, tiny_policy, tm
     """torch's file_system sharing registers every shared buffer with a torch_shm_manager child of
     the trainer process; once that process is gone every allocation fails ("Broken pipe") for the
     life of the trainer. The push then goes through disk (HF safetensors the engine reloads), this
-    time and from then on, and the engine still ends up with exactly the trainer's weights."""
+    time and from then on, and the engine still ends up with exactly the trainer's weights. A push through
+    the buffer the engine already maps (weight_sync.map_once) needs no new shared memory and goes on."""
     import psutil
 
     from reflow.engines.embedded.engine import EmbeddedEngine
@@ -237,11 +238,15 @@ def test_push_survives_a_lost_shared_memory_manager(ray_cluster, tiny_policy, tm
         for m in managers:
             m.kill()
         psutil.wait_procs(managers, timeout=10)
+        ray.get(group.fill_weights(0.25))
+        mapped = ray.get(group.push_weights([url], "2", settings, key))[0]
+        assert mapped["mode"] == "tensor" and "fallback" not in mapped and mapped["mapped"] == 0, mapped
+        assert EngineClient(url, api_key=key).get_weights_by_name("model.norm.weight") == pytest.approx([0.25] * 32)
         ray.get(group.fill_weights(0.5))
-        # Larger buckets than the first push's: its pooled buffer (buckets.BufferPool, still mapped) cannot
-        # take them, so a new one must be allocated, which is what fails without the manager.
-        larger = dataclasses.replace(settings, bucket_bytes=1 << 20)
-        for version in ("2", "3"):
+        # SGLang's calls with larger buckets than any before: no pooled buffer (buckets.BufferPool) can take
+        # them, so a new one must be allocated, which is what fails without the manager.
+        larger = dataclasses.replace(settings, bucket_bytes=1 << 20, map_once=False)
+        for version in ("3", "4"):
             report = ray.get(group.push_weights([url], version, larger, key))[0]
             assert report["mode"] == "disk" and "shared memory" in report["fallback"], report
             assert report["verified_tensors"] > 0

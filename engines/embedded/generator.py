@@ -449,14 +449,7 @@ class Generator:
         Everything is checked before anything is written, so a bad call leaves the model intact.
         Returns the number of tensors written.
         """
-        for name, t in named_tensors:
-            p = self._params.get(name)
-            if p is None:
-                raise KeyError(f"unknown weight name {name!r}: the engine's model has no such tensor "
-                               f"(names look like {next(iter(self._params))!r}); send HF parameter names")
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
-                                 f"engine has {tuple(p.shape)}")
+        self.check_named(named_tensors)
         with self.lock, torch.no_grad():
             self.weight_writes += 1
             dst = [self._params[name].data for name, _ in named_tensors]
@@ -468,6 +461,17 @@ class Generator:
             if self.device.type == "cuda":  # sources may be another process's memory (CUDA IPC): done before
                 torch.cuda.synchronize(self.device)  # the call returns and the sender frees or reuses it
         return len(named_tensors)
+
+    def check_named(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+        """Every name is one of the model's tensors, with its shape (KeyError / ValueError naming it)."""
+        for name, t in named_tensors:
+            p = self._params.get(name)
+            if p is None:
+                raise KeyError(f"unknown weight name {name!r}: the engine's model has no such tensor "
+                               f"(names look like {next(iter(self._params))!r}); send HF parameter names")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
+                                 f"engine has {tuple(p.shape)}")
 
     def release_memory(self, tags: set[str]) -> None:
         """Colocated mode on a GPU (SGLang's release_memory_occupation): "kv_cache" and "cuda_graph" free the

@@ -9,6 +9,9 @@ Every endpoint but the probes needs the API key (reflow.engines.http_serve.HttpG
 the model's size in float32, and a distributed update must declare the parameters' own shapes
 before anything is allocated for it.
 Departure: flush_cache has no prefix cache to drop.
+Extensions (under /reflow/, advertised by /server_info's `reflow_mapped_weights`; never asked of an SGLang
+engine): /reflow/map_weights and /reflow/update_weights_from_mapped, the trainer's weights mapped once and
+copied at each push in one call (reflow.engines.weights.mapped).
 """
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from reflow.engines.hf_io import load_causal_lm
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, HttpGuard
 from reflow.engines.storage_access import StorageAccess
 from reflow.engines.weights import group as weight_group
-from reflow.engines.weights.buckets import BucketError, load_payload
+from reflow.engines.weights.buckets import BucketError, load_buckets, load_payload
+from reflow.engines.weights.mapped import CAPABILITY, UNKNOWN_MAPPING
 
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 HEALTH_TIMEOUT_S = 20.0
@@ -163,7 +167,7 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
 
     @app.get("/server_info")
     async def server_info():
-        return {**state.info, "dtype": str(state.gen.dtype).removeprefix("torch."), "tp_size": 1,
+        return {**state.info, "dtype": str(state.gen.dtype).removeprefix("torch."), "tp_size": 1, CAPABILITY: True,
                 "max_running_requests": state.gen.max_batch_size, "context_length": state.gen.context_len,
                 "weight_version": state.gen.weight_version, "internal_states": [state.load()],
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),
@@ -257,6 +261,9 @@ def _weight_routes(app: FastAPI, state: EngineState, max_weight_bytes: int) -> N
                      ("/update_weights_from_distributed", _update_from_distributed),
                      ("/destroy_weights_update_group", _destroy_group)):
         app.add_api_route(path, _weight_endpoint(state, fn), methods=["POST"], name=path.strip("/"))
+    for path, fn in (("/reflow/map_weights", lambda s, b: _map_weights(s, b, max_weight_bytes)),
+                     ("/reflow/update_weights_from_mapped", _update_from_mapped)):
+        app.add_api_route(path, _weight_endpoint(state, fn), methods=["POST"], name=path.strip("/"))
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request):
@@ -315,6 +322,43 @@ def _update_from_tensor(state: EngineState, body: dict, max_bytes: int) -> str:
         if body.get("weight_version") is not None:
             state.gen.weight_version = str(body["weight_version"])
     return f"Success: loaded {count} tensors"
+
+
+def _map_weights(state: EngineState, body: dict, max_bytes: int) -> str:
+    """Map the sender's buffers (flattened-bucket payloads: one per storage) and keep them as the mapping
+    `mapping_id`, replacing any earlier one (whose buffers are let go). Nothing is written yet."""
+    payloads, mapping_id = body.get("serialized_buckets"), body.get("mapping_id")
+    if not isinstance(payloads, list) or not payloads or not all(isinstance(p, str) for p in payloads):
+        raise ContractError("serialized_buckets must be a non-empty list of base64 strings (flattened buckets)")
+    if not isinstance(mapping_id, str) or not mapping_id:
+        raise ContractError("mapping_id must be a non-empty string")
+    with state.cond:
+        state.mapping = None  # the earlier mapping's buffers go first (its sender may be waiting for them)
+    try:
+        named = load_buckets(payloads, max_bytes)
+        state.gen.check_named(named)
+    except BucketError as e:
+        raise EngineStateError(f"weight payload rejected: {e}") from e
+    with state.cond:
+        state.mapping = (mapping_id, named)
+    return f"Success: mapped {len(named)} tensors"
+
+
+def _update_from_mapped(state: EngineState, body: dict) -> str:
+    """One call for a whole push: pause generation (`pause_mode`, as /pause_generation), copy every mapped
+    tensor into the model, set the weight version, resume (the pause state it found)."""
+    mapping_id, version = body.get("mapping_id"), body.get("weight_version")
+    with state.cond:
+        current = state.mapping
+    if current is None or current[0] != mapping_id:
+        held = "none" if current is None else f"{current[0]!r}"
+        raise EngineStateError(f"{UNKNOWN_MAPPING} {mapping_id!r} (this engine holds {held}): map the weights "
+                               f"with /reflow/map_weights first")
+    with state.paused(body.get("pause_mode", "abort")), state.writing():
+        count = state.gen.load_named_tensors(current[1])
+        if version is not None:
+            state.gen.weight_version = str(version)
+    return f"Success: loaded {count} mapped tensors"
 
 
 def _init_group(state: EngineState, body: dict) -> str:

@@ -50,6 +50,7 @@ class EngineState:
         self.aborted: dict[str, str] = {}  # rid -> abort message, for running jobs
         self.session_open = False
         self.groups: dict = {}  # group_name -> weight-update process group (reflow.engines.weights.group)
+        self.mapping: tuple[str, list] | None = None  # (id, named tensors) mapped by /reflow/map_weights
         self.writers = 0  # weight writes in progress
         self.released: set[str] = set()
         self.memory_events: list[tuple[str, list[str]]] = []
@@ -177,6 +178,20 @@ class EngineState:
         with self.cond:
             self.paused_mode = None
             self.cond.notify_all()
+
+    @contextmanager
+    def paused(self, mode: str):
+        """Generation paused in `mode` inside; the pause state found before, after (a pause the caller
+        had set stays)."""
+        with self.cond:
+            before = self.paused_mode
+        self.pause(mode)
+        try:
+            yield
+        finally:
+            with self.cond:
+                self.paused_mode = before
+                self.cond.notify_all()
 
     def busy_unpaused(self) -> bool:
         with self.cond:

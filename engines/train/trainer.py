@@ -338,12 +338,14 @@ class TrainerRank(DeepSpeedRank):
             return push_adapter(clients, adapter, lora.config(self.lora, self.model_path), effective, version,
                                 settings, master_address=ray.util.get_node_ip_address(), probe=probe)
 
+        live = direct and self.zero_stage < 3  # the parameters themselves: engines may map them once (map_once)
+
         def push(s: PushSettings) -> dict:
             path = None
             if s.mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
                 path = publish_folder(lambda out: self._write_hf(named, out), s.disk_dir, version, s.storage)
             return push_weights(clients, named, version, s, model_path=path,
-                                master_address=ray.util.get_node_ip_address(), probe=probe)
+                                master_address=ray.util.get_node_ip_address(), probe=probe, stable=live)
 
         if settings.mode == "tensor" and self._shm_lost is not None:
             return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
@@ -355,7 +357,7 @@ class TrainerRank(DeepSpeedRank):
                     raise
                 self._ipc_lost = f"CUDA IPC refused ({e}); pushing through host shared memory from now on"
                 log.warning("weight push %s: %s", version, self._ipc_lost)
-                named = [(n, t.to("cpu")) for n, t in named]
+                named, live = [(n, t.to("cpu")) for n, t in named], False
                 return {**push(settings), "ipc": False, "fallback": self._ipc_lost}
         except SharedMemoryUnavailable as e:  # lost for the life of this process: disk from now on
             self._shm_lost = f"shared memory unavailable, pushing through disk from now on: {e}"

@@ -90,13 +90,8 @@ def _parse_dtype(d) -> torch.dtype:
     return dt
 
 
-def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False, pool: BufferPool | None = None):
-    """Pack tensors into one uint8 buffer. Returns (flat [N] uint8, list of metadata tuples).
-
-    shared=True allocates the buffer in shared memory directly (saves the copy pickling makes, and the
-    copy `share_memory_()` of a private buffer would make: together they cost more than the packing).
-    `pool`: take the buffer from it (a reused one of this size; give it back with `pool.give`).
-    """
+def layout(named_tensors: list[tuple[str, torch.Tensor]]) -> tuple[list[MetaTuple], int]:
+    """Where each tensor goes in a packed buffer: (metadata tuples, buffer bytes); starts 16-byte aligned."""
     if not named_tensors:
         raise BucketError("cannot build an empty tensor bucket")
     metadata, offset = [], 0
@@ -105,23 +100,40 @@ def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False,
         nbytes = t.numel() * t.element_size()
         metadata.append((name, tuple(t.shape), _dtype_str(t.dtype), start, start + nbytes, nbytes))
         offset = start + nbytes
+    return metadata, offset
+
+
+def flatten(named_tensors: list[tuple[str, torch.Tensor]], shared: bool = False, pool: BufferPool | None = None):
+    """Pack tensors into one uint8 buffer. Returns (flat [N] uint8, list of metadata tuples).
+
+    shared=True allocates the buffer in shared memory directly (saves the copy pickling makes, and the
+    copy `share_memory_()` of a private buffer would make: together they cost more than the packing).
+    `pool`: take the buffer from it (a reused one of this size; give it back with `pool.give`).
+    """
+    metadata, nbytes = layout(named_tensors)
     device = named_tensors[0][1].device
     if pool is not None:
-        flat = pool.take(offset, device)  # [N]
+        flat = pool.take(nbytes, device)  # [N]
     elif device.type == "cuda":  # packed where it is: the pickle carries a CUDA IPC handle (module docstring)
-        flat = torch.empty(offset, dtype=torch.uint8, device=device)  # [N]
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device)  # [N]
     elif shared:  # allocated in shared memory directly: share_memory_() would copy (and page in) it once more
-        flat = _shared_uint8(offset)  # [N]
+        flat = _shared_uint8(nbytes)  # [N]
     else:
-        flat = torch.empty(offset, dtype=torch.uint8)  # [N]
+        flat = torch.empty(nbytes, dtype=torch.uint8)  # [N]
+    pack_into(flat, metadata, named_tensors)
+    return flat, metadata
+
+
+def pack_into(flat: torch.Tensor, metadata: list[MetaTuple], named_tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """Copy the tensors into `flat` where `metadata` (from `layout` of tensors shaped the same) puts them."""
+    device = flat.device
     if device.type == "cuda" and all(t.device == device and t.is_contiguous() for _, t in named_tensors):
         # one multi-tensor copy instead of a launch per tensor (hundreds of parameters)
         torch._foreach_copy_([flat[a:b] for _, _, _, a, b, _ in metadata],
                              [t.detach().reshape(-1).view(torch.uint8) for _, t in named_tensors])
-        return flat, metadata
+        return
     for (_, _, _, start, end, _), (_, t) in zip(metadata, named_tensors):
         flat[start:end] = t.detach().to(flat.device).contiguous().reshape(-1).view(torch.uint8)
-    return flat, metadata
 
 
 _CUDA_DEVICE_ARG = 6  # rebuild_cuda_tensor's storage_device argument (torch's signature, stable for years)
@@ -559,3 +571,15 @@ def load_payload(payload: str | bytes, load_format: str | None,
             raise BucketError(f"a load_format={load_format!r} payload must be a list of (name, tensor) pairs")
         return [(n, t) for n, t in obj]
     raise BucketError(f"unknown load_format {load_format!r}: use null, 'direct' or 'flattened_bucket'")
+
+
+def load_buckets(payloads: list[str], max_bytes: int | None = None) -> list[tuple[str, torch.Tensor]]:
+    """Named tensors of several flattened-bucket payloads, mapping at most `max_bytes` in all."""
+    named, left = [], max_bytes
+    for payload in payloads:
+        part = load_payload(payload, "flattened_bucket", left)
+        if left is not None:
+            left -= part[0][1].untyped_storage().nbytes()
+        named += part
+    return named
+

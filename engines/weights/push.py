@@ -14,6 +14,8 @@ end session -> continue (`update_window`; the disk mode needs no session in SGLa
   update_weights_from_distributed + one broadcast of the flattened buffer (on the CUDA device for
   backend=nccl, `group_device`); group destroyed after.
 - disk: update_weights_from_disk of an HF folder / storage URL the caller wrote.
+mode=tensor to reflow's embedded engines (weight_sync.map_once) skips the window and the per-push
+handles: each engine maps the trainer's weights once and a push is one call (reflow.engines.weights.mapped).
 try/finally makes sure no engine is left paused or inside a session, whatever fails.
 
 Verification (reflow.engines.weights.verify, which says what each mode proves) reads tensors back
@@ -44,6 +46,7 @@ from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.storage_access import StorageAccess, is_local
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import BUFFERS, SharedBucket
+from reflow.engines.weights.mapped import MAPPED
 from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
 from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, verify_weights: re-exported
     VERIFY_MODES,
@@ -330,7 +333,8 @@ MODES = ("tensor", "distributed", "disk")
 
 def push_weights(clients: list[EngineClient], named_tensors: Named, version: str,
                  settings: PushSettings = DEFAULT_PUSH, *, model_path: str | None = None,
-                 master_address: str = "127.0.0.1", probe: LogprobProbe | None = None) -> dict:
+                 master_address: str = "127.0.0.1", probe: LogprobProbe | None = None,
+                 stable: bool = False) -> dict:
     """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
 
     settings.mode: "tensor" (buckets in this host's shared memory: engines on this host only),
@@ -338,6 +342,9 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
     gloo|nccl) or "disk" (engines reload `model_path`, which the caller has written; SGLang needs
     no session for it). `probe`: the trainer's logprobs of the probe batch at these weights, for
     verify=logprobs and for engines whose weights cannot be read back (reflow.engines.weights.verify).
+    mode=tensor to engines that advertise it (reflow's embedded engine) with settings.map_once: through
+    the mapping each engine keeps (reflow.engines.weights.mapped), one call per engine; `stable`: the
+    tensors are the trainer's live ones (the engine may map them where they are).
     """
     s = settings
     if s.verify not in VERIFY_MODES:  # before anything is sent
@@ -349,20 +356,24 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
     if s.mode == "tensor":
         check_same_host(clients, master_address)
     device = group_device(s.backend) if s.mode == "distributed" else None  # before any engine is paused
-    group_reused = False
+    group_reused, extra = False, {}
     t0 = time.perf_counter()
-    with update_window(clients, s.pause_mode, session=s.mode != "disk"):
-        if s.mode == "tensor":
-            buckets = _send_buckets(clients, named_tensors, s.bucket_bytes, version)
-        elif s.mode == "distributed":
-            buckets, group_reused = _send_distributed(clients, named_tensors, s.bucket_bytes, version,
-                                                      master_address, s.backend, device)
-        else:
-            buckets = _send_disk(clients, model_path, version)
+    if s.mode == "tensor" and s.map_once and MAPPED.supports(clients):
+        extra = MAPPED.push(clients, named_tensors, version, s.pause_mode, stable)  # pauses and resumes itself
+        buckets = extra.pop("buckets")
+    else:
+        with update_window(clients, s.pause_mode, session=s.mode != "disk"):
+            if s.mode == "tensor":
+                buckets = _send_buckets(clients, named_tensors, s.bucket_bytes, version)
+            elif s.mode == "distributed":
+                buckets, group_reused = _send_distributed(clients, named_tensors, s.bucket_bytes, version,
+                                                          master_address, s.backend, device)
+            else:
+                buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
     checked = check_pushed(clients, named_tensors, version, s, probe)
     return {"mode": s.mode, "bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
-            "buckets": buckets, "engines": len(clients), **checked, **({"group_reused": group_reused}
+            "buckets": buckets, "engines": len(clients), **extra, **checked, **({"group_reused": group_reused}
                                                                          if s.mode == "distributed" else {}),
             "verify_seconds": time.perf_counter() - t0 - seconds}
 

@@ -23,6 +23,7 @@ class PushSettings:
     backend: Literal["gloo", "nccl"] = "gloo"  # mode=distributed: the broadcast group's backend
     disk_dir: str | None = None  # mode=disk: where the versioned HF folders go (default: a local temp dir)
     pause_mode: str = "abort"  # what engines do with in-flight requests during the update
+    map_once: bool = True  # mode=tensor to engines that offer it: map once, one call a push (weights/mapped.py)
     storage: StorageAccess | None = None  # mode=disk: how disk_dir in object storage is reached (None: defaults)
 
 

@@ -1,0 +1,195 @@
+"""Pushes through a mapping the engine keeps (`weight_sync.map_once`, reflow's embedded engine only).
+
+SGLang's `update_weights_from_tensor` hands every push a new handle: the sender pickles it (on a GPU a
+CUDA IPC handle, an inter-process event and a reference-count slot per share), the engine unpickles it,
+opens it, copies, and closes it again, inside five more calls (pause, flush, begin, end, continue). For
+a 0.99 GB model on an H200 that was 37 ms against a 0.5 ms copy (bench/RESULTS.md section 7): fixed
+per-call cost, not bytes. Here the engine maps the source once (`/reflow/map_weights`) and every later
+push is one call (`/reflow/update_weights_from_mapped`) in which the engine pauses generation, copies
+from what it mapped into its own weights, sets the weight version and resumes.
+
+What the engine maps:
+- the trainer's own tensors (`stable=True`: the live parameters, which stay where they are from one push
+  to the next), grouped by the storage they live in (one flattened-bucket payload per storage, of the
+  whole storage, with each tensor's byte range in it): on a GPU that is CUDA IPC of the parameters
+  themselves, so a push is the engine's one device-to-device copy, nothing packed or staged; on CPU
+  only when those storages are already in shared memory;
+- otherwise one buffer (on the tensors' GPU, or in host shared memory) that each push packs first.
+
+A mapping is the engine's until it is replaced: the sender keeps, per engine URL, which tensors it
+mapped (their storages' addresses, offsets, shapes, dtypes) and maps again when that changes. A mapped
+storage cannot be reused for something else meanwhile: torch keeps memory another process has opened
+(its CUDA IPC reference count, the file_system strategy's count in the segment) until that process
+lets go, which the engine does when the next mapping replaces this one. An engine that does not know
+the mapping (restarted at the same URL, or mapped by another trainer since) answers 400 and the push
+maps again once.
+
+Before the update call the sender waits for its device (the optimizer step's writes are done) and
+holds its tensors still until the call returns (rank 0 is inside the push; the engine has copied and
+synchronized before it answers).
+"""
+from __future__ import annotations
+
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from reflow.engines.rollout_client import EngineClient, EngineError
+from reflow.engines.weights.buckets import (
+    BucketError,
+    FlattenedTensorMetadata,
+    Payload,
+    _dtype_str,
+    _dumps,
+    _parse_dtype,
+    _shared_uint8,
+    layout,
+    pack_into,
+)
+
+CAPABILITY = "reflow_mapped_weights"  # in an engine's /server_info: it serves the two endpoints below
+UNKNOWN_MAPPING = "unknown weight mapping"  # in the engine's 400 answer when it holds another (or none)
+Named = list[tuple[str, torch.Tensor]]
+
+
+@dataclass
+class _Mapping:
+    """What one engine has mapped from this process."""
+
+    id: str
+    signature: tuple
+    payloads: list[Payload]  # hold the shared buffers (and their handles) while the engine maps them
+
+
+def storage_groups(named: Named) -> list[tuple[torch.Tensor, list[tuple]]] | None:
+    """The tensors' storages as whole uint8 tensors, each with the metadata tuples (name, shape, dtype, start,
+    end, bytes) of the tensors inside it, in first-seen order; None when a tensor is not contiguous (a
+    byte range cannot describe it)."""
+    groups: dict[tuple[str, int], tuple[torch.Tensor, list[tuple]]] = {}
+    for name, t in named:
+        if not t.is_contiguous():
+            return None
+        st = t.untyped_storage()
+        key = (str(t.device), st.data_ptr())
+        if key not in groups:
+            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))  # [S]
+            groups[key] = (whole, [])
+        start = t.storage_offset() * t.element_size()
+        nbytes = t.numel() * t.element_size()
+        groups[key][1].append((name, tuple(t.shape), _dtype_str(t.dtype), start, start + nbytes, nbytes))
+    return list(groups.values())
+
+
+def _direct_signature(named: Named) -> tuple:
+    return tuple((n, str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+                 for n, t in named)
+
+
+def _packed_signature(named: Named) -> tuple:
+    return tuple((n, str(t.device), tuple(t.shape), t.dtype) for n, t in named)
+
+
+def _payload(flat: torch.Tensor, meta: list[tuple]) -> Payload:
+    """One flattened-bucket payload of `flat` (SGLang's format: the engine rebuilds it with the same code)."""
+    metadata = [FlattenedTensorMetadata(n, torch.Size(s), _parse_dtype(d), a, b, k) for n, s, d, a, b, k in meta]
+    return _dumps({"flattened_tensor": flat, "metadata": metadata}, [flat])
+
+
+def _direct(named: Named) -> bool:
+    """Whether an engine can map these tensors where they are: on a GPU (CUDA IPC), or in host shared memory."""
+    return all(t.is_cuda or t.is_shared() for _, t in named)
+
+
+class MappedSender:
+    """This process's mappings, one per engine URL, and the packed buffer they share (a trainer's rank 0
+    keeps them for its life)."""
+
+    def __init__(self) -> None:
+        self.maps: dict[str, _Mapping] = {}
+        self.capable: dict[str, bool] = {}  # engine URL -> whether it serves the mapped endpoints
+        self.packed: tuple[tuple, torch.Tensor, list] | None = None  # (signature, buffer, metadata)
+        self.retired: list[torch.Tensor] = []  # shared-memory buffers are never freed (buckets.BufferPool says why)
+        self.lock = threading.Lock()
+        self.map_calls = 0  # how many times an engine was (re)mapped: tests and stats read it
+
+    def supports(self, clients: list[EngineClient]) -> bool:
+        """Whether every engine serves the mapped endpoints (asked once per URL)."""
+        for c in clients:
+            if c.url not in self.capable:
+                self.capable[c.url] = bool(c.server_info().get(CAPABILITY, False))
+        return all(self.capable[c.url] for c in clients)
+
+    def forget(self) -> None:
+        """Drop every mapping this process holds (their storages are let go once the engines map others)."""
+        with self.lock:
+            self.maps.clear()
+            self.capable.clear()
+
+    def push(self, clients: list[EngineClient], named: Named, version: str, pause_mode: str = "abort",
+             stable: bool = False) -> dict:
+        """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
+        `stable`: these are the live tensors, which keep their storage from push to push (the engine may map
+        them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push}."""
+        groups = storage_groups(named) if stable and _direct(named) else None
+        if groups is not None:
+            signature = ("direct", *_direct_signature(named))
+        else:
+            signature = ("packed", *_packed_signature(named))
+            flat, metadata = self._buffer(signature, named)
+            pack_into(flat, metadata, named)  # once, whatever the number of engines
+            groups = [(flat, metadata)]
+        _wait_for_devices(named)  # the optimizer step's (and the packing's) writes are done
+        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+            remapped = list(pool.map(lambda c: self._push_one(c, groups, version, pause_mode, signature), clients))
+        return {"buckets": len(groups), "mapped": sum(remapped)}
+
+    def _buffer(self, signature: tuple, named: Named) -> tuple[torch.Tensor, list]:
+        if self.packed is not None and self.packed[0] == signature:
+            return self.packed[1], self.packed[2]
+        metadata, nbytes = layout(named)
+        device = named[0][1].device
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if device.type == "cuda" else _shared_uint8(nbytes)
+        if self.packed is not None and not self.packed[1].is_cuda:
+            self.retired.append(self.packed[1])
+        self.packed = (signature, flat, metadata)
+        return flat, metadata
+
+    def _push_one(self, client: EngineClient, groups: list, version: str, pause_mode: str, signature: tuple) -> bool:
+        with self.lock:
+            m = self.maps.get(client.url)
+        remapped = m is None or m.signature != signature
+        if remapped:
+            m = self._map(client, groups, signature)
+        try:
+            out = client.update_weights_from_mapped(m.id, version, pause_mode)
+        except EngineError as e:
+            if e.status != 400 or UNKNOWN_MAPPING not in e.message:
+                raise
+            m, remapped = self._map(client, groups, signature), True  # the engine lost it: map once more
+            out = client.update_weights_from_mapped(m.id, version, pause_mode)
+        if not out.get("success", False):
+            raise BucketError(f"engine {client.url} refused a mapped weight update: {out.get('message')}")
+        return remapped
+
+    def _map(self, client: EngineClient, groups: list, signature: tuple) -> _Mapping:
+        """Hand the engine one payload per storage (its own pickles: buckets.SharedBucket says why)."""
+        m = _Mapping(uuid.uuid4().hex, signature, [_payload(flat, meta) for flat, meta in groups])
+        out = client.map_weights(m.payloads, m.id)
+        if not out.get("success", False):
+            raise BucketError(f"engine {client.url} refused to map the trainer's weights: {out.get('message')}")
+        with self.lock:
+            self.maps[client.url] = m
+            self.map_calls += 1
+        return m
+
+
+def _wait_for_devices(named: Named) -> None:
+    """The writes to these tensors (an optimizer step, the packing) are done before another process reads them."""
+    for index in {t.device.index for _, t in named if t.is_cuda}:
+        torch.cuda.synchronize(index)
+
+
+MAPPED = MappedSender()  # this process's (a trainer's rank 0)
