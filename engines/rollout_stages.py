@@ -79,7 +79,7 @@ def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int
     if len(outs) != len(prompts) * n:
         raise RuntimeError(f"engines returned {len(outs)} samples for {len(prompts)} prompts x n={n}")
     gi = [i // n for i in range(len(outs))]
-    return RolloutBatch(
+    batch = RolloutBatch(
         group_index=gi,
         prompt_text=[prompts[g].text for g in gi],
         prompt_ids=[prompts[g].input_ids for g in gi],
@@ -90,6 +90,8 @@ def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int
         label=[prompts[g].label for g in gi],
         policy_version=version,
     )
+    batch.extra["server_s"] = max((float(o["meta_info"].get("e2e_latency") or 0.0) for o in outs), default=0.0)
+    return batch
 
 
 def score(batch: RolloutBatch, reward_fn: str | HttpReward, max_new_tokens: int = 0, overlong_buffer: int = 0,

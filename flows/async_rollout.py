@@ -102,9 +102,12 @@ class Prefetcher:
 
     def _make(self, i: int, version: int) -> BatchRef:
         t0 = time.perf_counter()
-        batch = score_batch(self.cfg, generate_batch(self.cfg, i, version, log), log)
+        generated = generate_batch(self.cfg, i, version, log)
+        t1 = time.perf_counter()
+        batch = score_batch(self.cfg, generated, log)
         self.idle_since = time.monotonic()
-        batch.stats["async_generate_s"] = time.perf_counter() - t0
+        batch.stats |= {"async_generate_s": time.perf_counter() - t0, "async_generated_s": t1 - t0,
+                        "async_score_s": time.perf_counter() - t1}
         return batch
 
     def start_next(self, i: int) -> bool:
@@ -124,8 +127,11 @@ class Prefetcher:
         batch, waits = self._take(i)
         if batch is not None:
             try:
+                t1 = time.perf_counter()
                 batch = advantages.fn(self.cfg, batch)
+                t2 = time.perf_counter()
                 start_update(self.cfg, batch)
+                waits |= {"async_advantages_s": t2 - t1, "async_submit_s": time.perf_counter() - t2}
             except Exception as e:  # deliberate: the flow run generates the batch again, in its tasks' retries
                 log.warning("iteration %d: could not start its update ahead (%s: %s)", i, type(e).__name__, e)
                 batch, waits["async_fallback"] = None, 1.0

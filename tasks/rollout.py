@@ -38,9 +38,12 @@ def write_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
 
 
 @ray.remote(num_cpus=0)
-def _engine_seconds(batch: RolloutBatch) -> float:
-    """How long the engines took to generate `batch` (waits for it; raises what its generation raised)."""
-    return float(batch.extra.get("generate_s", 0.0))
+def _engine_seconds(batch: RolloutBatch) -> dict[str, float]:
+    """How long the engines took to generate `batch`, as the rollout task saw it (requests, answers, the
+    batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when an engine
+    reports none). Waits for the batch; raises what its generation raised."""
+    return {"generate_engine_s": float(batch.extra.get("generate_s", 0.0)),
+            "generate_server_s": float(batch.extra.get("server_s", 0.0))}
 
 
 @dataclass
@@ -122,10 +125,10 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
 
 
 def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration: int, version: int,
-               recreated: int, ahead_s: float | None, engine_s: float) -> BatchRef:
+               recreated: int, ahead_s: float | None, engine_s: dict[str, float]) -> BatchRef:
     """A generated batch's stats and its stage record started. `ahead_s`: how long before the task its
-    generation was launched (None: by the task itself); `engine_s`: how long the engines took."""
-    stats = {"generate_engine_s": engine_s, "prompts": len(prompts),
+    generation was launched (None: by the task itself); `engine_s`: how long the engines took (`_engine_seconds`)."""
+    stats = {**engine_s, "prompts": len(prompts),
              "engines_recreated_before_generate": float(recreated),
              "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
              "generate_ahead_s": ahead_s or 0.0}
