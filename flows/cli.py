@@ -229,16 +229,19 @@ def _demo_policy(seed: int, digits: int, named: str, size: str = "tiny") -> Path
     return out
 
 
-def _stage_line(history: list[dict]) -> str:
-    """Mean seconds per stage and generation/training throughput over the run's iterations."""
+def _stage_line(history: list[dict], loop_seconds: float | None = None) -> str:
+    """Mean seconds per stage and generation/training throughput over the run's iterations. samples_per_s
+    counts the training loop's wall time (`loop_seconds`, else the iterations' and the bookkeeping between
+    them, `loop_between_s`): what a single-process trainer's samples/s counts."""
     def total(key: str) -> float:
         return sum(float(m.get(key, 0.0)) for m in history)
 
     n = max(len(history), 1)
     stages = " ".join(f"{k}={total('time_' + k) / n:.2f}s" for k in ("generate", "train", "push"))
+    stages += f" between={total('loop_between_s') / n:.2f}s"
     # over the engines' own generation time: a generation run ahead is waited for by `generate` for less
     tokens_per_s = total("response_tokens") / max(total("generate_engine_s") or total("time_generate"), 1e-9)
-    samples_per_s = total("samples") / max(total("time_iteration"), 1e-9)
+    samples_per_s = total("samples") / max(loop_seconds or total("time_iteration") + total("loop_between_s"), 1e-9)
     return f"demo: per-iteration {stages} tokens_per_s={tokens_per_s:.0f} samples_per_s={samples_per_s:.1f}"
 
 
@@ -286,7 +289,7 @@ def cmd_demo(args) -> None:
         return
     evals = summary["evals"]  # policy version -> {eval set: summary}; the demo's one set is `heldout`
     before, after = (next(iter(evals[v].values()))["pass@1"] for v in (min(evals), max(evals)))
-    print(_stage_line(summary["history"]))
+    print(_stage_line(summary["history"], summary.get("loop_seconds")))
     print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
           f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}")
 

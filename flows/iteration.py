@@ -123,10 +123,11 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     return metrics
 
 
-def run_iteration(config: RunConfig, i: int) -> dict[str, float]:
+def run_iteration(config: RunConfig, i: int, extra: dict[str, float] | None = None) -> dict[str, float]:
     """Iteration `i` as one `iteration` flow run of the calling (parent) flow; returns its metrics.
     `time_iteration` runs from this call to the flow run's end; `flow_run_start_seconds` and
-    `flow_run_end_seconds` are Prefect's part of it (creating the run, setting its final state)."""
+    `flow_run_end_seconds` are Prefect's part of it (creating the run, setting its final state).
+    `extra`: the caller's own figures, recorded with the iteration's (the parent's `loop_between_s`)."""
     slot: list[tuple] = []
     t0 = time.perf_counter()
     token = _handoff.set(slot)
@@ -139,7 +140,8 @@ def run_iteration(config: RunConfig, i: int) -> dict[str, float]:
         report.RECORDS.free_api()
     run, metrics, timer, body_end = slot[0]
     metrics |= timer.totals(metrics, since=t0)
-    metrics |= {"flow_run_start_seconds": timer.t0 - t0, "flow_run_end_seconds": time.perf_counter() - body_end}
+    metrics |= {"flow_run_start_seconds": timer.t0 - t0, "flow_run_end_seconds": time.perf_counter() - body_end,
+                **(extra or {})}
     report.publish_metrics(config, i, metrics, run)
     return metrics
 

@@ -76,14 +76,15 @@ class RankWatch:
             pass
 
 
-def run_recovering(cfg: RunConfig, i: int, control: RunControl) -> dict[str, float]:
-    """Iteration `i` (flows/iteration.run_iteration), recovered from dead trainer ranks as the module says."""
+def run_recovering(cfg: RunConfig, i: int, control: RunControl, extra: dict[str, float] | None = None) -> dict[str, float]:
+    """Iteration `i` (flows/iteration.run_iteration, `extra` recorded with it), recovered from dead trainer
+    ranks as the module says."""
     j = i
     while True:
         watch, control.iteration = RankWatch(cfg), j
         try:
             with watch:
-                m = run_iteration(cfg, j)
+                m = run_iteration(cfg, j, extra if j == i else None)
         except Exception as e:  # deliberate: only a dead rank is recovered; anything else is raised as it came
             if not _dead_ranks(watch, e):
                 raise

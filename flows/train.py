@@ -120,9 +120,13 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         history: list[dict[str, float]] = []
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
+        loop_t0 = between_t0 = time.perf_counter()
         for i in range(start, last):
             enter_stage(f"iteration {i}")
-            m = run_recovering(config, i, control)  # a dead trainer rank: rebuilt, re-run (flows/recovery.py)
+            # loop_between_s: this loop's own bookkeeping since the previous flow run (in no iteration's time)
+            between = {"loop_between_s": time.perf_counter() - between_t0} if i > start else {}
+            m = run_recovering(config, i, control, between)  # a dead trainer rank: rebuilt, re-run (flows/recovery.py)
+            between_t0 = time.perf_counter()
             control.finished(i, m)
             if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
                 last = i + 1
@@ -139,7 +143,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
                 saved_at = _save(config, control, i + 1, wait)
             # the next update starts now (in the background), under this bookkeeping and the next run's start
             ahead = follows and async_rollout.start_next(config, i + 1)
-            leases.record(config.experiment)  # engines recreated during the iteration are new processes
+            RECORDS.submit(leases.record, config.experiment)  # engines recreated meanwhile are new processes
             evals |= collect(config, pending, wait=config.eval.blocking)
             history.append(m)
             progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
@@ -147,6 +151,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             if i + 1 == last or (not ahead and control.hold(partial(_save, config, control, i + 1))):  # paused: waits
                 last = i + 1  # hold() is True on /stop: the iterations done are saved by now
                 break
+        loop_seconds = time.perf_counter() - loop_t0  # the iterations and the bookkeeping between them
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
         RECORDS.wait()  # and every iteration's records
         _settle(config, control)  # and every checkpoint committed
@@ -157,7 +162,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
                         config.debug_exit_after, last, config.num_iterations)
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
-                "seconds": time.perf_counter() - t0}
+                "seconds": time.perf_counter() - t0, "loop_seconds": loop_seconds}
     finally:
         async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
         drop_started_generation(config)  # a stop or a failure after the next generation was launched

@@ -105,10 +105,14 @@ def test_stage_line_reports_means_and_throughput():
                 "time_iteration": 4.0},
                {"time_generate": 3.0, "time_train": 2.0, "time_push": 0.5, "response_tokens": 500, "samples": 64,
                 "time_iteration": 6.0}]
-    assert _stage_line(history) == ("demo: per-iteration generate=2.00s train=2.00s push=0.50s tokens_per_s=200 "
-                                    "samples_per_s=12.8")
+    assert _stage_line(history) == ("demo: per-iteration generate=2.00s train=2.00s push=0.50s between=0.00s "
+                                    "tokens_per_s=200 samples_per_s=12.8")
+    # samples/s over the loop's wall time: the bookkeeping between flow runs counts, as in a plain trainer's
+    history[1]["loop_between_s"] = 2.0
+    assert _stage_line(history).endswith("between=1.00s tokens_per_s=200 samples_per_s=10.7")
+    assert _stage_line(history, loop_seconds=16.0).endswith("samples_per_s=8.0")
     # generation run ahead (asynchronous rollout, or launched before the flow run): `generate` waited for
     # almost none of it, so throughput counts the engines' own seconds (a GPU run printed 2.8e9 tokens/s)
     for m, engine_s in zip(history, (2.0, 2.0)):
         m.update(time_generate=0.001, generate_engine_s=engine_s)
-    assert "generate=0.00s train=2.00s push=0.50s tokens_per_s=200 " in _stage_line(history)
+    assert "generate=0.00s train=2.00s push=0.50s between=1.00s tokens_per_s=200 " in _stage_line(history)
