@@ -25,7 +25,19 @@ from reflow.rl.types import Prompt, RolloutBatch
 from reflow.tasks import stage_cache
 from reflow.tasks.faults import transient_fault
 
-_generate = ray.remote(num_cpus=0)(ro.generate)
+
+
+def _generate_timed(*args, **kwargs) -> tuple[RolloutBatch, dict[str, float]]:
+    """The batch, and how long the engines took to generate it: as the rollout task saw it (requests,
+    answers, the batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when
+    an engine reports none). Two returns, so the caller waits for the small one without fetching the
+    batch into another task (one Ray task and a batch transfer less per rollout)."""
+    batch = ro.generate(*args, **kwargs)
+    return batch, {"generate_engine_s": float(batch.extra.get("generate_s", 0.0)),
+                   "generate_server_s": float(batch.extra.get("server_s", 0.0))}
+
+
+_generate = ray.remote(num_cpus=0, num_returns=2)(_generate_timed)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
 _advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
 _dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
@@ -35,15 +47,6 @@ _dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
 def write_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
     """Write a batch's per-sample table from inside Ray (the batch never reaches the driver)."""
     return store.write_parquet(rel, ro.rollout_table(batch))
-
-
-@ray.remote(num_cpus=0)
-def _engine_seconds(batch: RolloutBatch) -> dict[str, float]:
-    """How long the engines took to generate `batch`, as the rollout task saw it (requests, answers, the
-    batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when an engine
-    reports none). Waits for the batch; raises what its generation raised."""
-    return {"generate_engine_s": float(batch.extra.get("generate_s", 0.0)),
-            "generate_server_s": float(batch.extra.get("server_s", 0.0))}
 
 
 @dataclass
@@ -118,16 +121,16 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
         # An engine lost since the last push (or during this task's previous attempt: the retry comes
         # back here) is recreated and given the current weights now, not after the retries are spent.
         recreated, version = ensure_engines(cfg, serve_version=iteration), iteration
-    ref, prompts = _launch(rt, iteration, version)
+    ref, timing, prompts = _launch(rt, iteration, version)
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
-    engine_s = ray.get(_engine_seconds.remote(ref))
+    engine_s = ray.get(timing)
     return _generated(rt, ref, prompts, iteration, version, len(recreated), None, engine_s)
 
 
 def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration: int, version: int,
                recreated: int, ahead_s: float | None, engine_s: dict[str, float]) -> BatchRef:
     """A generated batch's stats and its stage record started. `ahead_s`: how long before the task its
-    generation was launched (None: by the task itself); `engine_s`: how long the engines took (`_engine_seconds`)."""
+    generation was launched (None: by the task itself); `engine_s`: how long the engines took (`_generate_timed`)."""
     stats = {**engine_s, "prompts": len(prompts),
              "engines_recreated_before_generate": float(recreated),
              "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
@@ -135,22 +138,23 @@ def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 
-def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, list[Prompt]]:
-    """Send iteration `iteration`'s prompts (its sampling seeds) to the engines, which serve policy `version`."""
+def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, ray.ObjectRef, list[Prompt]]:
+    """Send iteration `iteration`'s prompts (its sampling seeds) to the engines, which serve policy `version`:
+    (the batch, its generation seconds, the prompts)."""
     cfg = rt.cfg
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
     seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
-    ref = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
+    ref, timing = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
                            version, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
                            cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg),
                            seed_key=iteration)
-    return ref, prompts
+    return ref, timing, prompts
 
 
 # ---------------------------------------------------------------- the synchronous loop's generation ahead
 
-_started: dict[str, tuple[int, ray.ObjectRef, list[Prompt], float]] = {}  # experiment -> (iteration, its generation,
-#                                                                           its prompts, when it was launched)
+# experiment -> (iteration, its generation, its seconds (`_generate_timed`), its prompts, when it was launched)
+_started: dict[str, tuple[int, ray.ObjectRef, ray.ObjectRef, list[Prompt], float]] = {}
 
 
 def start_generation(cfg: RunConfig, iteration: int) -> bool:
@@ -164,8 +168,8 @@ def start_generation(cfg: RunConfig, iteration: int) -> bool:
     if cfg.rollout.max_staleness or not cfg.rollout.generate_ahead:
         return False
     rt = get_runtime(cfg)
-    ref, prompts = _launch(rt, iteration, iteration)
-    _started[cfg.experiment] = (iteration, ref, prompts, time.perf_counter())
+    ref, timing, prompts = _launch(rt, iteration, iteration)
+    _started[cfg.experiment] = (iteration, ref, timing, prompts, time.perf_counter())
     return True
 
 
@@ -184,10 +188,10 @@ def _adopt_started(rt: Runtime, iteration: int, log: Logger | None) -> BatchRef 
     if started is None or started[0] != iteration:
         drop_started_generation(rt.cfg)
         return None
-    _, ref, prompts, launched = _started.pop(rt.cfg.experiment)
+    _, ref, timing, prompts, launched = _started.pop(rt.cfg.experiment)
     ahead_s = time.perf_counter() - launched
     try:
-        engine_s = ray.get(_engine_seconds.remote(ref))
+        engine_s = ray.get(timing)
     except Exception as e:  # deliberate: any failure (an engine lost mid-request) falls back to the usual path
         (log or get_run_logger()).warning("iteration %d: its generation launched ahead failed (%s); generating it "
                                           "again", iteration, next(iter(str(e).splitlines()), type(e).__name__))
