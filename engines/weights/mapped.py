@@ -62,16 +62,14 @@ class _Mapping:
     id: str
     signature: tuple
     payloads: list[Payload]  # hold the shared buffers (and their handles) while the engine maps them
+    buffers: int  # how many (one per storage mapped directly; one packed buffer otherwise)
 
 
-def storage_groups(named: Named) -> list[tuple[torch.Tensor, list[tuple]]] | None:
-    """The tensors' storages as whole uint8 tensors, each with the metadata tuples (name, shape, dtype, start,
-    end, bytes) of the tensors inside it, in first-seen order; None when a tensor is not contiguous (a
-    byte range cannot describe it)."""
+def storage_groups(named: Named) -> list[tuple[torch.Tensor, list[tuple]]]:
+    """The (contiguous) tensors' storages as whole uint8 tensors, each with the metadata tuples (name, shape,
+    dtype, start, end, bytes) of the tensors inside it, in first-seen order."""
     groups: dict[tuple[str, int], tuple[torch.Tensor, list[tuple]]] = {}
     for name, t in named:
-        if not t.is_contiguous():
-            return None
         st = t.untyped_storage()
         key = (str(t.device), st.data_ptr())
         if key not in groups:
@@ -84,12 +82,13 @@ def storage_groups(named: Named) -> list[tuple[torch.Tensor, list[tuple]]] | Non
 
 
 def _direct_signature(named: Named) -> tuple:
-    return tuple((n, str(t.device), t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
-                 for n, t in named)
+    """Where each tensor is: a tensor at the same address with the same shape and dtype is in the storage the
+    engine mapped (torch cannot hand a mapped storage's memory to anything else while the engine holds it)."""
+    return tuple((n, t.device, t.data_ptr(), t.shape, t.dtype) for n, t in named)
 
 
 def _packed_signature(named: Named) -> tuple:
-    return tuple((n, str(t.device), tuple(t.shape), t.dtype) for n, t in named)
+    return tuple((n, t.device, t.shape, t.dtype) for n, t in named)
 
 
 def _payload(flat: torch.Tensor, meta: list[tuple]) -> Payload:
@@ -133,18 +132,24 @@ class MappedSender:
         """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
         `stable`: these are the live tensors, which keep their storage from push to push (the engine may map
         them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push}."""
-        groups = storage_groups(named) if stable and _direct(named) else None
-        if groups is not None:
+        direct = stable and _direct(named) and all(t.is_contiguous() for _, t in named)
+        if direct:
             signature = ("direct", *_direct_signature(named))
+            groups = lambda: storage_groups(named)  # noqa: E731 - built only when an engine maps them
         else:
             signature = ("packed", *_packed_signature(named))
             flat, metadata = self._buffer(signature, named)
             pack_into(flat, metadata, named)  # once, whatever the number of engines
-            groups = [(flat, metadata)]
+            groups = lambda: [(flat, metadata)]  # noqa: E731
         _wait_for_devices(named)  # the optimizer step's (and the packing's) writes are done
-        with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-            remapped = list(pool.map(lambda c: self._push_one(c, groups, version, pause_mode, signature), clients))
-        return {"buckets": len(groups), "mapped": sum(remapped)}
+        if len(clients) == 1:  # the usual colocated case: no thread for one call
+            remapped = [self._push_one(clients[0], groups, version, pause_mode, signature)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(clients)) as pool:
+                remapped = list(pool.map(lambda c: self._push_one(c, groups, version, pause_mode, signature), clients))
+        with self.lock:
+            buffers = self.maps[clients[0].url].buffers
+        return {"buckets": buffers, "mapped": sum(remapped)}
 
     def _buffer(self, signature: tuple, named: Named) -> tuple[torch.Tensor, list]:
         if self.packed is not None and self.packed[0] == signature:
@@ -157,7 +162,7 @@ class MappedSender:
         self.packed = (signature, flat, metadata)
         return flat, metadata
 
-    def _push_one(self, client: EngineClient, groups: list, version: str, pause_mode: str, signature: tuple) -> bool:
+    def _push_one(self, client: EngineClient, groups, version: str, pause_mode: str, signature: tuple) -> bool:
         with self.lock:
             m = self.maps.get(client.url)
         remapped = m is None or m.signature != signature
@@ -174,9 +179,10 @@ class MappedSender:
             raise BucketError(f"engine {client.url} refused a mapped weight update: {out.get('message')}")
         return remapped
 
-    def _map(self, client: EngineClient, groups: list, signature: tuple) -> _Mapping:
-        """Hand the engine one payload per storage (its own pickles: buckets.SharedBucket says why)."""
-        m = _Mapping(uuid.uuid4().hex, signature, [_payload(flat, meta) for flat, meta in groups])
+    def _map(self, client: EngineClient, groups, signature: tuple) -> _Mapping:
+        """Hand the engine one payload per storage of `groups()` (its own pickles: buckets.SharedBucket says why)."""
+        payloads = [_payload(flat, meta) for flat, meta in groups()]
+        m = _Mapping(uuid.uuid4().hex, signature, payloads, len(payloads))
         out = client.map_weights(m.payloads, m.id)
         if not out.get("success", False):
             raise BucketError(f"engine {client.url} refused to map the trainer's weights: {out.get('message')}")
