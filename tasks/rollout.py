@@ -26,7 +26,6 @@ from reflow.tasks import stage_cache
 from reflow.tasks.faults import transient_fault
 
 
-
 def _generate_timed(*args, **kwargs) -> tuple[RolloutBatch, dict[str, float]]:
     """The batch, and how long the engines took to generate it: as the rollout task saw it (requests,
     answers, the batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when
