@@ -121,12 +121,6 @@ class MappedSender:
                 self.capable[c.url] = bool(c.server_info().get(CAPABILITY, False))
         return all(self.capable[c.url] for c in clients)
 
-    def forget(self) -> None:
-        """Drop every mapping this process holds (their storages are let go once the engines map others)."""
-        with self.lock:
-            self.maps.clear()
-            self.capable.clear()
-
     def push(self, clients: list[EngineClient], named: Named, version: str, pause_mode: str = "abort",
              stable: bool = False) -> dict:
         """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
