@@ -150,6 +150,21 @@ def test_mapped_pushes_map_once_and_follow_the_trainers_tensors(engine_processes
     assert stats["mapped"] == 1 and stats["verified_tensors"] == 2 * len(live)
 
 
+def test_a_mapping_follows_its_own_buffer_when_another_layout_is_pushed_between(engine_processes):
+    """One sender pushing two layouts in turn (here: all tensors to one engine, three of them to another) keeps a
+    buffer per layout: the first engine's next push lands in the buffer it mapped (before, the other layout's
+    push replaced the buffer, and the first engine copied stale values from the one it still mapped)."""
+    from reflow.engines.weights.mapped import MappedSender
+    from reflow.engines.weights.verify import verify_weights
+
+    sender, (a, b) = MappedSender(), engine_processes[:2]
+    sender.push([a], _named(600), "a-1")
+    sender.push([b], _named(601)[:3], "b-1")
+    latest = _named(602)
+    assert sender.push([a], latest, "a-2") == {"buckets": 1, "mapped": 0}
+    assert verify_weights([a], latest, "a-2", "full") == len(latest)
+
+
 class _NoExtensions:
     url = "sglang-standin://no-extensions"
 

@@ -109,8 +109,9 @@ class MappedSender:
     def __init__(self) -> None:
         self.maps: dict[str, _Mapping] = {}
         self.capable: dict[str, bool] = {}  # engine URL -> whether it serves the mapped endpoints
-        self.packed: tuple[tuple, torch.Tensor, list] | None = None  # (signature, buffer, metadata)
-        self.retired: list[torch.Tensor] = []  # shared-memory buffers are never freed (buckets.BufferPool says why)
+        # layout -> (buffer, metadata): one packed buffer per layout, kept (shared-memory ones are never freed:
+        # buckets.BufferPool says why), so pushes of two models alternating from one process each keep theirs
+        self.packed: dict[tuple, tuple[torch.Tensor, list]] = {}
         self.lock = threading.Lock()
         self.map_calls = 0  # how many times an engine was (re)mapped: tests and stats read it
 
@@ -131,8 +132,8 @@ class MappedSender:
             signature = ("direct", *_direct_signature(named))
             groups = lambda: storage_groups(named)  # noqa: E731 - built only when an engine maps them
         else:
-            signature = ("packed", *_packed_signature(named))
-            flat, metadata = self._buffer(signature, named)
+            flat, metadata = self._buffer(_packed_signature(named), named)
+            signature = ("packed", flat.data_ptr(), *_packed_signature(named))  # the buffer the engine maps, too
             pack_into(flat, metadata, named)  # once, whatever the number of engines
             groups = lambda: [(flat, metadata)]  # noqa: E731
         _wait_for_devices(named)  # the optimizer step's (and the packing's) writes are done
@@ -145,15 +146,15 @@ class MappedSender:
             buffers = self.maps[clients[0].url].buffers
         return {"buckets": buffers, "mapped": sum(remapped)}
 
-    def _buffer(self, signature: tuple, named: Named) -> tuple[torch.Tensor, list]:
-        if self.packed is not None and self.packed[0] == signature:
-            return self.packed[1], self.packed[2]
+    def _buffer(self, layout_key: tuple, named: Named) -> tuple[torch.Tensor, list]:
+        with self.lock:
+            if layout_key in self.packed:
+                return self.packed[layout_key]
         metadata, nbytes = layout(named)
         device = named[0][1].device
         flat = torch.empty(nbytes, dtype=torch.uint8, device=device) if device.type == "cuda" else _shared_uint8(nbytes)
-        if self.packed is not None and not self.packed[1].is_cuda:
-            self.retired.append(self.packed[1])
-        self.packed = (signature, flat, metadata)
+        with self.lock:
+            self.packed[layout_key] = (flat, metadata)
         return flat, metadata
 
     def _push_one(self, client: EngineClient, groups, version: str, pause_mode: str, signature: tuple) -> bool:
