@@ -231,8 +231,8 @@ def _demo_policy(seed: int, digits: int, named: str, size: str = "tiny") -> Path
 
 def _stage_line(history: list[dict], loop_seconds: float | None = None) -> str:
     """Mean seconds per stage and generation/training throughput over the run's iterations. samples_per_s
-    counts the training loop's wall time (`loop_seconds`, else the iterations' and the bookkeeping between
-    them, `loop_between_s`): what a single-process trainer's samples/s counts."""
+    counts the training loop's wall time to its last iteration's end (`loop_seconds`, else the iterations'
+    and the bookkeeping between them, `loop_between_s`): what a single-process trainer's samples/s counts."""
     def total(key: str) -> float:
         return sum(float(m.get(key, 0.0)) for m in history)
 

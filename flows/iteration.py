@@ -140,7 +140,7 @@ def run_iteration(config: RunConfig, i: int, extra: dict[str, float] | None = No
     `rollout.prestart_flow_runs` (auto: on GPUs) its flow run is created now, while this one computes, and
     waits at its first line (`_Launched`); the next call takes it. Its creation (`flow_run_create_seconds`)
     is then off the loop's critical path, and `flow_run_start_seconds` is the hand-over to a waiting run."""
-    t0 = time.perf_counter()
+    t0, busy = time.perf_counter(), prefect_retry.busy_retries()
     ahead = prestart_next and prestart_flow_runs(config)
     # created ahead, or now: in a thread of its own when the next one will be created while it runs, else here
     run = _take_launched(config, i) or _Launched(config, i, thread=ahead)
@@ -152,6 +152,7 @@ def run_iteration(config: RunConfig, i: int, extra: dict[str, float] | None = No
     metrics |= timer.totals(metrics, since=t0)
     metrics |= {"flow_run_start_seconds": timer.t0 - t0, "flow_run_end_seconds": time.perf_counter() - body_end,
                 "flow_run_created_ahead": float(run.created_ahead), "flow_run_create_seconds": run.create_seconds,
+                "prefect_busy_retries": float(prefect_retry.busy_retries() - busy),  # this process's, meanwhile
                 **(extra or {})}
     report.publish_metrics(config, i, metrics, flow_run)
     return metrics

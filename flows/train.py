@@ -157,7 +157,9 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             if i + 1 == last or (not ahead and control.hold(partial(_save, config, control, i + 1))):  # paused: waits
                 last = i + 1  # hold() is True on /stop: the iterations done are saved by now
                 break
-        loop_seconds = time.perf_counter() - loop_t0  # the iterations and the bookkeeping between them
+        # the iterations and the bookkeeping between them, to the last one's end: not the final save and eval
+        # after it (a single-process trainer's samples/s stops at its last step too)
+        loop_seconds = between_t0 - loop_t0
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
         RECORDS.wait()  # and every iteration's records
         _settle(config, control)  # and every checkpoint committed

@@ -6,19 +6,37 @@ e.g. `create_task_run`, which reads the flow run's labels first, beside the serv
 writers). Its client then retries after 2 s (exponential back-off from 2**1 s, prefect/client/base.py).
 Such a lock is gone milliseconds later, and the train loop makes ~10 API calls an iteration: on the GPU
 demo 35 of 500 iterations' flow-run starts took 2.0-2.6 s instead of 0.12 s (bench/RESULTS.md 20), 77 s
-of a 263 s run. `install()` retries a bare 503 a few times within ~0.75 s first (50, 100, 200, 400 ms)
+of a 263 s run. `install()` retries a bare 503 a few times within ~0.64 s first (5 ms, doubling to 320 ms)
 and only then hands it to Prefect's own back-off, unchanged; a 503 that names a Retry-After, and every
 other status, goes straight to Prefect's handling. The same request is sent again, as Prefect's retry
-does."""
+does.
+
+Why the first retry comes after 5 ms: the refusal is not a lock held for a while but a stale snapshot, which
+the retry's fresh transaction does not have. With 50 ms first (session 20), 64 of 299 flow runs created
+ahead on the H200 took 0.57 s instead of 0.20 (bench/RESULTS.md 23). `busy_retries()` counts the quick
+retries this process made (the iteration metric `prefect_busy_retries`)."""
 from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 import time
 from typing import Any
 
-QUICK_DELAYS_S = (0.05, 0.1, 0.2, 0.4)
+QUICK_DELAYS_S = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 _state: dict[str, bool] = {"installed": False}
+_retries = [0]
+_count_lock = threading.Lock()
+
+
+def busy_retries() -> int:
+    """Quick retries made in this process so far (every thread, every client)."""
+    return _retries[0]
+
+
+def _counted() -> None:
+    with _count_lock:
+        _retries[0] += 1
 
 
 def _busy(response: Any) -> bool:
@@ -33,6 +51,7 @@ def _quick_sync(send):
             if not _busy(response):
                 break
             response.close()
+            _counted()
             time.sleep(delay)
             response = send(request, *args, **kwargs)
         return response
@@ -47,6 +66,7 @@ def _quick_async(send):
             if not _busy(response):
                 break
             await response.aclose()
+            _counted()
             await asyncio.sleep(delay)
             response = await send(request, *args, **kwargs)
         return response

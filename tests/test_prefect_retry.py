@@ -54,6 +54,7 @@ def test_a_busy_503_is_retried_in_milliseconds_sync_and_async(flaky):
     from reflow.infra import prefect_retry
 
     prefect_retry.install()
+    before = prefect_retry.busy_retries()
     _Flaky.busy = {"/flow_runs/": 1, "/task_runs/": 2}
     with PrefectHttpxSyncClient(base_url=flaky, enable_csrf_support=False) as client:
         t0 = time.perf_counter()
@@ -67,6 +68,7 @@ def test_a_busy_503_is_retried_in_milliseconds_sync_and_async(flaky):
             return time.perf_counter() - t0
     assert asyncio.run(call()) < 1.0
     assert _Flaky.seen == ["/flow_runs/"] * 2 + ["/task_runs/"] * 3
+    assert prefect_retry.busy_retries() - before == 3  # counted (the iteration metric prefect_busy_retries)
 
 
 def test_a_503_that_outlasts_the_quick_retries_or_names_its_wait_is_prefects_to_handle(flaky):

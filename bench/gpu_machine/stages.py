@@ -11,7 +11,8 @@ import os
 import statistics
 import sys
 
-PREFIXES = ("time_", "flow_run_", "async_", "push_", "generate_", "step_time", "records_seconds", "loop_")
+PREFIXES = ("time_", "flow_run_", "async_", "push_", "generate_", "step_time", "records_seconds", "loop_",
+            "prefect_")
 
 
 def summary(run: str) -> str:
