@@ -146,7 +146,7 @@ def run_iteration(config: RunConfig, i: int, extra: dict[str, float] | None = No
     run = _take_launched(config, i) or _Launched(config, i, thread=ahead)
     run.go()
     if ahead:
-        _next[config.experiment] = _Launched(config, i + 1)
+        _next[config.experiment] = _Launched(config, i + 1, hold=False)  # off the loop's path: records go on
     flow_run, metrics, timer, body_end = run.result()
     run.wait_final_state()
     metrics |= timer.totals(metrics, since=t0)
@@ -164,20 +164,23 @@ class _Launched:
     the run then ends Cancelled, naming why). The body hands its run, metrics and timer back (`result`)
     instead of recording them; the thread then sets the final state (`wait_final_state`).
 
-    Records (tasks/report.py) hold back their Prefect calls while a run is being created and while its
-    final state is set, as they did when both happened in the parent's thread: one SQLite writer."""
+    Records (tasks/report.py) hold back their Prefect calls while its final state is set and, with `hold`,
+    while it is being created, as they did when both happened in the parent's thread: one SQLite writer.
+    A run created ahead holds nothing while it is created: that is off the loop's path, and records held
+    back then, nearly all the time, fell behind by seconds on the H200 (bench/RESULTS.md 23)."""
 
-    def __init__(self, config: RunConfig, i: int, thread: bool = True):
+    def __init__(self, config: RunConfig, i: int, thread: bool = True, hold: bool = True):
         self.config, self.i = config, i
         self._go = threading.Event()
         self.cancelled: str | None = None  # why, once cancelled
         self._handed = threading.Event()  # the body ended (`_out`) or the call raised (`_error`)
         self._out: tuple | None = None
         self._error: BaseException | None = None
-        self._holds = 1  # API holds this run took and has not given back
+        self._holds = int(hold)  # API holds this run took and has not given back
         self.t_launch, self.t_gate = time.perf_counter(), None
         self.created_ahead = False  # set by the taker: created before the parent asked for it
-        report.RECORDS.hold_api()
+        if hold:
+            report.RECORDS.hold_api()
         self.thread: threading.Thread | None = None  # None: called by `go`, in the caller's thread
         if thread:
             ctx = contextvars.copy_context()  # the parent's flow run and settings: this run is its child
