@@ -76,16 +76,15 @@ class RankWatch:
             pass
 
 
-def run_recovering(cfg: RunConfig, i: int, control: RunControl, extra: dict[str, float] | None = None,
-                   follows: bool = False) -> dict[str, float]:
+def run_recovering(cfg: RunConfig, i: int, control: RunControl, extra: dict[str, float] | None = None) -> dict[str, float]:
     """Iteration `i` (flows/iteration.run_iteration, `extra` recorded with it), recovered from dead trainer
-    ranks as the module says. follows: iteration i + 1 comes next (its flow run may be created while i runs)."""
+    ranks as the module says."""
     j = i
     while True:
         watch, control.iteration = RankWatch(cfg), j
         try:
             with watch:
-                m = run_iteration(cfg, j, extra if j == i else None, prestart_next=j < i or follows)
+                m = run_iteration(cfg, j, extra if j == i else None)
         except Exception as e:  # deliberate: only a dead rank is recovered; anything else is raised as it came
             if not _dead_ranks(watch, e):
                 raise

@@ -22,7 +22,6 @@ from prefect.runtime import flow_run
 
 from reflow.flows import async_rollout
 from reflow.flows.inputs import USER_ERRORS, checked_config, refused
-from reflow.flows.iteration import cancel_next
 from reflow.flows.recovery import run_recovering
 from reflow.flows.schedule import eval_due, save_due
 from reflow.infra import checkpoint as ckpt
@@ -126,19 +125,14 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             enter_stage(f"iteration {i}")
             # loop_between_s: this loop's own bookkeeping since the previous flow run (in no iteration's time)
             between = {"loop_between_s": time.perf_counter() - between_t0} if i > start else {}
-            # a dead trainer rank: rebuilt, re-run (flows/recovery.py); the next flow run may be created meanwhile
-            m = run_recovering(config, i, control, between,
-                               follows=i + 1 < last and not (control.paused or control.stopping))
+            m = run_recovering(config, i, control, between)  # a dead trainer rank: rebuilt, re-run (flows/recovery.py)
             between_t0 = time.perf_counter()
             control.finished(i, m)
             if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
                 last = i + 1
             if eval_due(config, i + 1, last):  # first: its records are written while the engines generate next
                 pending.append(launch_eval(config, i + 1))
-            if not (follows := i + 1 < last and not control.paused):
-                cancel_next(config, f"not run: the train flow {'paused' if control.paused else 'stopped'} after "
-                                    f"iteration {i}")
-            if follows and prefetcher is None:  # hand-overs: the next
+            if (follows := i + 1 < last and not control.paused) and prefetcher is None:  # hand-overs: the next
                 start_generation(config, i + 1)  # rollout runs under the save and the bookkeeping below
             due = save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60)
             if due or control.take_save():
@@ -172,7 +166,6 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
                 "seconds": time.perf_counter() - t0, "loop_seconds": loop_seconds}
     finally:
-        cancel_next(config, "not run: the train flow ended before it")  # a failure, a stop signal
         async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
         drop_started_generation(config)  # a stop or a failure after the next generation was launched
         if control is not None:

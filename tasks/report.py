@@ -52,22 +52,15 @@ class Recorder:
         self.seconds = 0.0  # busy time of the jobs done since the last `take_seconds`
         self._api_free = threading.Event()  # clear while the loop's own Prefect calls must go first
         self._api_free.set()
-        self._api_holds = 0
 
     def hold_api(self) -> None:
-        """From now until the matching `free_api`, queued records wait before each Prefect API call. The
-        loop holds the API while it creates an iteration's flow run and sets its final state: records
-        posted at the same moment stalled that by up to ~2 s on the temporary server (SQLite: one writer).
-        Holds nest (a run being created ahead while another ends): the API is free when all are freed."""
-        with self._lock:
-            self._api_holds += 1
-            self._api_free.clear()
+        """From now until `free_api`, queued records wait before each Prefect API call. The loop holds
+        the API while it creates an iteration's flow run and sets its final state: records posted at
+        the same moment stalled that by up to ~2 s on the temporary server (SQLite: one writer)."""
+        self._api_free.clear()
 
     def free_api(self) -> None:
-        with self._lock:
-            self._api_holds = max(self._api_holds - 1, 0)
-            if not self._api_holds:
-                self._api_free.set()
+        self._api_free.set()
 
     def api_turn(self) -> None:
         """Called by a record before it talks to the Prefect API (bounded: a stuck loop must not hang it)."""

@@ -75,10 +75,8 @@ def test_synchronous_prefetcher_is_on_where_asked_and_trains_the_same_weights(ra
     """rollout.update_ahead (flows/async_rollout.py): auto is off on this CPU-only cluster, off with
     hand-overs whatever it says; on, iteration i's batch is generated right after the push of policy i and
     its update submitted before its flow run, and 3 iterations end with the weights, bit for bit, of the
-    same run whose iterations generate and train in their own tasks (update_ahead=false). The first run also
-    creates each flow run while the one before computes (rollout.prestart_flow_runs, auto on GPUs only)."""
+    same run whose iterations generate and train in their own tasks (update_ahead=false)."""
     from reflow.flows.async_rollout import prefetches
-    from reflow.flows.iteration import prestart_flow_runs
     from reflow.flows.train import train
     from tests.test_algorithms_e2e import _config
 
@@ -86,20 +84,15 @@ def test_synchronous_prefetcher_is_on_where_asked_and_trains_the_same_weights(ra
     assert prefetches(load_config(None, ["rollout.update_ahead=true"]))
     assert not prefetches(load_config(None, ["rollout.update_ahead=true", "rollout.generate_ahead=false"]))
     assert not prefetches(load_config(None, ["rollout.update_ahead=true", "cluster.colocate=true"]))  # hand-overs
-    assert not prestart_flow_runs(load_config(None, []))  # auto, no GPU here
-    assert prestart_flow_runs(load_config(None, ["rollout.prestart_flow_runs=true"]))
 
     def run(name, ahead):
         return train(_config(tiny_policy, tmp_path, name, [f"rollout.update_ahead={ahead}", "num_iterations=3",
-                                                           f"rollout.prestart_flow_runs={ahead}",
                                                            "data.reward_fn=tests.ckpt_fixtures:digit_reward"]))
 
     on, off = run("sync-ahead", "true"), run("sync-own", "false")
     assert [m["async_update_started_ahead"] for m in on["history"]] == [0.0, 1.0, 1.0]
     assert [m["generate_started_ahead"] for m in off["history"]] == [0.0, 1.0, 1.0]  # the generation only
     assert all("async_update_started_ahead" not in m for m in off["history"])
-    assert [m["flow_run_created_ahead"] for m in on["history"]] == [0.0, 1.0, 1.0]
-    assert [m["flow_run_created_ahead"] for m in off["history"]] == [0.0, 0.0, 0.0]
     for a, b in zip(on["history"], off["history"]):
         assert (a["staleness"], a["rollout_policy_version"]) == (0, b["rollout_policy_version"])
         assert (a["reward_mean"], a["loss"]) == (b["reward_mean"], b["loss"])

@@ -62,27 +62,6 @@ def _parent_state(flow_run_id: str):
         return client.read_flow_run(flow_run_id).state
 
 
-def _assert_iteration_runs(done: int, killed: set[int]) -> None:
-    """Each iteration's flow run is created while the one before it computes (flows/iteration.py): one the run
-    did not go on to (the pause, the recovery's re-run, the stop) ends Cancelled saying why; none is left
-    Running, only the iteration whose trainer was killed Failed, and every iteration done has a Completed run
-    (a recovery runs some twice)."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
-
-    names = [f"{EXP}-iter-{i:04d}" for i in range(done + 2)]
-    with get_client(sync_client=True) as client:
-        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=names)))
-    by_state: dict[str, list] = {}
-    for r in runs:
-        by_state.setdefault(r.state.type.value, []).append(r)
-    assert set(by_state) <= {"COMPLETED", "CANCELLED", "FAILED"}, {k: [r.name for r in v] for k, v in by_state.items()}
-    assert sorted({r.name for r in by_state["COMPLETED"]}) == names[:done]
-    assert {r.name for r in by_state.get("FAILED", [])} <= {names[k] for k in killed}
-    for r in by_state.get("CANCELLED", []):
-        assert r.state.message.startswith("not run: the train flow "), r.state.message
-
-
 def _metrics() -> dict[tuple[str, tuple], float]:
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -133,7 +112,7 @@ def test_control_api_stack_dumps_and_trainer_recovery(ray_cluster, prefect_serve
     cfg = e2e_config(tiny_policy, tmp_path, f"experiment={EXP}", f"num_iterations={N}", "rollout.num_engines=1",
                      "trainer.num_ranks=1", "eval.before_train=false", "eval.interval=null",
                      "checkpoint.save_every_minutes=null", "checkpoint.save_interval=3", "debug.stack_dump_interval_s=5",
-                     "fault_tolerance.max_trainer_recoveries=1", "rollout.prestart_flow_runs=true")  # as on GPUs
+                     "fault_tolerance.max_trainer_recoveries=1")
     store = ExperimentStore.open(f"file://{tmp_path}/runs", EXP)
     thread, out = _start(cfg)
     try:
@@ -191,7 +170,6 @@ def test_control_api_stack_dumps_and_trainer_recovery(ray_cluster, prefect_serve
     assert row["iteration"] in (k, k + 1) and row["dead_ranks"] == "policy-trainer-0" and row["restored_step"] <= row["iteration"]
     state = _parent_state(health["flow_run_id"])
     assert state.type.value == "COMPLETED", state
-    _assert_iteration_runs(done, killed={k, k + 1})
     assert control.read_record(EXP) is None and not control.token_path(EXP).exists()
     gone = _ctl("health")
     assert gone.returncode == 2 and f"no live run of experiment '{EXP}'" in gone.stderr, gone.stderr
