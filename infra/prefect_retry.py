@@ -12,8 +12,9 @@ other status, goes straight to Prefect's handling. The same request is sent agai
 does.
 
 Why the first retry comes after 5 ms: the refusal is not a lock held for a while but a stale snapshot, which
-the retry's fresh transaction does not have. With 50 ms first (session 20), 64 of 299 flow runs created
-ahead on the H200 took 0.57 s instead of 0.20 (bench/RESULTS.md 23). `busy_retries()` counts the quick
+the retry's fresh transaction does not have. With 50 ms first, 64 of 299 flow runs created ahead of their
+iteration on the H200 (an experiment since withdrawn) took 0.57 s instead of 0.20, about 50 + 100 + 200 ms
+more (bench/RESULTS.md 23). `busy_retries()` counts the quick
 retries this process made (the iteration metric `prefect_busy_retries`)."""
 from __future__ import annotations
 
