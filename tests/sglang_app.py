@@ -402,21 +402,31 @@ def serve(hs, argv: list[str]) -> None:
 def serve_many(launches: list[list[str]]) -> None:
     """One server process per list of launch flags, forked after the one slow import (~10 s of CPU
     each otherwise). SIGTERM to this process stops them all; each child also gets SIGTERM if
-    this process dies (PR_SET_PDEATHSIG)."""
+    this process dies (PR_SET_PDEATHSIG). SIGUSR1 has every server print its threads' stacks."""
     import ctypes
+    import faulthandler
     import os
     import signal
     from pathlib import Path
 
+    children: list[int] = []
+
+    def dump(signum, frame):
+        for child in children:
+            print(f"sglang_app: threads of server process {child}:", flush=True)
+            os.kill(child, signal.SIGUSR1)
+            time.sleep(0.2)  # one dump after the other in the shared log
+
+    signal.signal(signal.SIGUSR1, dump)  # set before the slow import: a dump asked early must not kill us
     hs = load_http_server()
     for argv in launches:  # SGLang's model registry resolves lazily: do it once, before forking
         path = argv[argv.index("--model-path") + 1]
         sglang_model_class(json.loads((Path(path) / "config.json").read_text())["architectures"])
-    children = []
     for argv in launches:
         pid = os.fork()
         if pid == 0:
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+            faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness's ask for stacks on a hang
             try:
                 serve(hs, argv)
             finally:

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -100,7 +103,21 @@ def sglang_launches(model_dirs: dict[str, Path]) -> tuple[dict[str, list[int]], 
 
 
 def start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:
-    """Start tests.sglang_app (one forked process per server) and wait until every server is healthy."""
+    """Start tests.sglang_app (one forked process per server) and wait until every server is healthy.
+
+    A start that does not come up is stopped after every server's threads were dumped into `log`
+    (tests.sglang_app forwards SIGUSR1 to faulthandler), and tried once more; the first attempt's
+    log tail is reported as a warning, so a rare hang shows in the suite's summary, stacks included.
+    """
+    try:
+        return _start_sglang_apps(model_dirs, log)
+    except AssertionError as first:
+        warnings.warn(f"SGLang app servers did not come up; starting them again. First attempt: {first}",
+                      stacklevel=2)
+        return _start_sglang_apps(model_dirs, log.with_name(log.stem + "-again.log"))
+
+
+def _start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:
     ports, serve = sglang_launches(model_dirs)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_app", *serve], cwd=REPO,
@@ -111,10 +128,15 @@ def start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subproces
             raise RuntimeError(f"tests.sglang_app exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
 
     urls = {a: [f"http://127.0.0.1:{p}" for p in ps] for a, ps in ports.items()}
+    t0 = time.monotonic()
     try:
         for url in (u for us in urls.values() for u in us):
             last = poll_health(url, 120.0, 0.2, alive)
-            assert last is None, f"SGLang app {url} not healthy: {last}\n{log.read_text()[-3000:]}"
+            if last is not None:
+                proc.send_signal(signal.SIGUSR1)  # every server dumps its threads' stacks into the log
+                time.sleep(3.0)
+                raise AssertionError(f"SGLang app {url} not healthy {time.monotonic() - t0:.0f} s after the start: "
+                                     f"{last}\n{log.read_text()[-12000:]}")
     except BaseException:
         stop(proc)
         raise
