@@ -129,9 +129,9 @@ def _start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subproce
 
     urls = {a: [f"http://127.0.0.1:{p}" for p in ps] for a, ps in ports.items()}
     t0 = time.monotonic()
-    try:
+    try:  # 240 s: tests/suite.sh runs test_resume.py's Ray clusters beside this (load 17 seen on 2 cores)
         for url in (u for us in urls.values() for u in us):
-            last = poll_health(url, 120.0, 0.2, alive)
+            last = poll_health(url, 240.0, 0.2, alive)
             if last is not None:
                 proc.send_signal(signal.SIGUSR1)  # every server dumps its threads' stacks into the log
                 time.sleep(3.0)
