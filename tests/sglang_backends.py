@@ -120,8 +120,9 @@ def start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subproces
 def _start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:
     ports, serve = sglang_launches(model_dirs)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_app", *serve], cwd=REPO,
-                            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    with log.open("w") as out:  # the child holds its own copy of the descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_app", *serve], cwd=REPO,
+                                env=env, stdout=out, stderr=subprocess.STDOUT)
 
     def alive():
         if proc.poll() is not None:
