@@ -161,7 +161,7 @@ def test_a_mapping_follows_its_own_buffer_when_another_layout_is_pushed_between(
     sender.push([a], _named(600), "a-1")
     sender.push([b], _named(601)[:3], "b-1")
     latest = _named(602)
-    assert sender.push([a], latest, "a-2") == {"buckets": 1, "mapped": 0}
+    assert sender.push([a], latest, "a-2") == {"buckets": 1, "mapped": 0, "copies": 1}  # a's weights: laid as the buffer
     assert verify_weights([a], latest, "a-2", "full") == len(latest)
 
 

@@ -51,7 +51,8 @@ from reflow.engines.embedded.sampling import (
     sample_tokens,
     seeded_uniform,
 )
-from reflow.engines.embedded.static_decode import StaticDecoder
+from reflow.engines.embedded.static_decode import StaticDecoder, fusion_groups
+from reflow.engines.embedded.weight_layout import Arena, arena_order, byte_order, copy_runs
 
 __all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
 
@@ -141,6 +142,8 @@ class Generator:
         self.pad_id = next(t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0) if t is not None)
         self.eos_ids = self._eos_ids()
         self._params = dict(model.state_dict(keep_vars=True))  # name -> Parameter/buffer (tied aliases too)
+        self._arenas: list[Arena] = []  # the parameters' memory once adopt_layout ran (weight_layout.py)
+        self._runs: tuple | None = None  # (key, copy runs) of the last mapped load (load_mapped)
         # transformers >= 5.2x renamed `past_key_values` to `cache` (the old name warns)
         fwd = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in fwd else "past_key_values"
@@ -473,6 +476,61 @@ class Generator:
                 raise ValueError(f"shape mismatch for {name!r}: got {tuple(t.shape)}, "
                                  f"engine has {tuple(p.shape)}")
 
+    def adopt_layout(self, named_tensors: list[tuple[str, torch.Tensor]]) -> bool:
+        """Move the parameters named in `named_tensors` (a mapped source: the trainer's tensors) into one
+        buffer per source storage, in the source's byte order with fused tensors together
+        (reflow.engines.embedded.weight_layout), so that later loads from that source are a few large
+        copies. Values are kept. Only where every named tensor has its parameter's dtype and the parameter
+        is on this engine's device; returns whether it moved them. Call with no generation running: the
+        static decoder (its fused views, cache and graphs) is dropped and made again by the next generate."""
+        names = byte_order(named_tensors)
+        by_name = dict(named_tensors)
+        if any(by_name[n].dtype != self._params[n].dtype or self._params[n].device != self.device for n in names):
+            return False
+        with self.lock:
+            if self._static is not None:  # free its cache and graphs before the arena takes its memory
+                self._static.release()
+                self._static = None
+            self._arenas = []
+            storages: dict[int, list[str]] = {}
+            for n in names:
+                storages.setdefault(by_name[n].untyped_storage().data_ptr(), []).append(n)
+            groups = fusion_groups(self.model)
+            self._arenas = [Arena(self._params, arena_order(part, groups), self.device) for part in storages.values()]
+            self._runs = None
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # what the parameters held before goes back to the driver
+        return True
+
+    def load_mapped(self, mapping_id: str, named_tensors: list[tuple[str, torch.Tensor]]) -> int:
+        """`load_named_tensors` for mapping `mapping_id`'s tensors (checked when it was mapped): the copies
+        joined into runs of bytes that continue on both sides (weight_layout.copy_runs), planned once per
+        mapping and parameter layout. Returns the number of copies made."""
+        with self.lock, torch.no_grad():
+            dst = [self._params[n].data for n, _ in named_tensors]
+            key = (mapping_id, tuple(d.data_ptr() for d in dst))
+            if self._runs is None or self._runs[0] != key:
+                self._runs = (key, copy_runs([(t, d) for (_, t), d in zip(named_tensors, dst)]))
+            runs = self._runs[1]
+            self.weight_writes += 1
+            if self.device.type == "cuda" and all(s.device == self.device for s, _ in runs):
+                torch._foreach_copy_([d for _, d in runs], [s for s, _ in runs])
+            else:
+                for s, d in runs:
+                    d.copy_(s)
+            if self.device.type == "cuda":  # the sources are another process's memory: done before we answer
+                torch.cuda.synchronize(self.device)
+        return len(runs)
+
+    def forget_mapped(self) -> None:
+        """Drop the planned copies (they hold the mapped memory, which a new mapping lets go of)."""
+        with self.lock:
+            self._runs = None
+
+    def arena_bytes(self) -> int:
+        """Bytes of the parameters' arenas (0 before adopt_layout)."""
+        return sum(a.nbytes for a in self._arenas)
+
     def release_memory(self, tags: set[str]) -> None:
         """Colocated mode on a GPU (SGLang's release_memory_occupation): "kv_cache" and "cuda_graph" free the
         static decoder's cache and graphs (made again on the next generate); "weights" moves the model to
@@ -486,6 +544,8 @@ class Generator:
                 if "weights" in tags:
                     self._static = None  # it holds the fused q/k/v and gate/up tensors: they go too
             if "weights" in tags:
+                for arena in self._arenas:  # whole, so the layout comes back with them
+                    arena.to("cpu")
                 self.model.to("cpu")  # parameters keep their identity (the name map stays valid)
             torch.cuda.empty_cache()
 
@@ -504,6 +564,8 @@ class Generator:
         graphs are made lazily by the next generate."""
         if self.device.type == "cuda" and "weights" in tags:
             with self.lock:
+                for arena in self._arenas:
+                    arena.to(self.device)
                 self.model.to(self.device)
 
     def get_weight(self, name: str, rows: int | None = None) -> torch.Tensor:

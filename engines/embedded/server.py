@@ -334,6 +334,8 @@ def _map_weights(state: EngineState, body: dict, max_bytes: int) -> str:
         raise ContractError("mapping_id must be a non-empty string")
     with state.cond:
         state.mapping = None  # the earlier mapping's buffers go first (its sender may be waiting for them)
+        state.mapping_adopted = False
+    state.gen.forget_mapped()
     try:
         named = load_buckets(payloads, max_bytes)
         state.gen.check_named(named)
@@ -354,11 +356,18 @@ def _update_from_mapped(state: EngineState, body: dict) -> str:
         held = "none" if current is None else f"{current[0]!r}"
         raise EngineStateError(f"{UNKNOWN_MAPPING} {mapping_id!r} (this engine holds {held}): map the weights "
                                f"with /reflow/map_weights first")
+    t0 = time.perf_counter()
     with state.paused(body.get("pause_mode", "abort")), state.writing():
-        count = state.gen.load_named_tensors(current[1])
+        with state.cond:  # the first push found idle lays the weights out as the mapped source (nothing mid-batch
+            adopt = not state.mapping_adopted and not state.running  # may hold the old ones)
+            state.mapping_adopted |= adopt
+        if adopt:
+            state.gen.adopt_layout(current[1])
+        copies = state.gen.load_mapped(mapping_id, current[1])
         if version is not None:
             state.gen.weight_version = str(version)
-    return f"Success: loaded {count} mapped tensors"
+    return {"message": f"Success: loaded {len(current[1])} mapped tensors", "copies": copies,
+            "seconds": time.perf_counter() - t0, "arena_bytes": state.gen.arena_bytes()}
 
 
 def _init_group(state: EngineState, body: dict) -> str:

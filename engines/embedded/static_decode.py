@@ -14,8 +14,9 @@ over the first t cache positions, t a power-of-two bucket >= the longest row. Gr
 lazily, once per (b, t), on first need.
 
 Fewer kernels per layer (a graph replays them back to back, so their count sets the step time at small
-batches): q/k/v are one matrix product and gate/up another, because the model's q/k/v (gate/up) weights
-are re-pointed as views into one fused tensor each: pushed weights land in place in the fused tensors,
+batches): q/k/v are one matrix product and gate/up another, over one fused tensor each that the model's
+q/k/v (gate/up) weights are views of (where the engine's weight arena already lays them back to back,
+the fused tensor is a view of them instead): pushed weights land in place in the fused tensors,
 and HF's own forward (the eager path, prompt logprobs) runs on the same memory. RMSNorm is
 torch's fused `rms_norm` with HF's float32 arithmetic; q and k are rotated together; the attention mask
 is made once per step as an additive bias. The query heads sharing a KV head attend as a group of G
@@ -56,18 +57,57 @@ def batch_bucket(n: int) -> int:
     return -(-n // step) * step
 
 
+def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One tensor over `tensors` where they already lie back to back in one storage (contiguous, one dtype,
+    the same trailing shape): a view, nothing copied; else None."""
+    first = tensors[0]
+    at = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != at):
+            return None
+        at += t.numel()
+    shape = (sum(t.shape[0] for t in tensors), *first.shape[1:])
+    return torch.empty(0, dtype=first.dtype, device=first.device).set_(first.untyped_storage(), first.storage_offset(), shape)
+
+
+def _fuse_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """One tensor over `tensors` (dim 0) whose writes both sides see: a view where they lie back to back
+    (the engine's weight arena lays them so: weight_layout.py), else a concatenation they are re-pointed into."""
+    whole = _adjacent([t.data for t in tensors])
+    if whole is not None:
+        return whole
+    whole = torch.cat([t.data for t in tensors])
+    for t, part in zip(tensors, whole.split([t.shape[0] for t in tensors])):
+        t.data = part
+    return whole
+
+
 def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight (and bias) for several linears on the same input, their own parameters re-pointed as
-    views into it (so writes to either side are seen by both)."""
-    w = torch.cat([m.weight.data for m in linears])
-    for m, part in zip(linears, w.split([m.weight.shape[0] for m in linears])):
-        m.weight.data = part
+    """One weight (and bias) for several linears on the same input (`_fuse_one`)."""
+    w = _fuse_one([m.weight for m in linears])
     if any(m.bias is None for m in linears):
         return w, None
-    b = torch.cat([m.bias.data for m in linears])
-    for m, part in zip(linears, b.split([m.bias.shape[0] for m in linears])):
-        m.bias.data = part
-    return w, b
+    return w, _fuse_one([m.bias for m in linears])
+
+
+def fusion_groups(model) -> list[list[str]]:
+    """Names (as `model.named_parameters` gives them) of the tensors the static decoder fuses, in fusion
+    order: per layer q/k/v weights, q/k/v biases (where all three have one), gate/up weights (SiLU MLPs).
+    Empty for a model this decoder cannot run."""
+    if StaticDecoder.supports(model) is not None:
+        return []
+    name = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    groups = []
+    for layer in model.model.layers:
+        a, mlp = layer.self_attn, layer.mlp
+        linears = [a.q_proj, a.k_proj, a.v_proj]
+        groups.append([name[id(m.weight)] for m in linears])
+        if all(m.bias is not None for m in linears):
+            groups.append([name[id(m.bias)] for m in linears])
+        if StaticDecoder.fuses_mlp(layer, model.config):
+            groups.append([name[id(mlp.gate_proj.weight)], name[id(mlp.up_proj.weight)]])
+    return groups
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -108,10 +148,14 @@ class StaticDecoder:
     @staticmethod
     def _plan(layer, cfg) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp
-        fuse_mlp = getattr(cfg, "hidden_act", None) == "silu" and all(hasattr(mlp, n) for n in
-                                                                     ("gate_proj", "up_proj", "down_proj"))
         return _Layer(layer, _fuse([a.q_proj, a.k_proj, a.v_proj]),
-                      _fuse([mlp.gate_proj, mlp.up_proj]) if fuse_mlp else None)
+                      _fuse([mlp.gate_proj, mlp.up_proj]) if StaticDecoder.fuses_mlp(layer, cfg) else None)
+
+    @staticmethod
+    def fuses_mlp(layer, cfg) -> bool:
+        """Whether this layer's gate and up projections run as one product (a SiLU MLP of Llama's shape)."""
+        return getattr(cfg, "hidden_act", None) == "silu" and all(hasattr(layer.mlp, n) for n in
+                                                                  ("gate_proj", "up_proj", "down_proj"))
 
     def stale(self) -> bool:
         """Whether the model's tensors were replaced since the fusion (e.g. moved to another device)."""

@@ -22,7 +22,9 @@ storage cannot be reused for something else meanwhile: torch keeps memory anothe
 (its CUDA IPC reference count, the file_system strategy's count in the segment) until that process
 lets go, which the engine does when the next mapping replaces this one. An engine that does not know
 the mapping (restarted at the same URL, or mapped by another trainer since) answers 400 and the push
-maps again once.
+maps again once. The first push the engine takes while idle lays its weights out as what it mapped
+(reflow.engines.embedded.weight_layout): from then on a push of the trainer's one flat storage is one
+copy on the engine's side (Llama's shape; Qwen2's q/k/v biases make it 1 + 5 per layer).
 
 Before the update call the sender waits for its device (the optimizer step's writes are done) and
 holds its tensors still until the call returns (rank 0 is inside the push; the engine has copied and
@@ -126,7 +128,8 @@ class MappedSender:
              stable: bool = False) -> dict:
         """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
         `stable`: these are the live tensors, which keep their storage from push to push (the engine may map
-        them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push}."""
+        them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push,
+        "copies": the copies the engines made, all together}."""
         direct = stable and _direct(named) and all(t.is_contiguous() for _, t in named)
         if direct:
             signature = ("direct", *_direct_signature(named))
@@ -138,13 +141,15 @@ class MappedSender:
             groups = lambda: [(flat, metadata)]  # noqa: E731
         _wait_for_devices(named)  # the optimizer step's (and the packing's) writes are done
         if len(clients) == 1:  # the usual colocated case: no thread for one call
-            remapped = [self._push_one(clients[0], groups, version, pause_mode, signature)]
+            answers = [self._push_one(clients[0], groups, version, pause_mode, signature)]
         else:
             with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-                remapped = list(pool.map(lambda c: self._push_one(c, groups, version, pause_mode, signature), clients))
+                answers = list(pool.map(lambda c: self._push_one(c, groups, version, pause_mode, signature), clients))
         with self.lock:
             buffers = self.maps[clients[0].url].buffers
-        return {"buckets": buffers, "mapped": sum(remapped)}
+        # copies: what the engines' copying took, all together (one per run of bytes: embedded/weight_layout.py)
+        return {"buckets": buffers, "mapped": sum(r for r, _ in answers),
+                "copies": sum(int(out.get("copies", 0)) for _, out in answers)}
 
     def _buffer(self, layout_key: tuple, named: Named) -> tuple[torch.Tensor, list]:
         with self.lock:
@@ -172,7 +177,7 @@ class MappedSender:
             out = client.update_weights_from_mapped(m.id, version, pause_mode)
         if not out.get("success", False):
             raise BucketError(f"engine {client.url} refused a mapped weight update: {out.get('message')}")
-        return remapped
+        return remapped, out
 
     def _map(self, client: EngineClient, groups, signature: tuple) -> _Mapping:
         """Hand the engine one payload per storage of `groups()` (its own pickles: buckets.SharedBucket says why)."""
