@@ -5,7 +5,8 @@ in a real run: an `EmbeddedEngine` (HTTP server, model on the GPU) in a spawned 
 trainer (DeepSpeed `TrainerRank`, ZeRO-1, bf16) is this process.
 
 - push: `push_weights` in mode=tensor with the trainer's parameters on the GPU (verify off): mapped (the
-  default, weight_sync.map_once: the engine maps the parameters once by CUDA IPC, a push is one call), mapped
+  default, weight_sync.map_once: the engine maps the parameters once by CUDA IPC and lays its own weights
+  out as them, a push is one call through the engine's local socket: also timed through HTTP), mapped
   and packed (one buffer packed per push), and SGLang's calls (a CUDA IPC handle per bucket inside pause,
   flush, begin, end, continue), against plain copies of the same bytes in this process: one
   device-to-device copy of a flat buffer, one multi-tensor copy of every parameter, and one `copy_` per
@@ -93,6 +94,25 @@ def bench_push(trainer, client, args) -> dict:
     def mapped():  # the default: the engine maps the trainer's parameters once; a push is one call
         push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off, stable=True)
 
+    from reflow.engines.weights.mapped import MAPPED
+
+    engine_s: list[float] = []
+
+    def mapped_local():  # the default, keeping what the engine says it spent inside the call
+        out = push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off, stable=True)
+        engine_s.append(out["engine_seconds"])
+        res_extra["copies"] = out["copies"]
+
+    def mapped_http():  # the same, its one call through HTTP instead of the engine's local socket
+        local = MAPPED.local.pop(client.url, None)
+        try:
+            mapped()
+        finally:
+            if local is not None:
+                MAPPED.local[client.url] = local
+
+    res_extra: dict = {}
+
     def mapped_packed():  # mapped once, but packed into one buffer at each push (what ZeRO-3 gathers take)
         push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off)
 
@@ -138,17 +158,21 @@ def bench_push(trainer, client, args) -> dict:
            "window_and_send_s": _best(send, args.repeat)}
     storages = len({p.untyped_storage().data_ptr() for p in src})
     res |= {"gb": nbytes / 1e9, "parameters": len(src), "parameter_storages": storages,
-            "mapped_s": _best(mapped, args.repeat), "mapped_packed_s": _best(mapped_packed, args.repeat),
+            "mapped_s": _best(mapped_local, args.repeat), "mapped_http_s": _best(mapped_http, args.repeat),
+            "mapped_packed_s": _best(mapped_packed, args.repeat),
             "ipc_s": _best(ipc, args.repeat), "staged_s": _best(staged, args.repeat),
             "gather_device_s": _best(lambda: trainer._gathered(keep=True, on_device=True), args.repeat),
             "d2d_flat_s": _best(lambda: flat_b.copy_(flat_a), args.repeat),
             "d2d_per_tensor_s": _best(per_tensor, args.repeat), "d2d_foreach_s": _best(foreach, args.repeat)}
-    for k in ("mapped", "mapped_packed", "ipc", "staged", "d2d_flat", "d2d_per_tensor", "d2d_foreach"):
+    res |= {"engine_call_s": min(engine_s), "engine_copies": res_extra.get("copies"),
+            "local_socket_calls": MAPPED.local_calls}
+    for k in ("mapped", "mapped_http", "mapped_packed", "ipc", "staged", "d2d_flat", "d2d_per_tensor", "d2d_foreach"):
         res[f"{k}_gbs"] = res["gb"] / res[f"{k}_s"]
     # ipc_ratio: the default colocated push (mapped) against one plain device copy of the same bytes
     res["ipc_ratio"] = res["mapped_gbs"] / res["d2d_flat_gbs"]
     res["ipc_ratio_foreach"] = res["mapped_gbs"] / res["d2d_foreach_gbs"]
     res["ipc_ratio_per_tensor"] = res["mapped_gbs"] / res["d2d_per_tensor_gbs"]
+    res["ipc_ratio_http"] = res["mapped_http_gbs"] / res["d2d_flat_gbs"]  # the same push, its call through HTTP
     res["sglang_calls_ratio"] = res["ipc_gbs"] / res["d2d_flat_gbs"]  # the push before map_once
     checks = {}
     for name, kw in (("mapped", {"stable": True}), ("sglang_calls", {})):
@@ -161,6 +185,9 @@ def bench_push(trainer, client, args) -> dict:
     print(f"  push parts (SGLang's calls): update window {res['window_s'] * 1e3:.1f} ms, pack {res['pack_s'] * 1e3:.1f} ms "
           f"(flatten {res['flatten_s'] * 1e3:.1f}), window + send {res['window_and_send_s'] * 1e3:.1f} ms, gather on "
           f"the GPU {res['gather_device_s'] * 1e3:.1f} ms; {len(src)} parameters in {storages} storages")
+    print(f"  mapped push: {res['engine_copies']} copies on the engine's side, {res['engine_call_s'] * 1e3:.2f} ms inside "
+          f"its call; the call through HTTP {res['mapped_http_s'] * 1e3:.2f} ms (ratio {res['ipc_ratio_http']:.2f}); "
+          f"{res['local_socket_calls']} calls through the local socket")
     print(f"  push {res['gb']:.2f} GB: mapped {res['mapped_s'] * 1e3:.2f} ms ({res['mapped_gbs']:.0f} GB/s), mapped and "
           f"packed {res['mapped_packed_s'] * 1e3:.2f} ms, SGLang's calls (CUDA IPC) {res['ipc_s'] * 1e3:.1f} ms, staged "
           f"{res['staged_s'] * 1e3:.0f} ms; plain d2d: flat {res['d2d_flat_s'] * 1e3:.2f} ms, foreach "

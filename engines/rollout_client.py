@@ -57,6 +57,11 @@ class EngineClient:
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
                                   headers=bearer(api_key), verify=not self.url.startswith("http://"))
 
+    @property
+    def api_key(self) -> str | None:
+        """The key this client sends (for another channel to the same engine: its local socket)."""
+        return self._api_key
+
     def __repr__(self) -> str:  # never the key
         return f"EngineClient({self.url!r})"
 

@@ -20,6 +20,7 @@ from reflow.engines.hf_io import load_causal_lm, load_tokenizer
 from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.weights.buckets import BucketError, flatten, load_payload, serialize_bucket, unflatten
+from reflow.engines.weights.mapped import MAPPED
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
 from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model
@@ -530,11 +531,12 @@ def test_push_weights_full_verify_changes_generation(fresh_engine, tok, map_once
     c = EngineClient(fresh_engine.url(), api_key=KEY)
     new = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=7)
     named = list(new.state_dict().items())
+    local_calls = MAPPED.local_calls
     stats = push_weights([c], named, "v1", PushSettings(bucket_bytes=16 << 10, verify="full", map_once=map_once))
     assert stats["buckets"] == 1 if map_once else stats["buckets"] > 1
     assert stats["verified_tensors"] == len(named) and ("mapped" in stats) == map_once
     if map_once:  # the engine laid its weights out as the mapped buffer: one copy (embedded/weight_layout.py)
-        assert stats["copies"] == 1
+        assert stats["copies"] == 1 and MAPPED.local_calls > local_calls  # through the local socket
     assert c.model_info()["weight_version"] == "v1"
     p = tok.encode("(3+4)*5=")
     out = c.generate(input_ids=p, sampling_params={"temperature": 0.0, "max_new_tokens": 12})

@@ -161,7 +161,8 @@ def test_a_mapping_follows_its_own_buffer_when_another_layout_is_pushed_between(
     sender.push([a], _named(600), "a-1")
     sender.push([b], _named(601)[:3], "b-1")
     latest = _named(602)
-    assert sender.push([a], latest, "a-2") == {"buckets": 1, "mapped": 0, "copies": 1}  # a's weights: laid as the buffer
+    out = sender.push([a], latest, "a-2")
+    assert (out["buckets"], out["mapped"], out["copies"]) == (1, 0, 1)  # and a's weights are laid out as the buffer
     assert verify_weights([a], latest, "a-2", "full") == len(latest)
 
 

@@ -11,7 +11,8 @@ before anything is allocated for it.
 Departure: flush_cache has no prefix cache to drop.
 Extensions (under /reflow/, advertised by /server_info's `reflow_mapped_weights`; never asked of an SGLang
 engine): /reflow/map_weights and /reflow/update_weights_from_mapped, the trainer's weights mapped once and
-copied at each push in one call (reflow.engines.weights.mapped).
+copied at each push in one call (reflow.engines.weights.mapped); the second is served on a private Unix
+socket too, for a trainer on the same host (reflow.engines.embedded.local_control).
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from reflow.engines.embedded.contract import (
     parse_generate,
 )
 from reflow.engines.embedded.generator import Generator, SamplingConfig
+from reflow.engines.embedded.local_control import LOCAL_CONTROL, LocalControlServer
 from reflow.engines.embedded.lora import add_routes as lora_routes
 from reflow.engines.embedded.lora import check_lora_path
 from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
@@ -83,20 +85,30 @@ def weight_bytes_limit(generator: Generator) -> int:
 
 def build_app(generator: Generator, server_info: dict, api_key: str, *,
               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
-              storage: StorageAccess | None = None) -> FastAPI:
+              storage: StorageAccess | None = None, local_control: bool = True) -> FastAPI:
     """FastAPI app serving SGLang's native endpoints over `generator`, behind `api_key`.
 
     server_info: static facts reported by /server_info and /model_info (model_path,
     tokenizer_path, dtype, engine_id, ...). `app.state.engine` is the shared EngineState.
     max_weight_bytes: shared memory one weight payload may map (default `weight_bytes_limit`).
     storage: how update_weights_from_disk reaches a folder in object storage (the run's endpoint, retries).
+    local_control: also serve /reflow/update_weights_from_mapped on a private Unix socket while the app runs
+    (advertised in /server_info; reflow.engines.embedded.local_control).
     """
     state = EngineState(generator, server_info, storage)
 
     @asynccontextmanager
     async def lifespan(_app):
-        yield
-        state.close()  # server stopping: abort what runs, stop the worker
+        # the local socket for a colocated push's one call (reflow.engines.embedded.local_control)
+        local = LocalControlServer(api_key, {"update_weights_from_mapped": lambda body: _update_from_mapped(state, body)},
+                                   errors=(ValueError, KeyError, EngineStateError)) if local_control else None
+        state.local_control = local.info() if local else None
+        try:
+            yield
+        finally:
+            if local is not None:
+                local.close()
+            state.close()  # server stopping: abort what runs, stop the worker
 
     app = FastAPI(title="reflow embedded engine (SGLang API)", lifespan=lifespan)
     app.add_middleware(HttpGuard, api_key=api_key, max_body_bytes=max_body_bytes)
@@ -171,7 +183,8 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
                 "max_running_requests": state.gen.max_batch_size, "context_length": state.gen.context_len,
                 "weight_version": state.gen.weight_version, "internal_states": [state.load()],
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),
-                "memory_events": state.memory_events, **state.gen.memory_stats()}
+                "memory_events": state.memory_events, **state.gen.memory_stats(),
+                **({LOCAL_CONTROL: state.local_control} if state.local_control else {})}
 
     # SGLang 0.5.23 still serves the old names (deprecated, with a warning each call): same answers.
     @app.get("/get_model_info")

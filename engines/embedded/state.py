@@ -51,6 +51,7 @@ class EngineState:
         self.session_open = False
         self.groups: dict = {}  # group_name -> weight-update process group (reflow.engines.weights.group)
         self.mapping: tuple[str, list] | None = None  # (id, named tensors) mapped by /reflow/map_weights
+        self.local_control: dict | None = None  # where the local socket is, while the app runs (local_control.py)
         self.mapping_adopted = False  # whether the weights were laid out as the mapping (generator.adopt_layout)
         self.writers = 0  # weight writes in progress
         self.released: set[str] = set()

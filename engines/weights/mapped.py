@@ -32,6 +32,7 @@ synchronized before it answers).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
+from reflow.engines.embedded.local_control import LOCAL_CONTROL, LocalControlClient, LocalControlError
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.weights.buckets import (
     BucketError,
@@ -55,6 +57,7 @@ from reflow.engines.weights.buckets import (
 CAPABILITY = "reflow_mapped_weights"  # in an engine's /server_info: it serves the two endpoints below
 UNKNOWN_MAPPING = "unknown weight mapping"  # in the engine's 400 answer when it holds another (or none)
 Named = list[tuple[str, torch.Tensor]]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -116,20 +119,50 @@ class MappedSender:
         self.packed: dict[tuple, tuple[torch.Tensor, list]] = {}
         self.lock = threading.Lock()
         self.map_calls = 0  # how many times an engine was (re)mapped: tests and stats read it
+        self.local: dict[str, LocalControlClient] = {}  # engine URL -> its local socket, where on this host
+        self.local_calls = 0  # updates that went through a local socket (tests and stats read it)
 
     def supports(self, clients: list[EngineClient]) -> bool:
-        """Whether every engine serves the mapped endpoints (asked once per URL)."""
+        """Whether every engine serves the mapped endpoints (asked once per URL; also where its local socket is)."""
         for c in clients:
             if c.url not in self.capable:
-                self.capable[c.url] = bool(c.server_info().get(CAPABILITY, False))
+                info = c.server_info()
+                self.capable[c.url] = bool(info.get(CAPABILITY, False))
+                local = info.get(LOCAL_CONTROL)
+                if self.capable[c.url] and LocalControlClient.usable(local):
+                    with self.lock:
+                        self.local[c.url] = LocalControlClient(local, c.api_key, c.timeout)
         return all(self.capable[c.url] for c in clients)
+
+    def _update(self, client: EngineClient, mapping_id: str, version: str, pause_mode: str) -> dict:
+        """/reflow/update_weights_from_mapped: through the engine's local socket where it has one on this host
+        (~0.03 ms against ~1 ms through HTTP), else, or when the socket fails, through HTTP (and the engine's
+        /server_info is asked again at the next push: it may have restarted elsewhere)."""
+        with self.lock:
+            local = self.local.get(client.url)
+        body = {"mapping_id": mapping_id, "weight_version": version, "pause_mode": pause_mode}
+        if local is not None:
+            try:
+                out = local.call("update_weights_from_mapped", body)
+                self.local_calls += 1
+                return out
+            except LocalControlError as e:  # the engine's own answer: what HTTP would have raised
+                raise EngineError(client.url, f"/reflow/update_weights_from_mapped (local socket {local.info['path']})",
+                                  e.status, e.message) from e
+            except OSError as e:
+                log.warning("engine %s: its local socket failed (%s); this push goes through HTTP", client.url, e)
+                with self.lock:
+                    self.local.pop(client.url, None)
+                    self.capable.pop(client.url, None)
+        return client.update_weights_from_mapped(mapping_id, version, pause_mode)
 
     def push(self, clients: list[EngineClient], named: Named, version: str, pause_mode: str = "abort",
              stable: bool = False) -> dict:
         """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
         `stable`: these are the live tensors, which keep their storage from push to push (the engine may map
         them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push,
-        "copies": the copies the engines made, all together}."""
+        "copies": the copies the engines made, all together, "engine_seconds": the longest an engine took inside
+        its call (pause, copies, synchronize, resume)}."""
         direct = stable and _direct(named) and all(t.is_contiguous() for _, t in named)
         if direct:
             signature = ("direct", *_direct_signature(named))
@@ -149,7 +182,8 @@ class MappedSender:
             buffers = self.maps[clients[0].url].buffers
         # copies: what the engines' copying took, all together (one per run of bytes: embedded/weight_layout.py)
         return {"buckets": buffers, "mapped": sum(r for r, _ in answers),
-                "copies": sum(int(out.get("copies", 0)) for _, out in answers)}
+                "copies": sum(int(out.get("copies", 0)) for _, out in answers),
+                "engine_seconds": max(float(out.get("seconds", 0.0)) for _, out in answers)}
 
     def _buffer(self, layout_key: tuple, named: Named) -> tuple[torch.Tensor, list]:
         with self.lock:
@@ -169,12 +203,12 @@ class MappedSender:
         if remapped:
             m = self._map(client, groups, signature)
         try:
-            out = client.update_weights_from_mapped(m.id, version, pause_mode)
+            out = self._update(client, m.id, version, pause_mode)
         except EngineError as e:
             if e.status != 400 or UNKNOWN_MAPPING not in e.message:
                 raise
             m, remapped = self._map(client, groups, signature), True  # the engine lost it: map once more
-            out = client.update_weights_from_mapped(m.id, version, pause_mode)
+            out = self._update(client, m.id, version, pause_mode)
         if not out.get("success", False):
             raise BucketError(f"engine {client.url} refused a mapped weight update: {out.get('message')}")
         return remapped, out
