@@ -121,6 +121,7 @@ class MappedSender:
         self.map_calls = 0  # how many times an engine was (re)mapped: tests and stats read it
         self.local: dict[str, LocalControlClient] = {}  # engine URL -> its local socket, where on this host
         self.local_calls = 0  # updates that went through a local socket (tests and stats read it)
+        self._facts: tuple | None = None  # (names and addresses, _direct_facts' answer) of the last stable push
 
     def supports(self, clients: list[EngineClient]) -> bool:
         """Whether every engine serves the mapped endpoints (asked once per URL; also where its local socket is)."""
@@ -163,14 +164,14 @@ class MappedSender:
         them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push,
         "copies": the copies the engines made, all together, "engine_seconds": the longest an engine took inside
         its call (pause, copies, synchronize, resume)}."""
-        direct = stable and _direct(named) and all(t.is_contiguous() for _, t in named)
+        direct, signature, nbytes = self._direct_facts(named, stable)
         if direct:
-            signature = ("direct", *_direct_signature(named))
             groups = lambda: storage_groups(named)  # noqa: E731 - built only when an engine maps them
         else:
             flat, metadata = self._buffer(_packed_signature(named), named)
             signature = ("packed", flat.data_ptr(), *_packed_signature(named))  # the buffer the engine maps, too
             pack_into(flat, metadata, named)  # once, whatever the number of engines
+            nbytes = sum(m[5] for m in metadata)
             groups = lambda: [(flat, metadata)]  # noqa: E731
         _wait_for_devices(named)  # the optimizer step's (and the packing's) writes are done
         if len(clients) == 1:  # the usual colocated case: no thread for one call
@@ -181,9 +182,27 @@ class MappedSender:
         with self.lock:
             buffers = self.maps[clients[0].url].buffers
         # copies: what the engines' copying took, all together (one per run of bytes: embedded/weight_layout.py)
-        return {"buckets": buffers, "mapped": sum(r for r, _ in answers),
+        return {"buckets": buffers, "mapped": sum(r for r, _ in answers), "bytes": nbytes,
                 "copies": sum(int(out.get("copies", 0)) for _, out in answers),
                 "engine_seconds": max(float(out.get("seconds", 0.0)) for _, out in answers)}
+
+    def _direct_facts(self, named: Named, stable: bool) -> tuple[bool, tuple | None, int | None]:
+        """(whether the engines may map `named` where they are, the mapping's signature if so, their bytes), worked out
+        once per list of names and addresses: the checks walk every tensor (0.3 ms for 290 on the H200
+        machine's host, more than half the device copy they lead to). A tensor at an address the engines
+        mapped is still the tensor they mapped (see _direct_signature)."""
+        if not stable:
+            return False, None, None
+        key = (tuple(n for n, _ in named), tuple(t.data_ptr() for _, t in named))
+        with self.lock:
+            if self._facts is not None and self._facts[0] == key:
+                return self._facts[1]
+        direct = _direct(named) and all(t.is_contiguous() for _, t in named)
+        facts = (direct, ("direct", *_direct_signature(named)) if direct else None,
+                 sum(t.numel() * t.element_size() for _, t in named))
+        with self.lock:
+            self._facts = (key, facts)
+        return facts
 
     def _buffer(self, layout_key: tuple, named: Named) -> tuple[torch.Tensor, list]:
         with self.lock:

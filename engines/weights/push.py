@@ -372,7 +372,10 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
                 buckets = _send_disk(clients, model_path, version)
     seconds = time.perf_counter() - t0
     checked = check_pushed(clients, named_tensors, version, s, probe)
-    return {"mode": s.mode, "bytes": sum(t.numel() * t.element_size() for _, t in named_tensors), "seconds": seconds,
+    nbytes = extra.pop("bytes", None)  # the mapped push knows it already (a walk over every tensor otherwise)
+    if nbytes is None:
+        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
+    return {"mode": s.mode, "bytes": nbytes, "seconds": seconds,
             "buckets": buckets, "engines": len(clients), **extra, **checked, **({"group_reused": group_reused}
                                                                          if s.mode == "distributed" else {}),
             "verify_seconds": time.perf_counter() - t0 - seconds}
