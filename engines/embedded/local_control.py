@@ -63,10 +63,12 @@ def _read(f) -> dict | None:
 
 class LocalControlServer:
     """Listens on a fresh private socket path; one thread per connection runs `handlers[op](body)`.
-    `errors`: exception types answered as 400 (the caller's fault), as the HTTP endpoints answer them."""
+    `errors`: exception types answered as 400 (the caller's fault), with the message `describe` makes of
+    them: both as the HTTP endpoints answer them."""
 
-    def __init__(self, api_key: str, handlers: dict[str, Handler], errors: tuple[type[BaseException], ...] = ()):
-        self._key, self.handlers, self.errors = api_key, handlers, errors
+    def __init__(self, api_key: str, handlers: dict[str, Handler], errors: tuple[type[BaseException], ...] = (),
+                 describe: Callable[[BaseException], str] = str):
+        self._key, self.handlers, self.errors, self.describe = api_key, handlers, errors, describe
         self.instance = uuid.uuid4().hex
         self.dir = tempfile.mkdtemp(prefix="reflow-engine-")  # 0700: only this user may even reach the socket
         self.path = os.path.join(self.dir, "control.sock")
@@ -130,7 +132,7 @@ class LocalControlServer:
         try:
             return {"success": True, **handler(body)}
         except self.errors as e:
-            return {"success": False, "status": 400, "message": str(e.args[0]) if e.args else str(e)}
+            return {"success": False, "status": 400, "message": self.describe(e)}
         except Exception as e:  # noqa: BLE001 - answered (and logged) as HTTP's 500 would be
             log.exception("local control %s failed", op)
             return {"success": False, "status": 500, "message": f"{type(e).__name__}: {e}"}

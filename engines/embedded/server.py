@@ -101,7 +101,7 @@ def build_app(generator: Generator, server_info: dict, api_key: str, *,
     async def lifespan(_app):
         # the local socket for a colocated push's one call (reflow.engines.embedded.local_control)
         local = LocalControlServer(api_key, {"update_weights_from_mapped": lambda body: _update_from_mapped(state, body)},
-                                   errors=(ValueError, KeyError, EngineStateError)) if local_control else None
+                                   errors=(ValueError, KeyError, EngineStateError), describe=_msg) if local_control else None
         state.local_control = local.info() if local else None
         try:
             yield

@@ -9,7 +9,7 @@ parameters into one buffer per trainer storage (an `Arena`), in the trainer's by
 the tensors its static decoder fuses (q/k/v, gate/up: `static_decode.fusion_groups`) sit together, so
 the decoder views them in place instead of concatenating copies. A push then copies runs of bytes that
 continue on both sides (`copy_runs`): one for a Llama-shaped model whose trainer storage is one
-buffer, six per layer for Qwen2's q/k/v biases (they sit between the weights in the trainer's order).
+buffer, 1 + 5 per layer for Qwen2 (its q/k/v biases sit between the weights in the trainer's order).
 
 The arena is the parameters' memory from then on: colocated mode's release moves it to host memory
 whole and back (`Arena.to`), so the layout survives the hand-over.
@@ -17,6 +17,8 @@ whole and back (`Arena.to`), so the layout survives the hand-over.
 from __future__ import annotations
 
 import torch
+
+from reflow.engines.weights.buckets import storage_bytes
 
 Pair = tuple[torch.Tensor, torch.Tensor]  # (source, destination)
 
@@ -91,11 +93,6 @@ class Arena:
         self._point(copy=False)
 
 
-def _whole(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
-    """`nbytes` bytes of `t`'s storage from byte `start`, as a uint8 tensor."""
-    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (nbytes,))
-
-
 def copy_runs(pairs: list[Pair]) -> list[Pair]:
     """The same copies as fewer, larger ones: consecutive (source, destination) pairs of one dtype whose
     bytes continue exactly on both sides (same storages, no gap) become one uint8 pair. Pairs that cannot
@@ -105,7 +102,7 @@ def copy_runs(pairs: list[Pair]) -> list[Pair]:
 
     def close() -> None:
         if run is not None:
-            out.append((_whole(run[5], run[2], run[4]), _whole(run[6], run[3], run[4])))
+            out.append((storage_bytes(run[5], run[2], run[4]), storage_bytes(run[6], run[3], run[4])))
 
     for src, dst in pairs:
         joinable = src.dtype == dst.dtype and src.is_contiguous() and dst.is_contiguous()

@@ -219,6 +219,11 @@ class BufferPool:
 BUFFERS = BufferPool()  # this process's (a trainer's rank 0 pushes one bucket at a time)
 
 
+def storage_bytes(t: torch.Tensor, start: int, nbytes: int) -> torch.Tensor:
+    """`nbytes` bytes of `t`'s storage from byte `start`, as a uint8 tensor on its device (a view: nothing copied)."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage(), start, (nbytes,))
+
+
 def _shared_uint8(nbytes: int) -> torch.Tensor:
     """A fresh uint8 [nbytes] tensor allocated in shared memory (one per bucket, freed by `release`), as a
     named file: allocated under torch's default fd strategy, its first pickle would copy it into a new

@@ -52,6 +52,7 @@ from reflow.engines.weights.buckets import (
     _shared_uint8,
     layout,
     pack_into,
+    storage_bytes,
 )
 
 CAPABILITY = "reflow_mapped_weights"  # in an engine's /server_info: it serves the two endpoints below
@@ -78,7 +79,7 @@ def storage_groups(named: Named) -> list[tuple[torch.Tensor, list[tuple]]]:
         st = t.untyped_storage()
         key = (str(t.device), st.data_ptr())
         if key not in groups:
-            whole = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),))  # [S]
+            whole = storage_bytes(t, 0, st.nbytes())  # [S]
             groups[key] = (whole, [])
         start = t.storage_offset() * t.element_size()
         nbytes = t.numel() * t.element_size()
@@ -145,7 +146,8 @@ class MappedSender:
         if local is not None:
             try:
                 out = local.call("update_weights_from_mapped", body)
-                self.local_calls += 1
+                with self.lock:  # pushes to several engines run in threads
+                    self.local_calls += 1
                 return out
             except LocalControlError as e:  # the engine's own answer: what HTTP would have raised
                 raise EngineError(client.url, f"/reflow/update_weights_from_mapped (local socket {local.info['path']})",
@@ -189,10 +191,9 @@ class MappedSender:
 
     def _direct_facts(self, named: Named, stable: bool) -> tuple[bool, tuple | None, int | None, set | None]:
         """(whether the engines may map `named` where they are, the mapping's signature if so, their bytes, their
-        CUDA devices), worked out
-        once per list of names and addresses: the checks walk every tensor (0.3 ms for 290 on the H200
-        machine's host, more than half the device copy they lead to). A tensor at an address the engines
-        mapped is still the tensor they mapped (see _direct_signature)."""
+        CUDA devices), worked out once per list of names and addresses: the checks walk every tensor (0.3 ms
+        for 290 on the H200 machine's host, more than half the device copy they lead to). A tensor at an
+        address the engines mapped is still the tensor they mapped (see _direct_signature)."""
         if not stable:
             return False, None, None, None
         key = (tuple(n for n, _ in named), tuple(t.data_ptr() for _, t in named))
