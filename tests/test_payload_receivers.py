@@ -132,7 +132,8 @@ def test_mapped_pushes_map_once_and_follow_the_trainers_tensors(engine_processes
         assert stats["buckets"] == 1 and stats["mapped"] == (2 if push == 0 else 0)
         assert stats["verified_tensors"] == 2 * len(named)
     _use_file_system_sharing()
-    live = [(n, t.clone().share_memory_()) for n, t in _named(400)]  # the trainer's own tensors, in shared memory
+    # the trainer's own tensors, in shared memory, as DeepSpeedRank hands them (LiveViews: addresses checked)
+    live = _live_views([(n, t.clone().share_memory_()) for n, t in _named(400)])
     mapped = weight_push.MAPPED.map_calls
     for push in range(3):
         with torch.no_grad():
@@ -142,12 +143,23 @@ def test_mapped_pushes_map_once_and_follow_the_trainers_tensors(engine_processes
         assert stats["verified_tensors"] == 2 * len(live) and stats["buckets"] == len(live)  # a storage each
         assert stats["mapped"] == (2 if push == 0 else 0)
     assert weight_push.MAPPED.map_calls == mapped + 2
+    assert weight_push.MAPPED._facts[2] is live  # the pushes after the first took its facts without a walk
     names = [n for n, _ in live[:3]]
     assert _engine_weights(clients[0], names) == {n: t.tolist() for n, t in live[:3]}
     # another sender maps engine 0 (as a restarted trainer would): the next push re-maps it, once
     sender.push(clients[:1], _named(500), "other-sender")
     stats = push_weights(clients, live, "live-again", full, stable=True)
     assert stats["mapped"] == 1 and stats["verified_tensors"] == 2 * len(live)
+    # the parameters moved (an offload and reload): a new LiveViews at new addresses is mapped again by both
+    moved = _live_views([(n, t.clone().share_memory_()) for n, t in _named(410)])
+    stats = push_weights(clients, moved, "moved", full, stable=True)
+    assert stats["mapped"] == 2 and stats["verified_tensors"] == 2 * len(moved)
+
+
+def _live_views(named):
+    from reflow.engines.weights.mapped import LiveViews, addresses
+
+    return LiveViews(named, addresses(t for _, t in named))
 
 
 def test_a_mapping_follows_its_own_buffer_when_another_layout_is_pushed_between(engine_processes):

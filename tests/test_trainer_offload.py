@@ -72,6 +72,14 @@ if offload:
     out["restored_after_load"] = sorted(digest()) == sorted(before)
 rank.train_iteration(batch, **_train_kw(pad))
 out["weights"] = rank.weights_checksum()
+# The push's list of live parameters: the same object while none moved (the push sender then walks nothing:
+# engines/weights/mapped.LiveViews), a new one with the new address once one moved.
+views = rank._gathered(keep=True, on_device=True)
+out["live_same"] = views is rank._gathered(keep=True, on_device=True)
+first = next(rank.engine.module.parameters())
+first.data = first.data.clone()
+moved_views = rank._gathered(keep=True, on_device=True)
+out["live_renewed"] = moved_views is not views and moved_views[0][1].data_ptr() == first.data_ptr() != views[0][1].data_ptr()
 print("RESULT " + json.dumps(out))
 """
 
@@ -92,6 +100,7 @@ def test_bf16_zero1_optimizer_state_leaves_and_returns_bit_exact(tiny_policy):
     assert moved["moved"] >= 16 * moved["params"], moved
     assert moved["left"] == 0 and moved["weights_kept"] and moved["restored"]
     assert moved["weights"] == plain["weights"]  # the next step is the one an un-offloaded trainer takes
+    assert plain["live_same"] and plain["live_renewed"], plain
     # saved while offloaded: the optimizer files load, the state went away again after, and came back intact
     assert moved["saved_states_load"] >= 1 and moved["away_after_save"] and moved["restored_after_save"], moved
     # loaded while offloaded (a colocated resume): the saved state comes back and leaves again

@@ -166,7 +166,8 @@ class DeepSpeedRank:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda)
         self.engine, *_ = deepspeed.initialize(model=model, optimizer=self.optimizer, config=cfg)
         self._live_params: list | None = None  # (HF name, parameter), listed once (_live_views)
-        self._live_cache: tuple | None = None  # (their addresses, detached views)
+        self._live_tensors: list = []  # the same parameters, for the address check
+        self._live_cache = None  # LiveViews: their detached views, keyed by their addresses
         # Dropout off: the old-logprob pass and the training pass must score the same function
         # (ratio == 1 at the first mini-batch), as the rollout engine does.
         self.engine.module.eval()
@@ -253,14 +254,17 @@ class DeepSpeedRank:
         the H200 machine's host, three times the device copy the push then makes (bench/RESULTS.md 7). The
         module's parameters are registered once (DeepSpeed wraps a fixed module), so they are listed once;
         their addresses are checked at every call (an offload or a reload moves them)."""
+        from reflow.engines.weights.mapped import LiveViews, addresses
+
         params = self._live_params
         if params is None:
             params = self._live_params = [(_hf_name(n), p) for n, p in self.engine.module.named_parameters()]
-        ptrs = tuple(p.data_ptr() for _, p in params)
+            self._live_tensors = [p for _, p in params]
+        ptrs = addresses(self._live_tensors)
         cached = self._live_cache
-        if cached is None or cached[0] != ptrs:
-            cached = self._live_cache = (ptrs, [(n, p.detach()) for n, p in params])
-        return cached[1]
+        if cached is None or cached.key != ptrs:  # the same object otherwise: the push sender knows it (LiveViews)
+            cached = self._live_cache = LiveViews([(n, p.detach()) for n, p in params], ptrs)
+        return cached
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) for every parameter, as `from_pretrained` names them. Collective."""

@@ -71,6 +71,22 @@ class _Mapping:
     buffers: int  # how many (one per storage mapped directly; one packed buffer otherwise)
 
 
+class LiveViews(list):
+    """(name, tensor) pairs whose addresses the caller checked just now, as `key` (DeepSpeedRank._live_views:
+    detached views of the live parameters, the same object while none moved). The sender then takes the
+    facts it worked out for this very object instead of walking the tensors again (0.18 ms for 290 on this
+    VM's host at every push). Any other list is walked."""
+
+    def __init__(self, pairs, key: tuple) -> None:
+        super().__init__(pairs)
+        self.key = key
+
+
+def addresses(tensors) -> tuple:
+    """Every tensor's data pointer, in order (one C-level loop: the per-push address checks)."""
+    return tuple(map(torch.Tensor.data_ptr, tensors))
+
+
 def storage_groups(named: Named) -> list[tuple[torch.Tensor, list[tuple]]]:
     """The (contiguous) tensors' storages as whole uint8 tensors, each with the metadata tuples (name, shape,
     dtype, start, end, bytes) of the tensors inside it, in first-seen order."""
@@ -122,7 +138,8 @@ class MappedSender:
         self.map_calls = 0  # how many times an engine was (re)mapped: tests and stats read it
         self.local: dict[str, LocalControlClient] = {}  # engine URL -> its local socket, where on this host
         self.local_calls = 0  # updates that went through a local socket (tests and stats read it)
-        self._facts: tuple | None = None  # (names and addresses, _direct_facts' answer) of the last stable push
+        # (names and addresses, _direct_facts' answer, the LiveViews object they were for) of the last stable push
+        self._facts: tuple | None = None
 
     def supports(self, clients: list[EngineClient]) -> bool:
         """Whether every engine serves the mapped endpoints (asked once per URL; also where its local socket is)."""
@@ -164,7 +181,8 @@ class MappedSender:
         """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
         `stable`: these are the live tensors, which keep their storage from push to push (the engine may map
         them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push,
-        "copies": the copies the engines made, all together, "engine_seconds": the longest an engine took inside
+        "copies": the copies the engines made, all together, "copy_graphs": engines whose copies were one CUDA graph
+        replayed, "engine_seconds": the longest an engine took inside
         its call (pause, copies, synchronize, resume)}."""
         direct, signature, nbytes, devices = self._direct_facts(named, stable)
         if direct:
@@ -187,6 +205,7 @@ class MappedSender:
         # copies: what the engines' copying took, all together (one per run of bytes: embedded/weight_layout.py)
         return {"buckets": buffers, "mapped": sum(r for r, _ in answers), "bytes": nbytes,
                 "copies": sum(int(out.get("copies", 0)) for _, out in answers),
+                "copy_graphs": sum(bool(out.get("graph")) for _, out in answers),
                 "engine_seconds": max(float(out.get("seconds", 0.0)) for _, out in answers)}
 
     def _direct_facts(self, named: Named, stable: bool) -> tuple[bool, tuple | None, int | None, set | None]:
@@ -196,15 +215,19 @@ class MappedSender:
         address the engines mapped is still the tensor they mapped (see _direct_signature)."""
         if not stable:
             return False, None, None, None
-        key = (tuple(n for n, _ in named), tuple(t.data_ptr() for _, t in named))
+        with self.lock:  # the object the caller checked and handed us last time: nothing to walk
+            if self._facts is not None and isinstance(named, LiveViews) and self._facts[2] is named:
+                return self._facts[1]
+        key = (tuple(n for n, _ in named), addresses(t for _, t in named))
         with self.lock:
             if self._facts is not None and self._facts[0] == key:
+                self._facts = (key, self._facts[1], named if isinstance(named, LiveViews) else None)
                 return self._facts[1]
         direct = _direct(named) and all(t.is_contiguous() for _, t in named)
         facts = (direct, ("direct", *_direct_signature(named)) if direct else None,
                  sum(t.numel() * t.element_size() for _, t in named), _cuda_devices(named))
         with self.lock:
-            self._facts = (key, facts)
+            self._facts = (key, facts, named if isinstance(named, LiveViews) else None)
         return facts
 
     def _buffer(self, layout_key: tuple, named: Named) -> tuple[torch.Tensor, list]:
