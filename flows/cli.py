@@ -115,19 +115,40 @@ def _flow_terminal(args, cfg):
     (a bad input still ends the command with one line, and the server is stopped), then Ray starts (or is
     attached to) while the server finishes starting; the flow's runtime finds Ray up. They ran one after
     another before (~40 s of a GPU run's start, bench/RESULTS.md 16); this VM: 0.94x to the first iteration
-    (RESULTS.md 18; not yet measured on a GPU)."""
-    return console.terminal(args.verbose, preflight=lambda: _preflight(cfg), meanwhile=lambda: _connect_ray(cfg))
+    (RESULTS.md 18; not yet measured on a GPU).
+    With cluster.start_early (auto: on a GPU machine) Ray starts beside the preflight instead, and the run's
+    actors right after it passed (infra/runtime.begin_runtime), while the server and the flow run start."""
+    from reflow.infra.ray_connect import EarlyConnect
+
+    early = EarlyConnect.begin(cfg, args.verbose)
+    return console.terminal(args.verbose, preflight=lambda: _preflight(cfg), meanwhile=lambda: _connect_ray(cfg, early),
+                            abandon=early.abandon if early is not None else None)
 
 
-def _connect_ray(cfg) -> None:
-    """Ray for the flow's runtime, started while Prefect's server finishes starting; not when the run's
-    checkpoint already reached num_iterations (the flow then trains nothing and starts no cluster)."""
+def _connect_ray(cfg, early=None) -> None:
+    """Ray for the flow's runtime, started while Prefect's server finishes starting (or joined: `early` started
+    it beside the preflight, and then the actors begin too); not when the run's checkpoint already reached
+    num_iterations (the flow then trains nothing and starts no cluster)."""
     from reflow.infra.ray_connect import connect, namespace_for
 
-    if _already_done(cfg):
+    done = _already_done(cfg)
+    if early is not None and (description := early.join()) is not None:
+        logging.getLogger("reflow.ray").info(description)
+        if not done:
+            _begin_runtime(cfg)
+        return
+    if done:
         return
     logging.getLogger("reflow.ray").info(
         connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)))
+
+
+def _begin_runtime(cfg) -> None:
+    """The run's actors, built from now on in the background (infra/runtime.begin_runtime; the flow takes them)."""
+    from reflow.infra.runtime import begin_runtime
+
+    if begin_runtime(cfg):
+        logging.getLogger("reflow.runtime").info("starting the run's actors while the flow run begins")
 
 
 def _already_done(cfg) -> bool:

@@ -36,19 +36,21 @@ class ServerStartError(RuntimeError):
 
 @contextmanager
 def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
-             meanwhile: Callable[[], object] | None = None):
+             meanwhile: Callable[[], object] | None = None, abandon: Callable[[], object] | None = None):
     """Around one CLI command that runs a flow: Prefect's settings are chosen before Prefect is imported
     (it reads them once) and Prefect's temporary server (when the flows would use one) begins to start in
     the background. While it starts, `preflight` runs (a failure there ends the command before anything
     is printed, and stops the server), then a line says which Prefect server the flows use and `meanwhile`
     runs (Ray's start); the body runs once the server answers. Log records go above the bar, the bar closes
     however the run ends, and a temporary server that did not start becomes ServerStartError. The
-    environment and this module's state are restored afterwards (tests call the CLI in-process)."""
+    environment and this module's state are restored afterwards (tests call the CLI in-process). `abandon`
+    runs when the body never ran (a failed preflight: what was started beside it is stopped)."""
     names = ("PREFECT_LOGGING_SETTINGS_PATH", STARTUP_TIMEOUT_ENV, "PREFECT_SERVER_ANALYTICS_ENABLED")
     saved = {k: os.environ.get(k) for k in names}
     line = _choose_settings(verbose)
     sigterm = _exit_on_sigterm()
     early = _EarlyServer.begin()  # None where a server is named (PREFECT_API_URL, a profile)
+    began = False
     try:
         if preflight is not None:
             preflight()
@@ -59,6 +61,7 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
                 meanwhile()
             if early is not None:
                 early.wait()  # no Prefect client before this: Prefect marks its server running before it answers
+            began = True
             yield
     except RuntimeError as e:
         if SERVER_START_FAILED not in str(e):  # deliberate: only Prefect's start-up failure
@@ -70,6 +73,8 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
     finally:
         if early is not None:
             early.cancel()  # stops the server if the body never ran (a failed preflight or Ray start)
+        if abandon is not None and not began:
+            abandon()
         if sigterm is not None and signal.getsignal(signal.SIGTERM) is _sigterm_exit:
             signal.signal(signal.SIGTERM, sigterm)
         close_bar()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import ray
@@ -40,7 +41,7 @@ def worker_env() -> dict[str, str]:
     return env
 
 
-def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
+def connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None) -> str:
     """Attach to (or start) Ray; return a short description for the logs.
 
     Already-initialised Ray (tests, a notebook) is reused as it is.
@@ -48,11 +49,12 @@ def connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     if ray.is_initialized():
         how = f" ({_CONNECTED[0]})" if _CONNECTED else ""
         return f"reusing the Ray cluster this process is already connected to{how}"
-    _CONNECTED[:] = [_connect(address, num_cpus, namespace)]
+    _CONNECTED[:] = [_connect(address, num_cpus, namespace, logging_level)]
     return _CONNECTED[0]
 
 
-def _connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
+def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None) -> str:
+    level = console.ray_logging_level() if logging_level is None else logging_level
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
         # The head `reflow cluster up` recorded (in this folder's .reflow/cluster or
@@ -62,7 +64,7 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
             use_ray_env({k: v for k, v in head.env().items() if k != "RAY_ADDRESS"})
         try:
             ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
-                     log_to_driver=True, logging_level=console.ray_logging_level())
+                     log_to_driver=True, logging_level=level)
         except ConnectionError as e:
             hint = ("" if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_MODE") == "token" else
                     " Ray 2.60 clusters use token auth: export what `reflow cluster up` printed (RAY_AUTH_MODE, "
@@ -78,8 +80,71 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str) -> str:
     _closed_local_cluster(Path(tmp))
     ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=tmp,
              runtime_env={"env_vars": worker_env()}, log_to_driver=True,
-             logging_level=console.ray_logging_level(), _system_config=worker_pool_config(cpus))
+             logging_level=level, _system_config=worker_pool_config(cpus))
     return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
+
+
+def has_nvidia_gpu() -> bool:
+    """Whether this machine shows an NVIDIA GPU (its driver's control device), without importing torch."""
+    return Path("/dev/nvidiactl").exists()
+
+
+class EarlyConnect:
+    """A local cluster of this process's own, started by a thread while the CLI's preflight runs (`cluster.
+    start_early`): ray.init of a fresh cluster took ~5 s of a GPU run's start. `join` after the preflight
+    passed; `abandon` when it failed (waits for the start to end, then stops the cluster: a bad input leaves
+    nothing running). A failed start is not reported here: the normal connect that follows says why."""
+
+    def __init__(self, num_cpus: int | None, namespace: str, verbose: bool) -> None:
+        self.error: BaseException | None = None
+        self.description: str | None = None
+        self._args = (None, num_cpus, namespace, logging.INFO if verbose else logging.WARNING)
+        self._done, self._stopped = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name="reflow-ray-start", daemon=True)
+
+    @classmethod
+    def begin(cls, cfg, verbose: bool) -> EarlyConnect | None:
+        """Started where it applies: start_early on (auto: an NVIDIA GPU here, cluster.gpus not off), no cluster
+        address (config or RAY_ADDRESS) and no Ray in this process yet."""
+        c = cfg.cluster
+        wanted = c.start_early if c.start_early is not None else (c.gpus != "off" and has_nvidia_gpu())
+        if not wanted or c.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
+            return None
+        early = cls(c.num_cpus, namespace_for(c.namespace_prefix, cfg.experiment), verbose)
+        early._thread.start()
+        return early
+
+    def _run(self) -> None:
+        quiet = _NotMainThreadWarning()
+        logging.getLogger("ray._private.worker").addFilter(quiet)  # its SIGTERM line: the CLI handles SIGTERM
+        try:
+            self.description = connect(*self._args)
+        except Exception as e:  # deliberate: the normal connect after the preflight tries again and says why
+            self.error = e
+        finally:
+            logging.getLogger("ray._private.worker").removeFilter(quiet)
+            self._done.set()
+        # Ray's daemons die with the *thread* that started them (Linux's parent-death signal follows the
+        # thread): this one stays until the cluster is stopped or the process ends.
+        self._stopped.wait()
+
+    def join(self) -> str | None:
+        """After the preflight: what the start did (None when it failed)."""
+        self._done.wait()
+        return self.description
+
+    def abandon(self) -> None:
+        """The preflight failed: stop the cluster this thread started."""
+        self._done.wait()
+        if self.description is not None and ray.is_initialized():
+            ray.shutdown()
+            _CONNECTED.clear()
+        self._stopped.set()
+
+
+class _NotMainThreadWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "not the main thread" not in record.getMessage()
 
 
 def _closed_local_cluster(tmp: Path) -> None:

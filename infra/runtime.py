@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +74,8 @@ class Runtime:
 
 
 _RUNTIMES: dict[str, Runtime] = {}
+# experiment -> (its config as dumped, the runtime being built ahead of the flow: begin_runtime)
+_AHEAD: dict[str, tuple[str, Future]] = {}
 
 
 def model_source(cfg: RunConfig) -> tuple[StorageAccess, dict | None]:
@@ -336,8 +340,7 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     urls = ray.get([e.url.remote() for e in engines])
     placement.check_layout(cfg.weight_sync, engines, urls, trainers.actors[0])  # before the first push
     ray.get([e.ready.remote() for e in engines])
-    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
-    store.write_text("config.yaml", dump_config(cfg))
+    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)  # start_runtime writes the config there
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                  train_prompts=train_prompts, eval_prompts=eval_prompts, trainers=trainers,
                  engines=engines, engine_urls=urls, store=store, api_key=api_key)
@@ -417,10 +420,58 @@ def _not_started(experiment: str, starter: str) -> RuntimeNotStarted:
 
 
 def start_runtime(cfg: RunConfig) -> Runtime:
-    """This process's runtime of `cfg.experiment`, built (actors attached, reused or created) on first call."""
+    """This process's runtime of `cfg.experiment`, built (actors attached, reused or created) on first call,
+    or the one `begin_runtime` built ahead for the same config."""
     rt = _RUNTIMES.get(cfg.experiment)
     if rt is None:
-        rt = _RUNTIMES[cfg.experiment] = build_runtime(cfg)
+        rt = _built_ahead(cfg) or build_runtime(cfg)
+        rt.store.write_text("config.yaml", dump_config(cfg))
+        _RUNTIMES[cfg.experiment] = rt
+    return rt
+
+
+def begin_runtime(cfg: RunConfig) -> bool:
+    """Build `cfg`'s runtime in a background thread now (the CLI, once its preflight passed and Ray is up,
+    while Prefect's server finishes starting and the flow run begins: the actors' imports, model loads and
+    DeepSpeed's set-up then overlap them); the flow's `start_runtime` takes it. Returns whether it began: not
+    when this process already has one, on a long-lived cluster (whose actors a flow run reuses or replaces
+    under its lease), or while the experiment's lease file exists (a live run's, or a killed one's whose
+    leftovers the flow ends first, infra/leases.py)."""
+    from reflow.infra.leases import read as read_lease
+
+    if cfg.experiment in _RUNTIMES or cfg.experiment in _AHEAD or attached_to_running_cluster():
+        return False
+    if read_lease(cfg.experiment) is not None:
+        return False
+    future: Future = Future()
+
+    def build() -> None:
+        try:
+            future.set_result(build_runtime(cfg))
+        except BaseException as e:  # deliberate: handed to the flow's start_runtime, which raises it
+            future.set_exception(e)
+
+    _AHEAD[cfg.experiment] = (dump_config(cfg), future)
+    threading.Thread(target=build, name=f"reflow-runtime-{cfg.experiment}", daemon=True).start()
+    return True
+
+
+def _built_ahead(cfg: RunConfig) -> Runtime | None:
+    """The runtime `begin_runtime` built for this experiment (waited for; its error raised as the build's
+    own), or None when there is none or it was built for another config (its actors are then let go)."""
+    entry = _AHEAD.pop(cfg.experiment, None)
+    if entry is None:
+        return None
+    dumped, future = entry
+    rt = future.result()
+    if dumped != dump_config(cfg):
+        log.warning("the runtime started ahead of the flow was for another config of %s: building it again",
+                    cfg.experiment)
+        if rt.critic is not None:
+            rt.critic.kill()
+        _release(rt)
+        return None
+    log.info("runtime started ahead of the flow: ready in %.1fs", rt.timings["startup"])
     return rt
 
 
@@ -447,6 +498,11 @@ def shutdown_runtime(experiment: str, release: bool | None = True) -> None:
         log.info("keeping %d actor(s) of %s for the next flow run: %s", len(rt.actor_ids), rt.namespace,
                  sorted(rt.actor_ids))
         return
+    _release(rt)
+
+
+def _release(rt: Runtime) -> None:
+    """Kill the runtime's actors (and its namespace's record on a long-lived cluster)."""
     if rt.persistent:
         ray.kill(actors.record(rt.namespace), no_restart=True)
     rt.trainers.kill()

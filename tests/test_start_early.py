@@ -1,0 +1,65 @@
+"""`cluster.start_early` (auto on GPU machines; set here on CPU): `reflow train` starts its own Ray beside the
+preflight and the run's actors as soon as the preflight passed, and the flow takes those actors. A failed
+preflight still ends the command with its one line, nothing in storage, and no Ray process left running."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from tests.ckpt_fixtures import REPO, run_train, write_config
+
+pytestmark = pytest.mark.slow
+
+
+def _ray_daemons() -> set[int]:
+    """PIDs of Ray's per-cluster daemons on this machine (the test session's own cluster has its set)."""
+    out = set()
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if p.info["name"] in ("raylet", "gcs_server") or "gcs_server" in cmd.split(" ")[0]:
+            out.add(p.pid)
+    return out
+
+
+def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_policy):
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
+    cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-bad",
+                       **{"data.task": "file", "data.path": str(tmp_path / "p.jsonl"), "data.prompt_key": "q",
+                          "data.label_key": "answer", "data.num_eval": 4, "cluster.start_early": True})
+    before = _ray_daemons()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env["PYTHONPATH"] = str(REPO)
+    # the CLI in a process that goes on afterwards (a notebook, a wrapper): the cluster must be stopped by then
+    script = ("import sys, ray\nfrom reflow.flows.cli import main\ncode = None\ntry:\n    main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    code = e.code\nprint(f'RESULT {code} {ray.is_initialized()}')\n")
+    r = subprocess.run([sys.executable, "-c", script, "train", "-c", str(cfg)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=180)
+    assert r.stdout == "RESULT 2 False\n", (r.returncode, r.stdout, r.stderr[-3000:])
+    assert r.stderr.count("\n") == 1 and "data.label_key" in r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "runs").exists()
+    deadline = time.monotonic() + 20  # Ray's daemons end on their own once the driver stopped the cluster
+    while (left := _ray_daemons() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray daemons left running after the failed preflight: {left}"
+
+
+def test_the_flow_takes_the_actors_started_beside_it(tmp_path, tiny_policy):
+    cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early",
+                       **{"num_iterations": 2, "cluster.start_early": True, "checkpoint.save_interval": None})
+    code, log = run_train(cfg, env_extra={"REFLOW_LEASE_DIR": str(tmp_path / "leases")}, timeout=400)
+    assert code == 0, log[-4000:]
+    assert "starting the run's actors while the flow run begins" in log, log[-4000:]
+    assert "runtime started ahead of the flow: ready in" in log, log[-4000:]
+    assert "building it again" not in log  # the flow's config is the one the actors were started for
+    assert (tmp_path / "runs" / "early" / "config.yaml").is_file()  # written by the flow, as before
+    summary, _ = json.JSONDecoder().raw_decode(log[log.rindex("\n{") + 1:])
+    assert summary["iterations"] == 2, summary
