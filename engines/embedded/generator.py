@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 import threading
 import uuid
 from collections import deque
@@ -56,6 +57,10 @@ from reflow.engines.embedded.static_decode import StaticDecoder, fusion_groups
 from reflow.engines.embedded.weight_layout import Arena, arena_order, byte_order, copy_runs
 
 log = logging.getLogger(__name__)
+# Mapped loads as one CUDA graph (see Generator._copy_on_gpu): off unless REFLOW_MAPPED_COPY_GRAPH=1 until it is
+# shown faster than the separate launches (its first H200 run: 0.81 ms in the engine's call, eager 0.71 on a
+# machine as fast by its other figures; bench/RESULTS.md 25 measures both in one call).
+COPY_GRAPHS = os.environ.get("REFLOW_MAPPED_COPY_GRAPH") == "1"
 BIG_COPY_BYTES = 4 << 20  # a mapped load copies runs this large one by one, the rest in one multi-tensor launch
 
 __all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
@@ -541,7 +546,7 @@ class Generator:
     def _copy_on_gpu(self, plan: tuple) -> None:
         """The plan's copies on this engine's GPU: runs of 4 MiB or more one plain copy each (the multi-tensor
         kernel moves large runs at ~60 % of its speed), the rest in one multi-tensor launch. From the second
-        load of a plan with more than one launch, the launches are one CUDA graph replayed (Qwen2's 121 runs
+        load of a plan with more than one launch, with REFLOW_MAPPED_COPY_GRAPH=1, the launches are one CUDA graph replayed (Qwen2's 121 runs
         are 26 launches, each a few microseconds of this host's time while the device copies ~20 microseconds'
         worth); a plan whose capture fails stays eager. The graph holds the addresses the plan holds views
         of: it goes with the plan (a new mapping, layout epoch, release)."""
@@ -556,7 +561,7 @@ class Generator:
         if state[1] not in (None, False):
             state[1].replay()
             return
-        if state[1] is None and state[0] >= 1 and len(big) + bool(small) > 1:
+        if state[1] is None and state[0] >= 1 and len(big) + bool(small) > 1 and COPY_GRAPHS:
             try:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, capture_error_mode="thread_local"):
