@@ -58,3 +58,27 @@ def test_zero3_push_is_verified_by_the_trainers_logprobs(ray_cluster, tiny_polic
         group.kill()
         ray.get(engine.shutdown.remote(), timeout=10)
         ray.kill(engine)
+
+
+def test_below_zero3_the_probe_is_made_only_for_an_engine_checked_by_logprobs(ray_cluster, tiny_policy, other_policy):
+    """Rank 0 makes the probe (a forward) only when an engine is to be checked by logprobs: a push verified by
+    reading weights back makes none (on the GPU its first one compiled the layers for the probe's shape: 4.6 s
+    of the run's start), one verified by logprobs makes it once and holds the engine to it."""
+    from reflow.engines.embedded.engine import EmbeddedEngine
+
+    kw = RANK_KW | dict(zero_stage=1)
+    group = TrainerGroup.create(1, "test-weight-check-z1", "wc1", model_path=str(tiny_policy), init_timeout_s=300,
+                                settings=RankSettings(**kw))
+    engine = ray.remote(EmbeddedEngine).options(num_cpus=1).remote(str(other_policy), "weight-check-engine-z1")
+    probes = lambda: ray.get(group.actors[0].__ray_call__.remote(lambda rank: rank.probes_made))  # noqa: E731
+    try:
+        url, key = ray.get([engine.url.remote(), engine.api_key.remote()])
+        assert ray.get(engine.ready.remote())
+        report = ray.get(group.push_weights([url], "1", PushSettings(verify="sample"), key))[0]
+        assert report["verify_method"] == "weights" and probes() == 0, report
+        report = ray.get(group.push_weights([url], "2", PushSettings(verify="logprobs"), key))[0]
+        assert report["verify_method"] == "logprobs" and report["logprob_max_diff"] < 1e-4 and probes() == 1, report
+    finally:
+        group.kill()
+        ray.get(engine.shutdown.remote(), timeout=10)
+        ray.kill(engine)

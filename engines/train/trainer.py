@@ -111,6 +111,7 @@ class TrainerRank(DeepSpeedRank):
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
         self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
         self._ipc_lost: str | None = None  # why GPU tensor pushes stage through host memory (no CUDA IPC)
+        self.probes_made = 0  # logprob probes computed for pushes (_logprob_probe; tests read it)
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
@@ -321,7 +322,10 @@ class TrainerRank(DeepSpeedRank):
         direct = ipc or (settings.mode == "tensor" and self.engine.device.type == "cpu")
         named = self._gathered(keep=self.rank == 0, on_device=direct)
         due = settings.verify != "off" and verify_due(version, settings.verify_every)
-        probe = self._logprob_probe() if due else None  # collective under ZeRO-3 (every rank sees the same version)
+        # The probe (a forward pass) only where an engine is checked by logprobs: made on demand by rank 0, except
+        # under ZeRO-3 where it is collective (every rank sees the same version). Made at every due push before, it
+        # compiled the decoder layers for its shape in the run's first push: 4.6 s of an H200 run's start-up.
+        probe = (self._logprob_probe() if self.zero_stage == 3 else self._logprob_probe) if due else None
         if self.rank != 0:
             return {}
         import ray
@@ -383,6 +387,7 @@ class TrainerRank(DeepSpeedRank):
         forward under ZeRO-3."""
         from reflow.engines.weights.verify import LogprobProbe, probe_prompts
 
+        self.probes_made += 1
         module = self.engine.module  # always in eval mode (DeepSpeedRank._build_engine)
         prompts = probe_prompts(int(module.config.vocab_size))
         ids = torch.tensor(prompts, device=self.engine.device)  # [P, T]

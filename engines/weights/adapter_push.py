@@ -31,7 +31,7 @@ from reflow.engines.weights import lora
 from reflow.engines.weights.buckets import BUFFERS, SharedBucket
 from reflow.engines.weights.push import _tp_size, check_same_host, update_window
 from reflow.engines.weights.settings import PushSettings
-from reflow.engines.weights.verify import LogprobProbe, Named, WeightSyncError, check_pushed
+from reflow.engines.weights.verify import Named, ProbeSource, WeightSyncError, check_pushed
 
 
 def _nbytes(named: Named) -> int:
@@ -67,7 +67,7 @@ def _load(clients: list[EngineClient], adapter: Named, config: dict, name: str) 
 
 def push_adapter(clients: list[EngineClient], adapter: Named, config: dict, effective: Named, version: str,
                  settings: PushSettings, *, master_address: str = "127.0.0.1",
-                 probe: LogprobProbe | None = None) -> dict:
+                 probe: ProbeSource = None) -> dict:
     """Send `adapter` (wire-named LoRA tensors, `config` its PEFT adapter_config) to every engine as
     `version` (adapter `lora.adapter_name(version)`), then verify against `effective`. Returns the push
     stats; `bytes` is what travelled, `full_bytes` what a whole-model push would have sent."""

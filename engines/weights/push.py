@@ -52,6 +52,7 @@ from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, ver
     VERIFY_MODES,
     LogprobProbe,
     Named,
+    ProbeSource,
     WeightSyncError,
     check_pushed,
     verify_weights,
@@ -333,7 +334,7 @@ MODES = ("tensor", "distributed", "disk")
 
 def push_weights(clients: list[EngineClient], named_tensors: Named, version: str,
                  settings: PushSettings = DEFAULT_PUSH, *, model_path: str | None = None,
-                 master_address: str = "127.0.0.1", probe: LogprobProbe | None = None,
+                 master_address: str = "127.0.0.1", probe: ProbeSource = None,
                  stable: bool = False) -> dict:
     """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
 

@@ -22,6 +22,7 @@ a silent mismatch would make every later importance ratio wrong.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -66,6 +67,9 @@ class LogprobProbe:
     dtype: torch.dtype = torch.float32
 
 
+ProbeSource = LogprobProbe | Callable[[], LogprobProbe] | None  # a probe, or what makes it when needed
+
+
 # /server_info's "dtype" -> what the engine holds: SGLang's --dtype choices and torch's names (the embedded
 # engine reports its own dtype, e.g. "float32").
 _ENGINE_DTYPES = {"half": torch.float16, "float16": torch.float16, "float": torch.float32,
@@ -99,7 +103,7 @@ def verify_due(version: str, every: int) -> bool:
 
 
 def check_pushed(clients: list[EngineClient], named_tensors: Named, version: str, s: PushSettings,
-                 probe: LogprobProbe | None = None, lora_path: str | None = None) -> dict:
+                 probe: ProbeSource = None, lora_path: str | None = None) -> dict:
     """After any push (full, adapter): `s.verify` when this version is due (verify_every), else every
     engine's weight_version only. `lora_path`: the adapter an adapter push loaded (see `verify_push`)."""
     if verify_due(version, s.verify_every):
@@ -132,7 +136,7 @@ def unmerged_adapter(server_info: dict, lora_path: str | None) -> str | None:
 
 def verify_push(clients: list[EngineClient], named_tensors: Named, version: str, mode: str = "full",
                 sample: int = 4, atol: float = 0.0, rows: int | None = None,
-                probe: LogprobProbe | None = None, logprob_tol: float | None = None,
+                probe: ProbeSource = None, logprob_tol: float | None = None,
                 lora_path: str | None = None) -> dict:
     """Verify every engine by `mode` (see the module docstring); returns the stats a push reports:
     verified_tensors, verify_method ("off", "weights", "logprobs" or "weights+logprobs" when engines
@@ -140,7 +144,8 @@ def verify_push(clients: list[EngineClient], named_tensors: Named, version: str,
     compared, logprob_engines (how many engines were checked that way: the numeric trace the flow's
     metrics keep) and logprob_max_diff (the largest mean |engine - trainer| over those engines).
     `lora_path` (adapter pushes): the probe's requests name that adapter, as rollout requests do, and an
-    engine that does not merge it (`unmerged_adapter`) is checked by logprobs."""
+    engine that does not merge it (`unmerged_adapter`) is checked by logprobs. `probe` may be a function
+    that makes it: called once, when the first engine is to be checked by logprobs."""
     if mode not in VERIFY_MODES:
         raise ValueError(f"verify must be one of {VERIFY_MODES}, got {mode!r}")
     stats: dict = {"verified_tensors": 0, "verify_method": "off"}
@@ -159,6 +164,8 @@ def verify_push(clients: list[EngineClient], named_tensors: Named, version: str,
                 continue
             except _ReadbackRefused as e:  # this model class has no get_weights_by_name: prove it by logprobs
                 why = str(e)
+        if callable(probe):  # the trainer's, made only now that an engine needs it (a forward: TrainerRank.push_weights)
+            probe = probe()
         if probe is None:
             reason = "verify=logprobs needs the trainer's logprobs" if mode == "logprobs" else \
                 f"engine {c.url} cannot be verified by reading weights back ({why})"
