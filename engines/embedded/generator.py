@@ -53,8 +53,8 @@ from reflow.engines.embedded.sampling import (
     sample_tokens,
     seeded_uniform,
 )
-from reflow.engines.embedded.static_decode import StaticDecoder, fusion_groups
-from reflow.engines.embedded.weight_layout import Arena, arena_order, byte_order, copy_runs
+from reflow.engines.embedded.static_decode import StaticDecoder
+from reflow.engines.embedded.weight_layout import Arena, byte_order, copy_runs
 
 log = logging.getLogger(__name__)
 # Mapped loads as one CUDA graph (see Generator._copy_on_gpu): off unless REFLOW_MAPPED_COPY_GRAPH=1 until it is
@@ -207,9 +207,24 @@ class Generator:
                 raise ValueError("decoder='graphs' needs the model on a CUDA device")
             if self._static is not None:
                 self._static.release()
-            self._static = StaticDecoder(self.model, self.max_batch_size, graphs=self.decoder != "static")
+            # In an arena the parameters stay put: what the fusion cannot view there it copies (refreshed below)
+            self._static = StaticDecoder(self.model, self.max_batch_size, graphs=self.decoder != "static",
+                                         keep_params=bool(self._arenas))
+            self._static.synced = self.weight_writes
             self.layout_epoch += 1  # its fusion may have re-pointed q/k/v and gate/up
+        elif self._static.copies and self._static.synced != self.weight_writes:
+            with self.lock:  # weights written since its copies were made (every writer refreshes: a safety net)
+                self._refresh_fused()
         return self._static
+
+    def _refresh_fused(self) -> int:
+        """Bring the static decoder's fused copies (keep_params) up to the weights just written; under the lock."""
+        static = self._static
+        if static is None or not static.copies:
+            return 0
+        n = static.refresh()
+        static.synced = self.weight_writes
+        return n
 
     def _make_rows(self, prompts, params, n, rids) -> list[_Row]:
         P = len(prompts)
@@ -472,6 +487,7 @@ class Generator:
             else:
                 for d, (_, t) in zip(dst, named_tensors):
                     d.copy_(t)
+            self._refresh_fused()
             if self.device.type == "cuda":  # sources may be another process's memory (CUDA IPC): done before
                 torch.cuda.synchronize(self.device)  # the call returns and the sender frees or reuses it
         return len(named_tensors)
@@ -506,8 +522,9 @@ class Generator:
             storages: dict[int, list[str]] = {}
             for n in names:
                 storages.setdefault(by_name[n].untyped_storage().data_ptr(), []).append(n)
-            groups = fusion_groups(self.model)
-            self._arenas = [Arena(self._params, arena_order(part, groups), self.device) for part in storages.values()]
+            # exactly the source's byte order: a push is then one copy per source storage; the static decoder views
+            # the fused tensors that lie together in it and keeps copies of the others (StaticDecoder keep_params)
+            self._arenas = [Arena(self._params, part, self.device) for part in storages.values()]
             self._runs = None
             self.layout_epoch += 1
             if self.device.type == "cuda":
@@ -537,10 +554,12 @@ class Generator:
             self.weight_writes += 1
             if on_gpu:
                 self._copy_on_gpu(plan)
+                self._refresh_fused()  # fused q/k/v copies where the trainer's order interleaves them (Qwen2's biases)
                 torch.cuda.synchronize(self.device)  # the sources are another process's memory: done before we answer
             else:
                 for s, d in big + small:
                     d.copy_(s)
+                self._refresh_fused()
         return count
 
     def _copy_on_gpu(self, plan: tuple) -> None:

@@ -71,43 +71,30 @@ def _adjacent(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.empty(0, dtype=first.dtype, device=first.device).set_(first.untyped_storage(), first.storage_offset(), shape)
 
 
-def _fuse_one(tensors: list[torch.Tensor]) -> torch.Tensor:
+def _fuse_one(tensors: list[torch.Tensor], copies: list | None = None) -> torch.Tensor:
     """One tensor over `tensors` (dim 0) whose writes both sides see: a view where they lie back to back
-    (the engine's weight arena lays them so: weight_layout.py), else a concatenation they are re-pointed into."""
+    (the engine's weight arena lays them so where the trainer does: weight_layout.py), else a concatenation
+    they are re-pointed into. With `copies` (a list, the parameters must stay where they are: an arena holds
+    them) the concatenation is a copy instead, recorded in `copies` as (copy, members) for
+    `StaticDecoder.refresh` to bring up to date after every weight write."""
     whole = _adjacent([t.data for t in tensors])
     if whole is not None:
         return whole
     whole = torch.cat([t.data for t in tensors])
+    if copies is not None:
+        copies.append((whole, list(tensors)))
+        return whole
     for t, part in zip(tensors, whole.split([t.shape[0] for t in tensors])):
         t.data = part
     return whole
 
 
-def _fuse(linears) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(linears, copies: list | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight (and bias) for several linears on the same input (`_fuse_one`)."""
-    w = _fuse_one([m.weight for m in linears])
+    w = _fuse_one([m.weight for m in linears], copies)
     if any(m.bias is None for m in linears):
         return w, None
-    return w, _fuse_one([m.bias for m in linears])
-
-
-def fusion_groups(model) -> list[list[str]]:
-    """Names (as `model.named_parameters` gives them) of the tensors the static decoder fuses, in fusion
-    order: per layer q/k/v weights, q/k/v biases (where all three have one), gate/up weights (SiLU MLPs).
-    Empty for a model this decoder cannot run."""
-    if StaticDecoder.supports(model) is not None:
-        return []
-    name = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    groups = []
-    for layer in model.model.layers:
-        a, mlp = layer.self_attn, layer.mlp
-        linears = [a.q_proj, a.k_proj, a.v_proj]
-        groups.append([name[id(m.weight)] for m in linears])
-        if all(m.bias is not None for m in linears):
-            groups.append([name[id(m.bias)] for m in linears])
-        if StaticDecoder.fuses_mlp(layer, model.config):
-            groups.append([name[id(mlp.gate_proj.weight)], name[id(mlp.up_proj.weight)]])
-    return groups
+    return w, _fuse_one([m.bias for m in linears], copies)
 
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
@@ -128,8 +115,12 @@ class _Layer:
 class StaticDecoder:
     """Prefill and decode over a static KV cache; `graphs=True` replays decode steps as CUDA graphs."""
 
-    def __init__(self, model, max_batch_size: int, graphs: bool):
+    def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False):
+        """keep_params: never re-point the model's parameters (they live in the engine's weight arena): fused
+        tensors whose members are not back to back there are copies, `refresh`ed after weight writes."""
         self.model, self.max_batch_size, self.graphs = model, max_batch_size, graphs
+        self.copies: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = [] if keep_params else None
+        self.synced = None  # the generator's weight_writes the copies were last brought up to (Generator sets it)
         core = model.model
         self.embed, self.layers, self.norm, self.rotary = core.embed_tokens, list(core.layers), core.norm, core.rotary_emb
         cfg = model.config
@@ -139,17 +130,35 @@ class StaticDecoder:
         self.group = int(cfg.num_attention_heads) // self.kv_heads
         self.scaling = float(attn.scaling)
         self.q_heads = int(cfg.num_attention_heads)
-        self.plan = [self._plan(layer, cfg) for layer in self.layers]
+        self.plan = [self._plan(layer, cfg, self.copies) for layer in self.layers]
+        self._anchor = self.layers[0].self_attn.q_proj.weight.data_ptr()  # where the fusion left the parameters
         self.k: torch.Tensor | None = None  # [L, slots, H_kv, T_cap, D]
         self.v: torch.Tensor | None = None
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
     @staticmethod
-    def _plan(layer, cfg) -> _Layer:
+    def _plan(layer, cfg, copies: list | None) -> _Layer:
         a, mlp = layer.self_attn, layer.mlp
-        return _Layer(layer, _fuse([a.q_proj, a.k_proj, a.v_proj]),
-                      _fuse([mlp.gate_proj, mlp.up_proj]) if StaticDecoder.fuses_mlp(layer, cfg) else None)
+        return _Layer(layer, _fuse([a.q_proj, a.k_proj, a.v_proj], copies),
+                      _fuse([mlp.gate_proj, mlp.up_proj], copies) if StaticDecoder.fuses_mlp(layer, cfg) else None)
+
+    def refresh(self) -> int:
+        """Copy the parameters into the fused copies (keep_params; one multi-tensor launch on a GPU). Returns how
+        many tensors were copied."""
+        if not self.copies:
+            return 0
+        dst, src = [], []
+        for whole, members in self.copies:
+            dst.extend(whole.split([m.shape[0] for m in members]))
+            src.extend(m.data for m in members)
+        with torch.no_grad():
+            if whole.is_cuda:
+                torch._foreach_copy_(dst, src)
+            else:
+                for d, s in zip(dst, src):
+                    d.copy_(s)
+        return len(dst)
 
     @staticmethod
     def fuses_mlp(layer, cfg) -> bool:
@@ -159,8 +168,7 @@ class StaticDecoder:
 
     def stale(self) -> bool:
         """Whether the model's tensors were replaced since the fusion (e.g. moved to another device)."""
-        first = self.plan[0]
-        return first.layer.self_attn.q_proj.weight.data_ptr() != first.qkv[0].data_ptr()
+        return self.layers[0].self_attn.q_proj.weight.data_ptr() != self._anchor
 
     @staticmethod
     def supports(model) -> str | None:

@@ -3,13 +3,15 @@
 A mapped push (reflow.engines.weights.mapped) copies every tensor of the trainer's storage into the
 engine's parameters. Tensor by tensor that is ~290 copies for a Qwen2-0.5B (one multi-tensor launch
 group on a GPU: 1.08 ms against 0.56 ms for one flat copy of the same 0.99 GB on an H200, bench/RESULTS.md
-section 7). The trainer's parameters already live in one buffer (DeepSpeed flattens each parameter
-group), so the engine does the same on the first mapped push it takes while idle: it moves its own
-parameters into one buffer per trainer storage (an `Arena`), in the trainer's byte order, except that
-the tensors its static decoder fuses (q/k/v, gate/up: `static_decode.fusion_groups`) sit together, so
-the decoder views them in place instead of concatenating copies. A push then copies runs of bytes that
-continue on both sides (`copy_runs`): one for a Llama-shaped model whose trainer storage is one
-buffer, 1 + 5 per layer for Qwen2 (its q/k/v biases sit between the weights in the trainer's order).
+section 7). The trainer's parameters already live in one buffer (DeepSpeed flattens each parameter group), so the
+engine does the same on the first mapped push it takes while idle: it moves its own parameters into one
+buffer per trainer storage (an `Arena`), in the trainer's byte order exactly. A push then copies runs of
+bytes that continue on both sides (`copy_runs`): one per trainer storage. The static decoder views the
+tensors it fuses (q/k/v, gate/up) where they lie together in that order (Llama's), and keeps copies of the
+others, brought up to date after each write (Qwen2's q/k/v, whose biases sit between the weights: one more
+multi-tensor launch a push). Laying the fused tensors together instead (the first version) split a Qwen2
+push into 1 + 5 copies per layer, 0.73 ms inside the engine's call against 0.48 ms for one flat copy on
+the H200 (bench/RESULTS.md 24-25).
 
 The arena is the parameters' memory from then on: colocated mode's release moves it to host memory
 whole and back (`Arena.to`), so the layout survives the hand-over.
@@ -30,21 +32,6 @@ def byte_order(named: list[tuple[str, torch.Tensor]]) -> list[str]:
         first.setdefault(t.untyped_storage().data_ptr(), len(first))
     return [n for n, t in sorted(named, key=lambda nt: (first[nt[1].untyped_storage().data_ptr()],
                                                            nt[1].storage_offset() * nt[1].element_size()))]
-
-
-def arena_order(source: list[str], groups: list[list[str]]) -> list[str]:
-    """`source`'s order, with each fusion group whose members are all in `source` placed together, in the
-    group's order, where its first member comes."""
-    have = set(source)
-    member = {n: g for g in groups if all(x in have for x in g) for n in g}
-    out: list[str] = []
-    seen: set[str] = set()
-    for n in source:
-        for x in member.get(n, [n]):
-            if x not in seen:
-                out.append(x)
-                seen.add(x)
-    return out
 
 
 class Arena:
