@@ -118,3 +118,26 @@ def test_compiled_layers_train_like_eager_layers_and_bound_their_shapes(ray_clus
     first, second = compiled[0]["compile_graphs"], compiled[1]["compile_graphs"]
     assert 1 <= first <= 4 and second == first, (first, second)  # <= (rows, bucket) pairs + masks
     assert all(math.isfinite(v) for v in compiled[1].values())
+
+
+@pytest.mark.slow
+def test_the_old_logprob_pass_replays_the_training_forwards_compiled_graph(ray_cluster, tiny_policy):
+    """With compiled layers the separate old-logprob pass runs them in grad mode (the LM head after them
+    without): it compiles nothing the training forward does not (a no-grad graph per shape took 2.9 s of
+    the first iteration on the H200), and it scores with the training forward's function (the same step's
+    metrics as when the training forward's own log-probs are reused)."""
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    batch = _batch(tiny_policy)
+    out = {}
+    for mode in ("always", "auto"):
+        g = _create(f"oldpass-{mode}", 1, tiny_policy, compile="on", compile_backend="aot_eager", old_logprob_pass=mode)
+        try:
+            out[mode] = ray.get(g.train_iteration(batch, **_train_kw(pad)))[0]
+        finally:
+            g.kill()
+    sep, reused = out["always"], out["auto"]
+    assert sep["old_logprobs_reused"] == 0.0 and reused["old_logprobs_reused"] == 1.0
+    assert sep["compile_graphs"] == reused["compile_graphs"] >= 1, (sep["compile_graphs"], reused["compile_graphs"])
+    for k in ("loss", "pg_loss", "grad_norm", "ratio_mean", "logprob_mismatch"):
+        assert sep[k] == pytest.approx(reused[k], rel=1e-6, abs=1e-7), k
+    assert sep["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # old log-probs = the update's own at this step
