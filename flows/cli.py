@@ -281,7 +281,7 @@ def _tools_demo(seed: int) -> list[str]:
 
 
 def cmd_demo(args) -> None:
-    t0 = time.perf_counter()
+    t0, started_at = time.perf_counter(), time.time()
     if args.task == "tools" and args.gpu:
         raise UsageError("reflow demo --task tools runs on CPU only; drop --gpu")
     if args.gpu and not _cuda():
@@ -311,8 +311,11 @@ def cmd_demo(args) -> None:
     evals = summary["evals"]  # policy version -> {eval set: summary}; the demo's one set is `heldout`
     before, after = (next(iter(evals[v].values()))["pass@1"] for v in (min(evals), max(evals)))
     print(_stage_line(summary["history"], summary.get("loop_seconds")))
+    # trained_s: from this command's start to its training loop's end (the final policy exists; its save and
+    # the eval after it follow): the clock bench/gpu_machine/compare.sh gives TRL, whose run stops at its last step
+    trained = f" trained_s={summary['loop_ended_at'] - started_at:.0f}" if summary.get("loop_ended_at") else ""
     print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
-          f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}")
+          f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}{trained}")
 
 
 def cmd_ctl(args) -> None:

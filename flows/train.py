@@ -154,6 +154,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         # the iterations and the bookkeeping between them, to the last one's end: not the final save and eval
         # after it (a single-process trainer's samples/s stops at its last step too)
         loop_seconds = between_t0 - loop_t0
+        loop_ended_at = time.time() - (time.perf_counter() - between_t0)  # wall clock: the policy's final version
         evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
         RECORDS.wait()  # and every iteration's records
         _settle(config, control)  # and every checkpoint committed
@@ -164,7 +165,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
             log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
                         config.debug_exit_after, last, config.num_iterations)
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
-                "seconds": time.perf_counter() - t0, "loop_seconds": loop_seconds}
+                "seconds": time.perf_counter() - t0, "loop_seconds": loop_seconds, "loop_ended_at": loop_ended_at}
     finally:
         async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
         drop_started_generation(config)  # a stop or a failure after the next generation was launched

@@ -72,8 +72,11 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
     from reflow.flows.train import train
 
     cfg = e2e_config(tiny_policy, tmp_path, "tracking.tensorboard=true", "rollout.update_ahead=true")  # as on GPUs
+    called = time.time()
     summary = train(cfg)
     assert summary["iterations"] == 3
+    # the training loop's end (the demo's trained_s): a loop's length after the call, before the flow returned
+    assert called + summary["loop_seconds"] < summary["loop_ended_at"] < time.time(), summary
     assert sorted(summary["evals"]) == [0, 2, 3]
     for i, m in enumerate(summary["history"]):
         for key in METRICS:

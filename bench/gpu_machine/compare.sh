@@ -9,6 +9,8 @@
 #     (two calls on one warm machine: the second reads what the first left in /tmp/gpurun/compare.env)
 #   RESUME=0 skips the resume; CLOCK=command gives TRL its seconds from its process's start, as reflow's
 #   seconds= counts its whole command (default CLOCK=training: from TRL's first step, TRL's start-up free)
+#   TRL's budget is reflow's trained_s (command start to the training loop's end, the final policy: the final
+#   save and eval after it are outside both clocks); UNTIL=command gives it reflow's whole command (seconds=)
 #   EVALS=0 runs reflow without its evals before and during training (the one after the last iteration stays):
 #   TRL evaluates nothing inside its clock, and one evaluator scores both policies afterwards anyway
 set -euo pipefail
@@ -34,7 +36,11 @@ OUT=$out bash bench/gpu_machine/run.sh one "experiment=$exp" "num_iterations=$((
   >/dev/null || echo "resume: FAILED (see demo-one.log)"
 grep -E 'demo:|resum' "$out/demo-one.log" | tail -3 || true
 fi
-seconds=$(grep -o 'seconds=[0-9]*' "$out/demo-$exp.log" | tail -1 | cut -d= -f2)
+seconds=$(grep -o ' seconds=[0-9]*' "$out/demo-$exp.log" | tail -1 | cut -d= -f2)
+# trained_s: reflow's command start to its training loop's end (the final policy; its save and last eval
+# follow, as TRL's save and scoring follow its budget). UNTIL=command gives TRL reflow's whole command instead.
+trained=$(grep -o 'trained_s=[0-9]*' "$out/demo-$exp.log" | tail -1 | cut -d= -f2)
+[ -n "$trained" ] && [ "${UNTIL:-trained}" = trained ] && seconds=$trained
 printf 'exp=%s\niters=%s\nseconds=%s\n' "$exp" "$iters" "$seconds" > /tmp/gpurun/compare.env
 fi
 [ "$step" = reflow ] && exit 0
