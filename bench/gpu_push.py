@@ -101,7 +101,7 @@ def bench_push(trainer, client, args) -> dict:
     def mapped_local():  # the default, keeping what the engine says it spent inside the call
         out = push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), off, stable=True)
         engine_s.append(out["engine_seconds"])
-        res_extra["copies"], res_extra["graph"] = out["copies"], bool(out.get("copy_graphs"))
+        res_extra["copies"] = out["copies"]
 
     def mapped_http():  # the same, its one call through HTTP instead of the engine's local socket
         local = MAPPED.local.pop(client.url, None)
@@ -165,7 +165,6 @@ def bench_push(trainer, client, args) -> dict:
             "d2d_flat_s": _best(lambda: flat_b.copy_(flat_a), args.repeat),
             "d2d_per_tensor_s": _best(per_tensor, args.repeat), "d2d_foreach_s": _best(foreach, args.repeat)}
     res |= {"engine_call_s": min(engine_s), "engine_copies": res_extra.get("copies"),
-            "engine_copy_graph": res_extra.get("graph"),
             "local_socket_calls": MAPPED.local_calls}
     for k in ("mapped", "mapped_http", "mapped_packed", "ipc", "staged", "d2d_flat", "d2d_per_tensor", "d2d_foreach"):
         res[f"{k}_gbs"] = res["gb"] / res[f"{k}_s"]
@@ -183,14 +182,14 @@ def bench_push(trainer, client, args) -> dict:
         checks[name] = {"seconds": time.perf_counter() - t0,  # sampled tensors' first 64 rows read back bit-exact
                         **{k: v for k, v in checked.items() if k.startswith("verif")}}
     # The same check with every weight changed first (negated in place: exact in bf16, undone after), so a push
-    # whose copies did not run (a CUDA graph replayed wrong) reads back stale values and fails it
+    # whose copies did not run (or left the decoder's fused copies stale) reads back stale values and fails it
     with torch.no_grad():
         torch._foreach_neg_(src)
     try:
         settings = PushSettings(verify="sample", verify_rows=64)
         checked = push_weights([client], trainer._gathered(keep=True, on_device=True), str(next(version)), settings,
                                stable=True)
-        checks["mapped_negated"] = {k: v for k, v in checked.items() if k.startswith("verif") or k == "copy_graphs"}
+        checks["mapped_negated"] = {k: v for k, v in checked.items() if k.startswith("verif")}
     finally:
         with torch.no_grad():
             torch._foreach_neg_(src)
@@ -198,8 +197,7 @@ def bench_push(trainer, client, args) -> dict:
     print(f"  push parts (SGLang's calls): update window {res['window_s'] * 1e3:.1f} ms, pack {res['pack_s'] * 1e3:.1f} ms "
           f"(flatten {res['flatten_s'] * 1e3:.1f}), window + send {res['window_and_send_s'] * 1e3:.1f} ms, gather on "
           f"the GPU {res['gather_device_s'] * 1e3:.1f} ms; {len(src)} parameters in {storages} storages")
-    print(f"  mapped push: {res['engine_copies']} copies on the engine's side"
-          f"{' (one CUDA graph)' if res['engine_copy_graph'] else ''}, {res['engine_call_s'] * 1e3:.2f} ms inside "
+    print(f"  mapped push: {res['engine_copies']} copies on the engine's side, {res['engine_call_s'] * 1e3:.2f} ms inside "
           f"its call; the call through HTTP {res['mapped_http_s'] * 1e3:.2f} ms (ratio {res['ipc_ratio_http']:.2f}); "
           f"{res['local_socket_calls']} calls through the local socket")
     print(f"  push {res['gb']:.2f} GB: mapped {res['mapped_s'] * 1e3:.2f} ms ({res['mapped_gbs']:.0f} GB/s), mapped and "

@@ -33,8 +33,6 @@ The sampling math, finish checks and records are the same code for both paths.
 from __future__ import annotations
 
 import inspect
-import logging
-import os
 import threading
 import uuid
 from collections import deque
@@ -56,11 +54,6 @@ from reflow.engines.embedded.sampling import (
 from reflow.engines.embedded.static_decode import StaticDecoder
 from reflow.engines.embedded.weight_layout import Arena, byte_order, copy_runs
 
-log = logging.getLogger(__name__)
-# Mapped loads as one CUDA graph (see Generator._copy_on_gpu): off unless REFLOW_MAPPED_COPY_GRAPH=1 until it is
-# shown faster than the separate launches (its first H200 run: 0.81 ms in the engine's call, eager 0.71 on a
-# machine as fast by its other figures; bench/RESULTS.md 25 measures both in one call).
-COPY_GRAPHS = os.environ.get("REFLOW_MAPPED_COPY_GRAPH") == "1"
 BIG_COPY_BYTES = 4 << 20  # a mapped load copies runs this large one by one, the rest in one multi-tensor launch
 
 __all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
@@ -547,10 +540,9 @@ class Generator:
                 big = [p for p in pairs if p[0].numel() * p[0].element_size() >= BIG_COPY_BYTES]
                 small = [p for p in pairs if p[0].numel() * p[0].element_size() < BIG_COPY_BYTES]
                 on_gpu = self.device.type == "cuda" and all(s.device == self.device for s, _ in pairs)
-                # the key, the copies, their count, the plan's CUDA graph state ([loads run eagerly, graph]), on_gpu
                 plan = self._runs = ((mapping_id, self.layout_epoch, dst[0].data_ptr(), dst[-1].data_ptr()),
-                                     big, small, len(pairs), [0, None], on_gpu)
-            _, big, small, count, _, on_gpu = plan
+                                     big, small, len(pairs), on_gpu)
+            _, big, small, count, on_gpu = plan
             self.weight_writes += 1
             if on_gpu:
                 self._copy_on_gpu(plan)
@@ -562,44 +554,17 @@ class Generator:
                 self._refresh_fused()
         return count
 
-    def _copy_on_gpu(self, plan: tuple) -> None:
+    @staticmethod
+    def _copy_on_gpu(plan: tuple) -> None:
         """The plan's copies on this engine's GPU: runs of 4 MiB or more one plain copy each (the multi-tensor
-        kernel moves large runs at ~60 % of its speed), the rest in one multi-tensor launch. From the second
-        load of a plan with more than one launch, with REFLOW_MAPPED_COPY_GRAPH=1, the launches are one CUDA graph replayed (Qwen2's 121 runs
-        are 26 launches, each a few microseconds of this host's time while the device copies ~20 microseconds'
-        worth); a plan whose capture fails stays eager. The graph holds the addresses the plan holds views
-        of: it goes with the plan (a new mapping, layout epoch, release)."""
-        _, big, small, _, state, _ = plan
-
-        def launch() -> None:
-            for s, d in big:
-                d.copy_(s)
-            if small:
-                torch._foreach_copy_([d for _, d in small], [s for s, _ in small])
-
-        if state[1] not in (None, False):
-            state[1].replay()
-            return
-        if state[1] is None and state[0] >= 1 and len(big) + bool(small) > 1 and COPY_GRAPHS:
-            try:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    launch()
-            except RuntimeError as e:  # deliberate: a capture this driver refuses leaves the eager copies
-                log.warning("mapped weight load: its copies could not be captured as a CUDA graph (%s); "
-                            "they stay separate launches", e)
-                state[1] = False
-            else:
-                state[1] = graph
-                graph.replay()
-                return
-        state[0] += 1
-        launch()
-
-    def graph_loads(self) -> bool:
-        """Whether the current mapped-load plan replays a CUDA graph (bench/gpu_push.py reports it)."""
-        plan = self._runs
-        return bool(plan is not None and plan[4][1])
+        kernel moves large runs at ~60 % of its speed), the rest in one multi-tensor launch. (Replaying them as
+        one CUDA graph was measured: 0.78-0.80 ms inside the engine's call against 0.73 for these launches, the
+        same H200; bench/RESULTS.md 25.)"""
+        _, big, small, _, _ = plan
+        for s, d in big:
+            d.copy_(s)
+        if small:
+            torch._foreach_copy_([d for _, d in small], [s for s, _ in small])
 
     def forget_mapped(self) -> None:
         """Drop the planned copies (they hold the mapped memory, which a new mapping lets go of)."""

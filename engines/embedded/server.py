@@ -380,8 +380,7 @@ def _update_from_mapped(state: EngineState, body: dict) -> str:
         if version is not None:
             state.gen.weight_version = str(version)
     return {"message": f"Success: loaded {len(current[1])} mapped tensors", "copies": copies,
-            "seconds": time.perf_counter() - t0, "arena_bytes": state.gen.arena_bytes(),
-            "graph": state.gen.graph_loads()}
+            "seconds": time.perf_counter() - t0, "arena_bytes": state.gen.arena_bytes()}
 
 
 def _init_group(state: EngineState, body: dict) -> str:

@@ -181,8 +181,7 @@ class MappedSender:
         """Every engine gets `named` as `version` through its mapping (made or renewed first when needed).
         `stable`: these are the live tensors, which keep their storage from push to push (the engine may map
         them directly). Returns {"buckets": buffers mapped per engine, "mapped": engines (re)mapped for this push,
-        "copies": the copies the engines made, all together, "copy_graphs": engines whose copies were one CUDA graph
-        replayed, "engine_seconds": the longest an engine took inside
+        "copies": the copies the engines made, all together, "engine_seconds": the longest an engine took inside
         its call (pause, copies, synchronize, resume)}."""
         direct, signature, nbytes, devices = self._direct_facts(named, stable)
         if direct:
@@ -205,7 +204,6 @@ class MappedSender:
         # copies: what the engines' copying took, all together (one per run of bytes: embedded/weight_layout.py)
         return {"buckets": buffers, "mapped": sum(r for r, _ in answers), "bytes": nbytes,
                 "copies": sum(int(out.get("copies", 0)) for _, out in answers),
-                "copy_graphs": sum(bool(out.get("graph")) for _, out in answers),
                 "engine_seconds": max(float(out.get("seconds", 0.0)) for _, out in answers)}
 
     def _direct_facts(self, named: Named, stable: bool) -> tuple[bool, tuple | None, int | None, set | None]:
