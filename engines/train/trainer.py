@@ -248,10 +248,10 @@ class TrainerRank(DeepSpeedRank):
         scores. The LM head and what follows stay without grad (its input detached): no [b, L, V] graph is
         kept, and the layers' activations go with the forward's hidden states. A no-op without compiled layers
         (eager layers compile nothing; ZeRO-3, where compile is off, gathers parameters for a backward)."""
-        if self._round_up is None:
+        head = self.engine.module.get_output_embeddings() if self._round_up is not None else None
+        if head is None:  # eager layers, or a model without a separate output layer to stop the graph at
             yield
             return
-        head = self.engine.module.get_output_embeddings()
         modes: list[bool] = []
 
         def enter(module, args):
