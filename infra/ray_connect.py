@@ -96,7 +96,6 @@ class EarlyConnect:
     nothing running). A failed start is not reported here: the normal connect that follows says why."""
 
     def __init__(self, num_cpus: int | None, namespace: str, verbose: bool) -> None:
-        self.error: BaseException | None = None
         self.description: str | None = None
         self._args = (None, num_cpus, namespace, logging.INFO if verbose else logging.WARNING)
         self._done, self._stopped = threading.Event(), threading.Event()
@@ -120,7 +119,7 @@ class EarlyConnect:
         try:
             self.description = connect(*self._args)
         except Exception as e:  # deliberate: the normal connect after the preflight tries again and says why
-            self.error = e
+            log.debug("Ray's start beside the preflight failed (%s); connecting again after it", e)
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
             self._done.set()
