@@ -117,12 +117,20 @@ def _flow_terminal(args, cfg):
     another before (~40 s of a GPU run's start, bench/RESULTS.md 16); this VM: 0.94x to the first iteration
     (RESULTS.md 18; not yet measured on a GPU).
     With cluster.start_early (auto: on a GPU machine) Ray starts beside the preflight instead, and the run's
-    actors right after it passed (infra/runtime.begin_runtime), while the server and the flow run start."""
+    actors as soon as Ray is up (infra/runtime.begin_runtime), while the preflight, the server and the flow run
+    start; a failed preflight stops that Ray and the actors with it."""
     from reflow.infra.ray_connect import EarlyConnect
+    from reflow.infra.runtime import forget_ahead
 
-    early = EarlyConnect.begin(cfg, args.verbose)
+    early = EarlyConnect.begin(cfg, args.verbose, then=lambda: _begin_runtime(cfg, beside_preflight=True))
+
+    def abandon() -> None:
+        if early is not None:
+            early.abandon()
+            forget_ahead(cfg.experiment)
+
     return console.terminal(args.verbose, preflight=lambda: _preflight(cfg), meanwhile=lambda: _connect_ray(cfg, early),
-                            abandon=early.abandon if early is not None else None)
+                            abandon=abandon if early is not None else None)
 
 
 def _connect_ray(cfg, early=None) -> None:
@@ -134,7 +142,9 @@ def _connect_ray(cfg, early=None) -> None:
     done = _already_done(cfg)
     if early is not None and (description := early.join()) is not None:
         logging.getLogger("reflow.ray").info(description)
-        if not done:
+        if early.then_result:  # logged now: the terminal shows no log line before the preflight passed
+            logging.getLogger("reflow.runtime").info("the run's actors began beside the preflight")
+        elif not done:
             _begin_runtime(cfg)
         return
     if done:
@@ -143,12 +153,17 @@ def _connect_ray(cfg, early=None) -> None:
         connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)))
 
 
-def _begin_runtime(cfg) -> None:
-    """The run's actors, built from now on in the background (infra/runtime.begin_runtime; the flow takes them)."""
+def _begin_runtime(cfg, beside_preflight: bool = False) -> bool:
+    """The run's actors, built from now on in the background (infra/runtime.begin_runtime; the flow takes them);
+    not when the run's checkpoint already reached num_iterations. Returns whether they began."""
     from reflow.infra.runtime import begin_runtime
 
+    if beside_preflight:  # no log line: the terminal shows none before the preflight passed (_connect_ray says it)
+        return not _already_done(cfg) and begin_runtime(cfg)
     if begin_runtime(cfg):
         logging.getLogger("reflow.runtime").info("starting the run's actors while the flow run begins")
+        return True
+    return False
 
 
 def _already_done(cfg) -> bool:

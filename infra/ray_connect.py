@@ -9,6 +9,7 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import ray
@@ -91,25 +92,29 @@ def has_nvidia_gpu() -> bool:
 
 class EarlyConnect:
     """A local cluster of this process's own, started by a thread while the CLI's preflight runs (`cluster.
-    start_early`): ray.init of a fresh cluster took ~5 s of a GPU run's start. `join` after the preflight
-    passed; `abandon` when it failed (waits for the start to end, then stops the cluster: a bad input leaves
-    nothing running). A failed start is not reported here: the normal connect that follows says why."""
+    start_early`): ray.init of a fresh cluster took ~5 s of a GPU run's start. `then` runs in that thread once
+    Ray is up (the CLI begins the run's actors there: their imports, loads and DeepSpeed's set-up, ~15 s on the
+    H200, then overlap the preflight too). `join` after the preflight passed; `abandon` when it failed (waits for
+    the start to end, then stops the cluster, and with it what `then` began: a bad input leaves nothing
+    running). A failed start is not reported here: the normal connect that follows says why."""
 
-    def __init__(self, num_cpus: int | None, namespace: str, verbose: bool) -> None:
+    def __init__(self, num_cpus: int | None, namespace: str, verbose: bool,
+                 then: Callable[[], object] | None = None) -> None:
         self.description: str | None = None
+        self._then, self.then_result = then, None  # what `then` returned (read after `join`)
         self._args = (None, num_cpus, namespace, logging.INFO if verbose else logging.WARNING)
         self._done, self._stopped = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="reflow-ray-start", daemon=True)
 
     @classmethod
-    def begin(cls, cfg, verbose: bool) -> EarlyConnect | None:
+    def begin(cls, cfg, verbose: bool, then: Callable[[], object] | None = None) -> EarlyConnect | None:
         """Started where it applies: start_early on (auto: an NVIDIA GPU here, cluster.gpus not off), no cluster
         address (config or RAY_ADDRESS) and no Ray in this process yet."""
         c = cfg.cluster
         wanted = c.start_early if c.start_early is not None else (c.gpus != "off" and has_nvidia_gpu())
         if not wanted or c.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
             return None
-        early = cls(c.num_cpus, namespace_for(c.namespace_prefix, cfg.experiment), verbose)
+        early = cls(c.num_cpus, namespace_for(c.namespace_prefix, cfg.experiment), verbose, then)
         early._thread.start()
         return early
 
@@ -122,7 +127,12 @@ class EarlyConnect:
             log.debug("Ray's start beside the preflight failed (%s); connecting again after it", e)
         finally:
             logging.getLogger("ray._private.worker").removeFilter(quiet)
-            self._done.set()
+        if self.description is not None and self._then is not None and not self._stopped.is_set():
+            try:
+                self.then_result = self._then()
+            except Exception as e:  # deliberate: what `then` began is begun again (or not) after the preflight
+                log.debug("what was to start once Ray was up failed (%s)", e)
+        self._done.set()
         # Ray's daemons die with the *thread* that started them (Linux's parent-death signal follows the
         # thread): this one stays until the cluster is stopped or the process ends.
         self._stopped.wait()
@@ -133,12 +143,22 @@ class EarlyConnect:
         return self.description
 
     def abandon(self) -> None:
-        """The preflight failed: stop the cluster this thread started."""
+        """The preflight failed: stop the cluster this thread started (the actors `then` began die with it)."""
         self._done.wait()
         if self.description is not None and ray.is_initialized():
+            _no_auto_init()  # what `then` began may still call Ray: that must fail, not start another cluster
             ray.shutdown()
             _CONNECTED.clear()
         self._stopped.set()
+
+
+def _no_auto_init() -> None:
+    """Ray starts a local cluster on a call made without one (`ray.get`, an actor's creation), unless told not to
+    (RAY_ENABLE_AUTO_CONNECT=0, read once at import: the module's flag is set here, so it holds now)."""
+    from ray._private import auto_init_hook
+
+    os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
+    auto_init_hook.enable_auto_connect = False
 
 
 class _NotMainThreadWarning(logging.Filter):

@@ -303,8 +303,9 @@ def warm_task_workers() -> list:
     return [_import_task_modules.remote() for _ in range(_WARM_WORKERS)]
 
 
-def build_runtime(cfg: RunConfig) -> Runtime:
-    """Validate inputs first (checkpoint, data, reward fn), then start the actors."""
+def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
+    """Validate inputs first (checkpoint, data, reward fn), then start the actors. `ahead` (begin_runtime): in the
+    Ray this process already started, never a new one (a failed preflight stops it while this may still run)."""
     t0 = time.perf_counter()
     local = resolve_checkpoint(cfg.model.path, *model_source(cfg))  # a missing or corrupt one fails here, before Ray starts
     load_reward_fn(cfg.data.reward_fn)
@@ -312,7 +313,10 @@ def build_runtime(cfg: RunConfig) -> Runtime:
     train_prompts, eval_prompts = _load_data(cfg, tokenizer)
     eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)
-    log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
+    if ahead and not ray.is_initialized():
+        raise RuntimeError("Ray was stopped before the run's actors began (a failed preflight)")
+    if not ahead:
+        log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
     persistent = attached_to_running_cluster()
     record, before_ids = actors.prepare_namespace(cfg, namespace) if persistent else (None, {})
     reusable = bool(before_ids)
@@ -431,9 +435,9 @@ def start_runtime(cfg: RunConfig) -> Runtime:
 
 
 def begin_runtime(cfg: RunConfig) -> bool:
-    """Build `cfg`'s runtime in a background thread now (the CLI, once its preflight passed and Ray is up,
-    while Prefect's server finishes starting and the flow run begins: the actors' imports, model loads and
-    DeepSpeed's set-up then overlap them); the flow's `start_runtime` takes it. Returns whether it began: not
+    """Build `cfg`'s runtime in a background thread now, in the Ray this process has started (the CLI, as soon
+    as Ray is up beside its preflight: the actors' imports, model loads and DeepSpeed's set-up then overlap the
+    preflight, Prefect's server start and the flow run's); the flow's `start_runtime` takes it. Returns whether it began: not
     when this process already has one, on a long-lived cluster (whose actors a flow run reuses or replaces
     under its lease), or while the experiment's lease file exists (a live run's, or a killed one's whose
     leftovers the flow ends first, infra/leases.py)."""
@@ -447,13 +451,18 @@ def begin_runtime(cfg: RunConfig) -> bool:
 
     def build() -> None:
         try:
-            future.set_result(build_runtime(cfg))
+            future.set_result(build_runtime(cfg, ahead=True))
         except BaseException as e:  # deliberate: handed to the flow's start_runtime, which raises it
             future.set_exception(e)
 
     _AHEAD[cfg.experiment] = (dump_config(cfg), future)
     threading.Thread(target=build, name=f"reflow-runtime-{cfg.experiment}", daemon=True).start()
     return True
+
+
+def forget_ahead(experiment: str) -> None:
+    """The runtime begun ahead is not wanted (a failed preflight; the CLI stops its Ray, and with it the actors)."""
+    _AHEAD.pop(experiment, None)
 
 
 def _built_ahead(cfg: RunConfig) -> Runtime | None:

@@ -1,5 +1,5 @@
 """`cluster.start_early` (auto on GPU machines; set here on CPU): `reflow train` starts its own Ray beside the
-preflight and the run's actors as soon as the preflight passed, and the flow takes those actors. A failed
+preflight and the run's actors as soon as Ray is up (the preflight still running), and the flow takes those actors. A failed
 preflight still ends the command with its one line, nothing in storage, and no Ray process left running."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from tests.ckpt_fixtures import REPO, run_train, write_config
+from tests.ckpt_fixtures import REPO, reap, write_config
 
 pytestmark = pytest.mark.slow
 
@@ -52,12 +52,63 @@ def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_po
     assert not left, f"Ray daemons left running after the failed preflight: {left}"
 
 
-def test_the_flow_takes_the_actors_started_beside_it(tmp_path, tiny_policy):
+def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path, tiny_policy):
+    """The actors begin beside the preflight: one that fails while they start (a check the runtime's build does not
+    repeat) still ends with its one line, and neither the actors nor a Ray they would call later outlive it (Ray
+    starts a new local cluster on any call made without one: the build's next call must fail instead)."""
+    cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-late",
+                       **{"num_iterations": 2, "cluster.start_early": True})
+    before = _ray_daemons()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"))
+    script = ("import sys, threading, time, ray\nimport reflow.flows.cli as cli\nfrom reflow.infra import runtime\n"
+              "from reflow.infra.preflight import PreflightError\n"
+              "def failing(cfg):\n    end = time.monotonic() + 120\n"
+              "    while cfg.experiment not in runtime._AHEAD and time.monotonic() < end:\n        time.sleep(0.1)\n"
+              "    time.sleep(3)\n"  # the build is under way: data loaded, actors being created
+              "    raise PreflightError(f'a late check failed (began: {cfg.experiment in runtime._AHEAD})')\n"
+              "cli._preflight = failing\ncode = None\ntry:\n    cli.main(sys.argv[1:])\n"
+              "except SystemExit as e:\n    code = e.code\n"
+              "time.sleep(15)\n"  # the build thread's later Ray calls: none may start a cluster
+              "print(f'RESULT {code} {ray.is_initialized()} {cli.__name__ in sys.modules}', flush=True)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, "train", "-c", str(cfg)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        reap(proc)
+    assert "RESULT 2 False True" in out, (out, err[-3000:])
+    assert "a late check failed (began: True)" in err, err[-3000:]
+    assert not (tmp_path / "runs" / "early-late" / "config.yaml").exists()
+    deadline = time.monotonic() + 20
+    while (left := _ray_daemons() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray daemons left running after the failed preflight: {left}"
+
+
+def test_the_flow_takes_the_actors_started_beside_the_preflight(tmp_path, tiny_policy):
+    """The actors begin while the preflight still runs (once Ray is up), not after it: the preflight here waits
+    (up to 120 s) for the runtime's build to begin, and says whether it did."""
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early",
                        **{"num_iterations": 2, "cluster.start_early": True, "checkpoint.save_interval": None})
-    code, log = run_train(cfg, env_extra={"REFLOW_LEASE_DIR": str(tmp_path / "leases")}, timeout=400)
-    assert code == 0, log[-4000:]
-    assert "starting the run's actors while the flow run begins" in log, log[-4000:]
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"))
+    script = ("import sys, time\nimport reflow.flows.cli as cli\nfrom reflow.infra import runtime\n"
+              "checked = cli._preflight\n"
+              "def waiting(cfg):\n    end = time.monotonic() + 120\n"
+              "    while cfg.experiment not in runtime._AHEAD and time.monotonic() < end:\n        time.sleep(0.1)\n"
+              "    print(f'BEGAN DURING PREFLIGHT {cfg.experiment in runtime._AHEAD}', flush=True)\n"
+              "    return checked(cfg)\n"
+              "cli._preflight = waiting\ncli.main(sys.argv[1:])\n")
+    proc = subprocess.Popen([sys.executable, "-c", script, "train", "--verbose", "-c", str(cfg)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = proc.communicate(timeout=400)
+    finally:
+        reap(proc)  # what a run that timed out left (Ray's helpers)
+    assert proc.returncode == 0, log[-4000:]
+    assert "BEGAN DURING PREFLIGHT True" in log, log[-4000:]
+    assert "the run's actors began beside the preflight" in log, log[-4000:]
     assert "runtime started ahead of the flow: ready in" in log, log[-4000:]
     assert "building it again" not in log  # the flow's config is the one the actors were started for
     assert (tmp_path / "runs" / "early" / "config.yaml").is_file()  # written by the flow, as before
