@@ -63,6 +63,19 @@ def child(args) -> dict:
         tokens = rollout(100 + v)
         secs.append(time.perf_counter() - t0)
     prof = None
+    if args.trace:  # the GPU's view of one more rollout: kernel time against wall time, the largest ops
+        from torch.profiler import ProfilerActivity, profile
+
+        acts = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda
+        with profile(activities=acts) as tp:
+            t0 = time.perf_counter()
+            rollout(998)
+            wall = time.perf_counter() - t0
+        ev = [e for e in tp.events() if e.device_type.name == "CUDA"] if cuda else []
+        busy = sum(e.device_time for e in ev) / 1e6  # kernel seconds (overlaps counted twice: one stream here)
+        table = tp.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30)
+        print(f"  trace: wall {wall:.4f} s under the profiler, GPU kernels {busy:.4f} s, {len(ev)} kernels\n{table}",
+              flush=True)
     if args.profile:
         import cProfile
         import pstats
@@ -82,7 +95,7 @@ def _run(tree: Path, args, label: str, profile: bool) -> dict:
     out = Path(tempfile.mkdtemp(prefix="rollout-gen-")) / "r.json"
     cmd = [sys.executable, __file__, "--part", "child", "--json", str(out), "--prompts", str(args.prompts),
            "--n", str(args.n), "--batch", str(args.batch), "--repeat", str(args.repeat)]
-    cmd += ["--profile"] * profile + ["--cpu"] * args.cpu
+    cmd += ["--profile"] * profile + ["--trace"] * (profile and args.trace) + ["--cpu"] * args.cpu
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(importable(tree)), os.environ.get("PYTHONPATH", "")]),
            "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     subprocess.run(cmd, check=True, env=env, cwd=tempfile.gettempdir())  # not a checkout: its reflow/ would shadow
@@ -101,6 +114,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2, help="children per tree, taking turns (ABBA...)")
     p.add_argument("--baseline", default=None, help="a tree of another commit to run alongside (git archive)")
     p.add_argument("--profile", action="store_true", help="cProfile one more rollout of this tree")
+    p.add_argument("--trace", action="store_true", help="with --profile: torch.profiler over one more rollout "
+                   "(GPU kernel seconds against wall seconds, the largest ops)")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even where a GPU is")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--part", default="main", help=argparse.SUPPRESS)
