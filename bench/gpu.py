@@ -2,6 +2,9 @@
 
     python3 bench/gpu.py                          # on one H200 (a Qwen2.5-0.5B-shaped model, bf16)
     .venv/bin/python bench/gpu.py --device cpu --tiny    # a smoke test of the same code on CPU
+    python3 bench/gpu.py --model demo --batch 1024 --seq 16 --micro 512 --skip engine,push --variants default,eager \
+      --minibatches 2
+                                                  # the GPU demo's policy shape (113M) at its batch
 
 The GPU machine has torch and transformers but no Ray or Prefect, so the classes the Ray actors
 host are driven directly in this process: `reflow.engines.train.trainer.TrainerRank` (DeepSpeed, one rank,
@@ -46,6 +49,7 @@ import gpu_trainer as GT  # noqa: E402
 
 PEAK_BF16 = {"cuda": 989e12, "cpu": float("nan")}
 TINY = dict(hidden=64, layers=2, heads=4, mlp=256, vocab=512)
+DEMO = dict(hidden=768, layers=12, heads=12, mlp=3072, vocab=32)  # reflow.rl.demo_policy SIZES["gpu"] (21 tokens)
 
 
 def sync() -> None:
@@ -183,9 +187,13 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--tiny", action="store_true", help="tiny Llama and batches: a smoke test")
+    p.add_argument("--model", default="qwen2-0.5b", choices=["qwen2-0.5b", "demo"],
+                   help="the model's shape: Qwen2.5-0.5B's, or the GPU demo policy's (113M Llama, 32 tokens)")
     p.add_argument("--batch", type=int, default=16, help="trainer sequences per step")
     p.add_argument("--seq", type=int, default=2048, help="trainer tokens per sequence")
     p.add_argument("--micro", type=int, default=8, help="trainer micro-batch (sequences)")
+    p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per iteration (the GPU demo: 2; "
+                   "more than 1 runs the separate old-logprob pass)")
     p.add_argument("--steps", type=int, default=3, help="timed trainer steps")
     p.add_argument("--gen-batches", default="1,64,256", help="engine batch sizes")
     p.add_argument("--gen-len", type=int, default=256)
@@ -215,8 +223,9 @@ def main() -> None:
     from reflow.rl.demo_policy import save_policy
 
     C.header(f"GPU benchmark, one process ({args.device})")
-    kind = "llama" if args.tiny else "qwen2-0.5b"
-    model = ET.build_model(kind, TINY, torch.bfloat16, args.device)
+    kind = "llama" if args.tiny else args.model
+    model = ET.build_model("llama" if kind == "demo" else kind, DEMO if kind == "demo" else TINY, torch.bfloat16,
+                           args.device)
     cfg, n_total = model.config, sum(p.numel() for p in model.parameters())
     folder = save_policy(model, ET.build_tokenizer(cfg.vocab_size), Path(tempfile.mkdtemp(prefix="reflow-gpu-")) / "m")
     del model

@@ -68,7 +68,7 @@ def _iteration(G, trainer, cfg, args, prompt: int):
     from reflow.rl.losses import LossSettings
 
     batch = G.synthetic_batch(args.batch, args.seq, cfg.vocab_size, prompt)
-    kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
+    kw = dict(minibatches=getattr(args, "minibatches", 1), pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
     return lambda: trainer.train_iteration(batch, **kw)
 
 

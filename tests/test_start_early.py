@@ -114,3 +114,30 @@ def test_the_flow_takes_the_actors_started_beside_the_preflight(tmp_path, tiny_p
     assert (tmp_path / "runs" / "early" / "config.yaml").is_file()  # written by the flow, as before
     summary, _ = json.JSONDecoder().raw_decode(log[log.rindex("\n{") + 1:])
     assert summary["iterations"] == 2, summary
+
+
+def test_a_bad_input_found_while_the_actors_start_stops_them(ray_cluster, tiny_policy, tmp_path):
+    """On a cluster of the run's own the runtime reads its inputs while its actors start (not before): a bad one
+    still fails with its own error, and the actors just asked for are gone (the shared cluster keeps no CPU taken)."""
+    import ray
+
+    from reflow.infra.config import load_config
+    from reflow.infra.runtime import start_runtime
+
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
+    cfg = load_config(None, ["experiment=late-input", f"model.path={tiny_policy}", "data.task=file",
+                             f"data.path={tmp_path / 'p.jsonl'}", "data.prompt_key=q", "data.label_key=answer",
+                             "data.num_eval=4", f"storage.root=file://{tmp_path}/runs"])
+    ours = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"].endswith("late-input")}
+    assert not ours
+    with pytest.raises(Exception, match="label_key"):
+        start_runtime(cfg)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"].endswith("late-input")}
+        if not left and ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU"):
+            break
+        time.sleep(0.5)
+    assert not left, f"actors left after the bad input: {left}"
+    assert ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU")  # none held by one unnamed
