@@ -192,8 +192,6 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16, help="trainer sequences per step")
     p.add_argument("--seq", type=int, default=2048, help="trainer tokens per sequence")
     p.add_argument("--micro", type=int, default=8, help="trainer micro-batch (sequences)")
-    p.add_argument("--no-cudnn-attention", action="store_true", help="torch's SDPA without its cuDNN kernels in this "
-                   "process (Hopper prefers them; each new shape is planned on the host): run once with, once without")
     p.add_argument("--minibatches", type=int, default=1, help="optimizer steps per iteration (the GPU demo: 2; "
                    "more than 1 runs the separate old-logprob pass)")
     p.add_argument("--steps", type=int, default=3, help="timed trainer steps")
@@ -212,15 +210,13 @@ def main() -> None:
     if args.tiny:
         args.batch, args.seq, args.micro, args.steps, args.gen_batches, args.gen_len = 4, 64, 2, 1, "1,8", 16
     # The plain loops first: they need the most memory, and ZeRO-3 (the last variant) leaves some held.
-    default_variants = "default,old-pass,plain" if args.tiny else ",".join([*GT.PLAINS, *GT.VARIANTS])
+    default_variants = "default,old-pass,plain" if args.tiny else ",".join([*GT.PLAINS, *(v for v in GT.VARIANTS if v != "cudnn")])
     args.variants = (args.variants or default_variants).split(",")
     args.commit = args.commit or C.git_commit()
     unknown = set(args.variants) - set(GT.VARIANTS) - set(GT.PLAINS)
     if unknown:
         p.error(f"unknown variants {sorted(unknown)}")
     C.set_bench_env()
-    if args.no_cudnn_attention:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     import logging
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-stage memory printouts

@@ -141,3 +141,22 @@ def test_the_old_logprob_pass_replays_the_training_forwards_compiled_graph(ray_c
     for k in ("loss", "pg_loss", "grad_norm", "ratio_mean", "logprob_mismatch"):
         assert sep[k] == pytest.approx(reused[k], rel=1e-6, abs=1e-7), k
     assert sep["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # old log-probs = the update's own at this step
+
+
+def test_cudnn_attention_is_a_rank_setting_off_by_default(tiny_policy):
+    """trainer.cudnn_attention reaches both kinds of rank, and a rank's start sets the process's SDPA choice."""
+    from reflow.engines.train.ds_rank import set_attention_kernels
+    from reflow.infra.config import load_config
+    from reflow.infra.settings import critic_rank_settings, policy_rank_settings
+
+    for over, want in (([], False), (["trainer.cudnn_attention=true"], True)):
+        cfg = load_config(None, [f"model.path={tiny_policy}", *over])
+        assert policy_rank_settings(cfg).cudnn_attention is want and critic_rank_settings(cfg).cudnn_attention is want
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        set_attention_kernels(False)
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        set_attention_kernels(True)
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)
