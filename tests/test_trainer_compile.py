@@ -143,13 +143,13 @@ def test_the_old_logprob_pass_replays_the_training_forwards_compiled_graph(ray_c
     assert sep["ratio_mean"] == pytest.approx(1.0, abs=1e-6)  # old log-probs = the update's own at this step
 
 
-def test_cudnn_attention_is_a_rank_setting_off_by_default(tiny_policy):
+def test_cudnn_attention_is_a_rank_setting(tiny_policy):
     """trainer.cudnn_attention reaches both kinds of rank, and a rank's start sets the process's SDPA choice."""
     from reflow.engines.train.ds_rank import set_attention_kernels
     from reflow.infra.config import load_config
     from reflow.infra.settings import critic_rank_settings, policy_rank_settings
 
-    for over, want in (([], False), (["trainer.cudnn_attention=true"], True)):
+    for over, want in (([], True), (["trainer.cudnn_attention=false"], False)):
         cfg = load_config(None, [f"model.path={tiny_policy}", *over])
         assert policy_rank_settings(cfg).cudnn_attention is want and critic_rank_settings(cfg).cudnn_attention is want
     before = torch.backends.cuda.cudnn_sdp_enabled()

@@ -32,13 +32,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
-# The prefill's attention kernels: not cuDNN's, which torch prefers on Hopper and which plans each new shape on the
-# host (~1 ms a call on the H200; every admission is a new (prompts, length) shape): 88 ms of a 0.18 s rollout of
-# 1024 samples went there, against 42 ms of GPU kernels in all (bench/rollout_generate.py --profile --trace).
-PREFILL_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -255,14 +250,13 @@ class StaticDecoder:
         rows = torch.tensor(slots, device=dev)
         x = self.embed(ids)  # [U, T, hidden]
         cos, sin = (t[:, None] for t in self.rotary(x, torch.arange(T, device=dev).expand(len(prompts), T)))
-        with sdpa_kernel(PREFILL_ATTENTION):
-            for i, p in enumerate(self.plan):
-                q, k, v = self._qkv(p, x, cos, sin)  # [U, H, T, D]
-                self.k[i, rows, :, :T] = k
-                self.v[i, rows, :, :T] = v
-                k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [U, Hq, T, D]
-                x = self._rest(p, x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
+        for i, p in enumerate(self.plan):
+            q, k, v = self._qkv(p, x, cos, sin)  # [U, H, T, D]
+            self.k[i, rows, :, :T] = k
+            self.v[i, rows, :, :T] = v
+            k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [U, Hq, T, D]
+            x = self._rest(p, x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
         last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
         h = _rms(self.norm, x[torch.arange(len(prompts), device=dev), last])  # [U, hidden]
         return self.model.lm_head(h).float()

@@ -144,11 +144,9 @@ def _rows(t: dict[str, torch.Tensor], start: int, end: int, round_up=None) -> di
 
 
 def set_attention_kernels(cudnn: bool) -> None:
-    """Whether torch's scaled_dot_product_attention may use cuDNN's kernels in this process (the rank's own).
-    torch prefers them on Hopper, but each call is planned on the host: at the GPU demo's shape (1024 samples of
-    ~16 tokens, 12 layers) 43 ms of a 0.154 s step went there on the H200 (0.111 s without: flash/efficient
-    kernels, bench/gpu.py --model demo). A process-wide flag, set before any model runs (compiled graphs trace
-    their kernel choice once)."""
+    """Whether torch's scaled_dot_product_attention may use cuDNN's kernels in this process (the rank's own; torch
+    prefers them on Hopper). A process-wide flag, set before any model runs (compiled graphs trace their kernel
+    choice once). On the H200 neither choice was faster beyond the spread between processes (RESULTS.md 26)."""
     torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
