@@ -9,6 +9,7 @@ stopped when the preflight fails); `config --check` runs it alone."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
@@ -110,7 +111,26 @@ def _resume_override(args) -> list[str]:
     return [f"resume={args.resume}"] if getattr(args, "resume", None) else []
 
 
+@contextlib.contextmanager
 def _flow_terminal(args, cfg):
+    """`_terminal`, with the trainer's compile warm-up (`trainer.compile_warmup`, infra/compile_warmup.py) running
+    beside all of it from the start: before Ray, whose workers are told where its lock is."""
+    from reflow.infra import compile_warmup
+
+    warm = compile_warmup.Warmup.start(cfg) if compile_warmup.wanted(cfg) and not _already_done(cfg) else None
+    try:
+        with _terminal(args, cfg):
+            if warm is not None:  # said now: the terminal shows no log line before its preflight passed
+                logging.getLogger("reflow.compile_warmup").info(
+                    "compiling the trainer's graphs ahead in process %d (log: %s)", warm.proc.pid,
+                    warm.folder / "log.txt")
+            yield
+    finally:
+        if warm is not None:
+            warm.stop()
+
+
+def _terminal(args, cfg):
     """console.terminal for `train` and `demo`: the preflight runs while Prefect's temporary server starts
     (a bad input still ends the command with one line, and the server is stopped), then Ray starts (or is
     attached to) while the server finishes starting; the flow's runtime finds Ray up. They ran one after

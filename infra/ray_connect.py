@@ -25,7 +25,8 @@ _CONNECTED: list[str] = []  # what connect() did first in this process (the CLI 
 # S3-compatible endpoints and regions (not secrets) go along too, so model paths and disk pushes
 # at s3:// URLs reach the same server from every actor; credentials stay with the AWS chain.
 _WORKER_ENV_KEYS = ("TORCH_EXTENSIONS_DIR", "REFLOW_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
-                    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION")
+                    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
+                    "TORCHINDUCTOR_CACHE_DIR", "REFLOW_COMPILE_WARMUP_LOCK")
 
 
 def namespace_for(prefix: str, experiment: str) -> str:

@@ -35,10 +35,10 @@ from reflow.infra import actors, placement
 from reflow.infra import checkpoint as ckpt
 from reflow.infra.config import RunConfig, dump_config
 from reflow.infra.eval_sets import EvalSet, load_eval_sets
+from reflow.infra.prompts import load_prompts
 from reflow.infra.ray_connect import attached_to_running_cluster, connect, namespace_for
 from reflow.infra.settings import critic_rank_settings, policy_rank_settings, push_settings, storage_access
 from reflow.infra.storage import ExperimentStore
-from reflow.rl.data import PromptFormat, load_prompt_rows, tokenize_prompts
 from reflow.rl.rewards import load_reward_fn
 from reflow.rl.types import Prompt
 
@@ -84,16 +84,6 @@ def model_source(cfg: RunConfig) -> tuple[StorageAccess, dict | None]:
     (reflow.engines.hf_io.resolve_checkpoint; infra/checkpoint.model_files)."""
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     return storage_access(cfg), ckpt.model_files(cfg.model.path, store)
-
-
-def _load_data(cfg: RunConfig, tokenizer) -> tuple[list[Prompt], list[Prompt]]:
-    d = cfg.data
-    train_rows, eval_rows = load_prompt_rows(d.task, d.path, d.prompt_key, d.label_key, d.seed,
-                                             d.num_train, d.num_eval, d.digits, d.eval_path,
-                                             storage_access(cfg).read_bytes, d.metadata_keys)
-    fmt = PromptFormat.of(d)  # one rendering (plain or chat template) for training, rollout and eval
-    return (tokenize_prompts(train_rows, tokenizer, d.max_prompt_len, fmt),
-            tokenize_prompts(eval_rows, tokenizer, d.max_prompt_len, fmt))
 
 
 def runtime_api_key(namespace: str, num_engines: int, timeout_s: float = 30.0) -> str:
@@ -388,7 +378,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
 def _read_inputs(cfg: RunConfig, local) -> tuple[Any, list[Prompt], list[Prompt], list[EvalSet]]:
     """The tokenizer, the train and eval prompts and the eval sets (each read fails with the input's error)."""
     tokenizer = load_tokenizer(str(local))
-    train_prompts, eval_prompts = _load_data(cfg, tokenizer)
+    train_prompts, eval_prompts = load_prompts(cfg, tokenizer)
     return tokenizer, train_prompts, eval_prompts, load_eval_sets(cfg, tokenizer, eval_prompts)
 
 
@@ -568,7 +558,7 @@ def build_eval_runtime(cfg: RunConfig) -> Runtime:
     sets; no trainers. Inputs are validated before any actor starts, as in `build_runtime`."""
     t0 = time.perf_counter()
     tokenizer = load_tokenizer(str(resolve_checkpoint(cfg.model.path, *model_source(cfg))))  # checked before Ray starts
-    _, eval_prompts = _load_data(cfg, tokenizer)
+    _, eval_prompts = load_prompts(cfg, tokenizer)
     eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = _eval_namespace(cfg)
     log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))

@@ -298,3 +298,13 @@ class PromptSampler:
         self.seed = state.get("seed", self.seed)
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._order = self._permutation(self.epoch)
+
+
+def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: int) -> list[Prompt]:
+    """The k prompts of `iteration`: a pure function of (seed, iteration), so retries and resumes
+    take exactly the same prompts. `PromptSampler` positioned at the iteration's cursor: each epoch
+    is a fresh seeded permutation of the dataset."""
+    epoch, cursor = divmod(iteration * k, len(prompts))
+    sampler = PromptSampler(prompts, seed)
+    sampler.load_state_dict({"epoch": epoch, "cursor": cursor})
+    return sampler.next_batch(k)

@@ -19,7 +19,7 @@ from reflow.engines import rollout_stages as ro
 from reflow.infra.config import RunConfig
 from reflow.infra.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.storage import ExperimentStore
-from reflow.rl.data import PromptSampler
+from reflow.rl.data import prompts_for_iteration
 from reflow.rl.reward_http import reward_source
 from reflow.rl.types import Prompt, RolloutBatch
 from reflow.tasks import stage_cache
@@ -56,16 +56,6 @@ class BatchRef:
     stats: dict[str, float] = field(default_factory=dict)
     iteration: int | None = None  # set by `generate`; dynamic sampling draws its extra prompts from it
     saving: tuple[ray.ObjectRef, ...] = ()  # stage records still being written (tasks/stage_cache.py)
-
-
-def prompts_for_iteration(prompts: list[Prompt], seed: int, iteration: int, k: int) -> list[Prompt]:
-    """The k prompts of `iteration`: a pure function of (seed, iteration), so retries and resumes
-    take exactly the same prompts. `PromptSampler` positioned at the iteration's cursor: each epoch
-    is a fresh seeded permutation of the dataset."""
-    epoch, cursor = divmod(iteration * k, len(prompts))
-    sampler = PromptSampler(prompts, seed)
-    sampler.load_state_dict({"epoch": epoch, "cursor": cursor})
-    return sampler.next_batch(k)
 
 
 def uses_adapter(cfg: RunConfig) -> bool:

@@ -100,14 +100,14 @@ def other_policy(tiny_policy, tmp_path_factory) -> Path:
 
 
 def test_prompt_files_come_from_the_configured_endpoint(s3, tiny_policy, tmp_path):
-    from reflow.infra.runtime import _load_data
+    from reflow.infra.prompts import load_prompts
 
     fs = _fs(s3)
     fs.pipe(f"{BUCKET}/data/train.jsonl", _jsonl(_rows("1", 6)))
     fs.pipe(f"{BUCKET}/data/held.parquet", _parquet(_rows("2", 3), tmp_path))
     cfg = _cfg(s3, "data", f"model.path={tiny_policy}", "data.task=file", f"data.path=s3://{BUCKET}/data/train.jsonl",
                f"data.eval_path=s3://{BUCKET}/data/held.parquet")
-    train, held = _load_data(cfg, load_tokenizer(str(tiny_policy)))
+    train, held = load_prompts(cfg, load_tokenizer(str(tiny_policy)))
     assert [p.text for p in train] == [r["prompt"] for r in _rows("1", 6)]
     assert [p.label for p in held] == [r["label"] for r in _rows("2", 3)]
 
@@ -175,7 +175,7 @@ def test_retrain_new_data_comes_from_the_configured_endpoint(s3, tiny_policy, tm
     """new_data listed and merged through the config's endpoint; the merged prompts (kept in the
     experiment's storage) are then read back as the run's training data."""
     from reflow.infra import promotion as pm
-    from reflow.infra.runtime import _load_data
+    from reflow.infra.prompts import load_prompts
     from reflow.tasks.retrain import take_new_data
 
     fs = _fs(s3)
@@ -186,7 +186,7 @@ def test_retrain_new_data_comes_from_the_configured_endpoint(s3, tiny_policy, tm
                f"eval.sets=[{{name: held, source: s3://{BUCKET}/retrain/held.jsonl}}]")
     new_cfg, files = take_new_data.fn(cfg, f"s3://{BUCKET}/retrain/incoming", "run-1")
     assert [f["url"].rsplit("/", 1)[-1] for f in files] == ["a.jsonl", "b.parquet"]
-    train, _ = _load_data(new_cfg, load_tokenizer(str(tiny_policy)))
+    train, _ = load_prompts(new_cfg, load_tokenizer(str(tiny_policy)))
     assert sorted(p.text for p in train) == sorted(r["prompt"] for r in _rows("6", 4) + _rows("7", 3))
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     pm.append_ledger(store, files, "run-1")

@@ -160,3 +160,24 @@ def test_cudnn_attention_is_a_rank_setting(tiny_policy):
         assert torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+@pytest.mark.slow
+def test_compile_warmup_fills_the_caches_the_first_step_reads(tmp_path, tiny_policy):
+    """trainer.compile_warmup: `reflow train` compiles the trainer's graphs ahead in a process of its own (a one-layer
+    model, the first iteration's shapes); the trainer's first step waits for it and then takes the graphs from
+    inductor's on-disk caches (a fresh cache folder for this run, so every hit is the warm-up's). Inductor on CPU."""
+    import json
+
+    from tests.ckpt_fixtures import run_train, write_config
+
+    cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "warm",
+                       **{"num_iterations": 1, "trainer.compile": "on", "trainer.compile_warmup": True,
+                          "checkpoint.save_interval": None})
+    code, log = run_train(cfg, env_extra={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
+                                          "REFLOW_LEASE_DIR": str(tmp_path / "leases")}, timeout=600)
+    assert code == 0, log[-4000:]
+    assert "compiling the trainer's graphs ahead in process" in log, log[-4000:]
+    m = json.loads((tmp_path / "runs" / "warm" / "iterations" / "000000" / "metrics.json").read_text())
+    assert m["compile_graphs"] >= 1 and m["compile_cache_hits"] >= 1, m
+    assert m["compile_warmup_wait_s"] >= 0.0

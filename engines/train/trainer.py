@@ -44,7 +44,14 @@ from torch.profiler import record_function
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer
 from reflow.engines.train import lora
-from reflow.engines.train.compiled import compile_layers, compiled_graphs, length_bucket, use_compile
+from reflow.engines.train.compiled import (
+    compile_cache_hits,
+    compile_layers,
+    compiled_graphs,
+    length_bucket,
+    use_compile,
+    wait_for_warmup,
+)
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
 from reflow.engines.train.settings import RankSettings
 from reflow.engines.weights.settings import PushSettings
@@ -141,6 +148,9 @@ class TrainerRank(DeepSpeedRank):
         (default: none) finishes the batch's advantages here when its spec says so (REINFORCE++ with
         KL in the reward: per-sequence scores -> token-level advantages after the reference pass).
         """
+        # The first step of compiled layers waits for a compile warm-up that is making the same graphs (its caches
+        # then serve this compile); 0.0 without one.
+        warm_wait = wait_for_warmup() if self.iteration == 0 and self._round_up is not None else 0.0
         t0 = time.perf_counter()
         self.iteration += 1
         finish = algorithm.spec.finish_advantages if algorithm is not None and algorithm.kl_reward_coef > 0 else None
@@ -173,7 +183,8 @@ class TrainerRank(DeepSpeedRank):
         with record_function("reflow.metrics"):
             out = self._reduce_metrics(acc, minibatches)
         out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)),
-                   old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()), **finished)
+                   old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()),
+                   compile_cache_hits=float(compile_cache_hits()), compile_warmup_wait_s=warm_wait, **finished)
         return out
 
     def _shard(self, batch: RolloutBatch, minibatches: int, pad_id: int) -> dict[str, torch.Tensor]:
