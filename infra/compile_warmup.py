@@ -103,7 +103,8 @@ def _first_batch(cfg: RunConfig, tokenizer):
     r = cfg.rollout
     prompts = prompts_for_iteration(train, cfg.data.seed, 0, r.prompts_per_iteration)
     n, m = r.n_samples_per_prompt, r.max_new_tokens
-    token = next(t for t in range(tokenizer.vocab_size) if t not in set(tokenizer.all_special_ids))
+    special = set(tokenizer.all_special_ids)
+    token = next(t for t in range(tokenizer.vocab_size) if t not in special)
     rows = [(g, p) for g, p in enumerate(prompts) for _ in range(n)]
     return RolloutBatch(group_index=[g for g, _ in rows], prompt_text=[p.text for _, p in rows],
                         prompt_ids=[list(p.input_ids) for _, p in rows], response_text=[""] * len(rows),

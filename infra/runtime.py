@@ -296,8 +296,8 @@ def warm_task_workers() -> list:
 def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     """The checkpoint and reward fn first, then the actors, and the tokenizer, data and eval sets while they start (on
     a long-lived cluster before its actors are touched); a bad input fails with its own error and the actors asked
-    for are killed. `ahead` (begin_runtime): in the
-    Ray this process already started, never a new one (a failed preflight stops it while this may still run)."""
+    for are killed. `ahead` (begin_runtime): in the Ray this process already started, never a new one (a failed
+    preflight stops it while this may still run)."""
     t0 = time.perf_counter()
     local = resolve_checkpoint(cfg.model.path, *model_source(cfg))  # a missing or corrupt one fails here, before Ray starts
     load_reward_fn(cfg.data.reward_fn)
@@ -330,9 +330,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
         try:
             inputs = _read_inputs(cfg, local)
         except BaseException:  # deliberate: the actors just asked for go, then the input's own error
-            for group in (trainers, critic):
-                if group is not None:
-                    group.kill()
+            _kill_groups(trainers, critic)
             for e in engines:
                 ray.kill(e)
             placement.release(pg)
@@ -342,9 +340,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
         for group in ([trainers] if fresh else []) + ([critic] if critic is not None else []):
             group.wait_ready()  # a group that fails kills its own ranks
     except TrainerInitError:
-        for group in (trainers, critic):
-            if group is not None:
-                group.kill()
+        _kill_groups(trainers, critic)
         raise
     engines = _check_engines(cfg, namespace, engines, api_key, persistent, pg)
     urls = ray.get([e.url.remote() for e in engines])
@@ -373,6 +369,13 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
              "%d eval prompts, storage %s", rt.timings["startup"], t_asked - t0, len(engines), urls,
              cfg.trainer.num_ranks, len(train_prompts), len(eval_prompts), store.url())
     return rt
+
+
+def _kill_groups(*groups) -> None:
+    """Kill the ranks of each trainer or critic group (None: none started)."""
+    for group in groups:
+        if group is not None:
+            group.kill()
 
 
 def _read_inputs(cfg: RunConfig, local) -> tuple[Any, list[Prompt], list[Prompt], list[EvalSet]]:

@@ -30,14 +30,49 @@ def _ray_daemons() -> set[int]:
     return out
 
 
+def _cli_env(tmp_path) -> dict[str, str]:
+    """The CLI's environment: its own Ray and Prefect server, this checkout importable, a private lease folder."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
+    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"))
+    return env
+
+
+# Script lines defining began(cfg): wait (up to 120 s) until the runtime's build for cfg has begun; whether it did.
+_BEGAN = ("import time\nfrom reflow.infra import runtime\n"
+          "def began(cfg):\n    end = time.monotonic() + 120\n"
+          "    while cfg.experiment not in runtime._AHEAD and time.monotonic() < end:\n        time.sleep(0.1)\n"
+          "    return cfg.experiment in runtime._AHEAD\n")
+
+
+def _run_script(script: str, args: list[str], env: dict[str, str], timeout: float, stderr=subprocess.PIPE,
+                daemons_before: set[int] | None = None):
+    """`python -c script args...` in its own session; (returncode, stdout, stderr), what it left reaped. With
+    `daemons_before`, no Ray daemon may outlive it: checked before the reaping (which would kill them)."""
+    proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=stderr, text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        if daemons_before is not None:
+            _no_daemons_left(daemons_before)
+    finally:
+        reap(proc)  # what a run that timed out left (Ray's helpers)
+    return proc.returncode, out, err
+
+
+def _no_daemons_left(before: set[int]) -> None:
+    deadline = time.monotonic() + 20  # Ray's daemons end on their own once the driver stopped the cluster
+    while (left := _ray_daemons() - before) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"Ray daemons left running after the failed preflight: {left}"
+
+
 def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_policy):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-bad",
                        **{"data.task": "file", "data.path": str(tmp_path / "p.jsonl"), "data.prompt_key": "q",
                           "data.label_key": "answer", "data.num_eval": 4, "cluster.start_early": True})
     before = _ray_daemons()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    env["PYTHONPATH"] = str(REPO)
+    env = _cli_env(tmp_path)
     # the CLI in a process that goes on afterwards (a notebook, a wrapper): the cluster must be stopped by then
     script = ("import sys, ray\nfrom reflow.flows.cli import main\ncode = None\ntry:\n    main(sys.argv[1:])\n"
               "except SystemExit as e:\n    code = e.code\nprint(f'RESULT {code} {ray.is_initialized()}')\n")
@@ -46,10 +81,7 @@ def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_po
     assert r.stdout == "RESULT 2 False\n", (r.returncode, r.stdout, r.stderr[-3000:])
     assert r.stderr.count("\n") == 1 and "data.label_key" in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "runs").exists()
-    deadline = time.monotonic() + 20  # Ray's daemons end on their own once the driver stopped the cluster
-    while (left := _ray_daemons() - before) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"Ray daemons left running after the failed preflight: {left}"
+    _no_daemons_left(before)
 
 
 def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path, tiny_policy):
@@ -59,31 +91,20 @@ def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path,
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-late",
                        **{"num_iterations": 2, "cluster.start_early": True})
     before = _ray_daemons()
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"))
-    script = ("import sys, threading, time, ray\nimport reflow.flows.cli as cli\nfrom reflow.infra import runtime\n"
+    script = (_BEGAN + "import sys, ray\nimport reflow.flows.cli as cli\n"
               "from reflow.infra.preflight import PreflightError\n"
-              "def failing(cfg):\n    end = time.monotonic() + 120\n"
-              "    while cfg.experiment not in runtime._AHEAD and time.monotonic() < end:\n        time.sleep(0.1)\n"
+              "def failing(cfg):\n    ok = began(cfg)\n"
               "    time.sleep(3)\n"  # the build is under way: data loaded, actors being created
-              "    raise PreflightError(f'a late check failed (began: {cfg.experiment in runtime._AHEAD})')\n"
+              "    raise PreflightError(f'a late check failed (began: {ok})')\n"
               "cli._preflight = failing\ncode = None\ntry:\n    cli.main(sys.argv[1:])\n"
               "except SystemExit as e:\n    code = e.code\n"
               "time.sleep(15)\n"  # the build thread's later Ray calls: none may start a cluster
               "print(f'RESULT {code} {ray.is_initialized()} {cli.__name__ in sys.modules}', flush=True)\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, "train", "-c", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=300)
-    finally:
-        reap(proc)
+    _, out, err = _run_script(script, ["train", "-c", str(cfg)], _cli_env(tmp_path), timeout=300,
+                              daemons_before=before)
     assert "RESULT 2 False True" in out, (out, err[-3000:])
     assert "a late check failed (began: True)" in err, err[-3000:]
     assert not (tmp_path / "runs" / "early-late" / "config.yaml").exists()
-    deadline = time.monotonic() + 20
-    while (left := _ray_daemons() - before) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"Ray daemons left running after the failed preflight: {left}"
 
 
 def test_the_flow_takes_the_actors_started_beside_the_preflight(tmp_path, tiny_policy):
@@ -91,22 +112,14 @@ def test_the_flow_takes_the_actors_started_beside_the_preflight(tmp_path, tiny_p
     (up to 120 s) for the runtime's build to begin, and says whether it did."""
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early",
                        **{"num_iterations": 2, "cluster.start_early": True, "checkpoint.save_interval": None})
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"))
-    script = ("import sys, time\nimport reflow.flows.cli as cli\nfrom reflow.infra import runtime\n"
+    script = (_BEGAN + "import sys\nimport reflow.flows.cli as cli\n"
               "checked = cli._preflight\n"
-              "def waiting(cfg):\n    end = time.monotonic() + 120\n"
-              "    while cfg.experiment not in runtime._AHEAD and time.monotonic() < end:\n        time.sleep(0.1)\n"
-              "    print(f'BEGAN DURING PREFLIGHT {cfg.experiment in runtime._AHEAD}', flush=True)\n"
+              "def waiting(cfg):\n    print(f'BEGAN DURING PREFLIGHT {began(cfg)}', flush=True)\n"
               "    return checked(cfg)\n"
               "cli._preflight = waiting\ncli.main(sys.argv[1:])\n")
-    proc = subprocess.Popen([sys.executable, "-c", script, "train", "--verbose", "-c", str(cfg)], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=400)
-    finally:
-        reap(proc)  # what a run that timed out left (Ray's helpers)
-    assert proc.returncode == 0, log[-4000:]
+    code, log, _ = _run_script(script, ["train", "--verbose", "-c", str(cfg)], _cli_env(tmp_path), timeout=400,
+                               stderr=subprocess.STDOUT)
+    assert code == 0, log[-4000:]
     assert "BEGAN DURING PREFLIGHT True" in log, log[-4000:]
     assert "the run's actors began beside the preflight" in log, log[-4000:]
     assert "runtime started ahead of the flow: ready in" in log, log[-4000:]

@@ -154,7 +154,7 @@ class DeepSpeedRank:
     """One DeepSpeed data-parallel rank. Collective methods must be called on every rank together."""
 
     def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
-               threads: int, seed: int, cudnn_attention: bool = False) -> None:
+               threads: int, seed: int, cudnn_attention: bool = True) -> None:
         """Seed this process and join the process group (before any model is built)."""
         self.rank, self.world_size, self.iteration = rank, world_size, 0
         torch.set_num_threads(threads)
