@@ -246,12 +246,12 @@ def _rank_nodes(cfg: RunConfig) -> dict:
 
 
 def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=None, wait: bool = True) -> TrainerGroup:
-    t = cfg.trainer
+    t, gpus = cfg.trainer, use_gpus(cfg)
     ref = (cfg.model.ref_path or cfg.model.path) if cfg.algorithm.needs_ref else None
     return TrainerGroup.create(
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="policy", num_cpus_per_rank=1,
-        model_path=cfg.model.path, settings=policy_rank_settings(cfg), ref_model_path=ref, detached=detached,
-        wait=wait, **_rank_nodes(cfg), **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU, use_gpus(cfg)))
+        model_path=cfg.model.path, settings=policy_rank_settings(cfg, gpus), ref_model_path=ref, detached=detached,
+        wait=wait, **_rank_nodes(cfg), **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU, gpus))
 
 
 def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) -> CriticGroup | None:
@@ -259,11 +259,11 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
     same way), started fresh by every runtime and restored with the policy's checkpoint."""
     if not cfg.algorithm.spec.needs_critic:
         return None
-    n = cfg.trainer.num_ranks
+    n, gpus = cfg.trainer.num_ranks, use_gpus(cfg)
     return CriticGroup.create(
         num_ranks=n, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
-        model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg), wait=wait,
-        **_rank_nodes(cfg), **_rank_options(pg, n, placement.CRITIC_GPU, use_gpus(cfg)))
+        model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg, gpus), wait=wait,
+        **_rank_nodes(cfg), **_rank_options(pg, n, placement.CRITIC_GPU, gpus))
 
 
 # What the iteration's Ray tasks (tasks/rollout.py, tasks/stage_cache.py) import in their worker: torch,

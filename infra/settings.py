@@ -41,9 +41,18 @@ def total_steps(cfg: RunConfig) -> int:
     return t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
 
 
-def policy_rank_settings(cfg: RunConfig) -> RankSettings:
+def rank_backend(gpus: bool) -> str:
+    """The ranks' torch.distributed backend: nccl when they hold GPUs (gloo then only carries the CPU tensors the
+    step reduces, ds_rank._init_distributed), gloo on CPU. Before, GPU ranks were given gloo: two of them failed at
+    DeepSpeed's init (each Ray actor sees its one GPU as cuda:0, gloo's LOCAL_RANK named cuda:1; found on the
+    two-GPU machine, RESULTS.md 27)."""
+    return "nccl" if gpus else "gloo"
+
+
+def policy_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
+    """`gpus`: whether the ranks take GPUs (runtime.use_gpus)."""
     t = cfg.trainer
-    return RankSettings(
+    return RankSettings(backend=rank_backend(gpus),
         zero_stage=t.zero_stage, precision=t.precision, lr=t.lr, lr_schedule=t.lr_schedule,
         warmup_steps=t.warmup_steps, total_steps=total_steps(cfg), weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed,
@@ -53,10 +62,10 @@ def policy_rank_settings(cfg: RunConfig) -> RankSettings:
         lora=LoraSettings(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules)) if t.lora.rank else None)
 
 
-def critic_rank_settings(cfg: RunConfig) -> RankSettings:
-    """The trainer's ZeRO stage, precision, clip and threads; the critic's own constant lr and micro-batch."""
+def critic_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
+    """The trainer's ZeRO stage, precision, clip, threads and backend; the critic's own constant lr and micro-batch."""
     t, c = cfg.trainer, cfg.critic
-    return RankSettings(
+    return RankSettings(backend=rank_backend(gpus),
         zero_stage=t.zero_stage, precision=t.precision, lr=c.lr, weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
         threads=t.threads_per_rank, seed=cfg.seed, grad_accum_dtype=t.grad_accum_dtype,

@@ -111,6 +111,17 @@ def test_split_gpu_layout_gives_each_rank_and_engine_a_whole_gpu():
     assert _engine_gpus(colocated) == ENGINE_GPU < 1  # a share of the bundle's GPU, next to the trainer rank's
 
 
+def test_ranks_on_gpus_join_over_nccl():
+    """Ranks that hold GPUs use nccl (each Ray actor sees its one GPU as cuda:0; with gloo, DeepSpeed took rank 1's
+    LOCAL_RANK as cuda:1 and two ranks on two H200s failed at init); CPU ranks keep gloo."""
+    from reflow.infra.config import RunConfig
+    from reflow.infra.settings import critic_rank_settings, policy_rank_settings
+
+    cfg = RunConfig.model_validate({"trainer": {"num_ranks": 2}})
+    assert policy_rank_settings(cfg, gpus=True).backend == critic_rank_settings(cfg, gpus=True).backend == "nccl"
+    assert policy_rank_settings(cfg).backend == critic_rank_settings(cfg, gpus=False).backend == "gloo"
+
+
 def test_colocated_without_hand_over_keeps_both_resident(ray_cluster, prefect_server, tiny_policy, tmp_path):
     """cluster.hand_over=false: placed together, but nothing is released or offloaded (a GPU that holds both)."""
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-resident", "num_iterations=1", "eval.interval=null",
