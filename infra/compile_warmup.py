@@ -29,15 +29,15 @@ from reflow.infra.config import RunConfig, dump_config
 
 
 def wanted(cfg: RunConfig) -> bool:
-    """trainer.compile_warmup, where the trainer will compile its layers: compile on, or auto with GPUs (on CUDA
-    and not under ZeRO-3, as engines/train/compiled.use_compile decides), and a local machine with an NVIDIA GPU
-    unless compile is forced on."""
+    """trainer.compile_warmup, where the trainer will compile its layers (compile on, or auto with GPUs: on CUDA and
+    not under ZeRO-3, as engines/train/compiled.use_compile decides). auto: on a local machine with an NVIDIA GPU
+    that the run uses; on: also with compile forced on without one (CPU)."""
     from reflow.infra.ray_connect import has_nvidia_gpu
 
     t = cfg.trainer
-    if not t.compile_warmup or t.compile == "off" or t.zero_stage == 3:
+    if t.compile_warmup == "off" or t.compile == "off" or t.zero_stage == 3:
         return False
-    return t.compile == "on" or (cfg.cluster.gpus != "off" and has_nvidia_gpu())
+    return (cfg.cluster.gpus != "off" and has_nvidia_gpu()) or (t.compile == "on" and t.compile_warmup == "on")
 
 
 class Warmup:

@@ -14,10 +14,10 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     ConfigDict,
     Field,
     ValidationError,
-    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -54,6 +54,14 @@ def _custom_resources(value: dict[str, float]) -> dict[str, float]:
                          f"name custom resources a node was started with (`ray start --resources='{{\"reflow_engine_node\": 1}}'`)")
     return value
 
+
+def _on_off(v: Any) -> Any:
+    """YAML (and a `key=on` override) reads a bare on/off as true/false: take those as the words meant."""
+    return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
+
+
+# auto/on/off, where a bare YAML on/off (read as a boolean) means the word
+AutoOnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 # Ray custom resources an actor asks for: it is placed only on nodes started with them (docs/scale-out.md).
 NodeResources = Annotated[dict[str, Annotated[float, Field(gt=0.0)]], AfterValidator(_custom_resources)]
@@ -170,8 +178,8 @@ class TrainerConfig(_Strict):
     threads_per_rank: int = Field(1, ge=1, description="torch threads per trainer rank.")
     node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each trainer (and critic) rank asks for, e.g. {reflow_trainer_node: 0.01}: ranks then run only on nodes started with them; empty: any node. Rank 0's node hosts the process group's rendezvous. docs/scale-out.md.")
     total_steps_hint: int | None = Field(None, ge=1, description="Steps for decaying schedules; defaults to num_iterations * minibatches_per_iteration.")
-    compile: Literal["auto", "on", "off"] = Field("auto", description="torch.compile each decoder layer (static shapes; micro-batch lengths padded to 4 buckets per octave). auto: on when the trainer runs on CUDA, off on CPU. The compile_graphs metric counts what was compiled.")
-    compile_warmup: bool = Field(False, description="With compiled layers: compile the trainer's graphs ahead in a process of its own while the run starts (a one-layer model of the same config on the first iteration's shapes), so the first step finds them in inductor's on-disk caches instead of compiling (8.8-14 s of an H200 run's first iteration; 14.5 s -> 2.0 s on CPU in bench/compile_cache_probe.py). `train`/`demo` commands only. Experimental: not yet measured on a GPU run.")
+    compile: AutoOnOff = Field("auto", description="torch.compile each decoder layer (static shapes; micro-batch lengths padded to 4 buckets per octave). auto: on when the trainer runs on CUDA, off on CPU. The compile_graphs metric counts what was compiled.")
+    compile_warmup: AutoOnOff = Field("auto", description="With compiled layers: compile the trainer's graphs ahead in a process of its own while the run starts (a one-layer model of the same config on the first iteration's shapes), so the first step finds them in inductor's on-disk caches instead of compiling. auto: where the trainer compiles on this machine's NVIDIA GPU (on an H200 the first step then took 3.2-3.4 s with 5 graphs from the caches, against 8.8-14 s of compiling in earlier runs: bench/RESULTS.md 27); on: also with trainer.compile=on on CPU (14.5 s -> 2.0 s in bench/compile_cache_probe.py); off: never. `train`/`demo` commands only.")
     cudnn_attention: bool = Field(True, description="Let torch's attention use cuDNN's kernels (torch's first choice on Hopper; false: flash/memory-efficient kernels only). Measured on the H200 (bench/RESULTS.md 26, bench/gpu.py --variants cudnn vs default, one process each): no difference beyond the ~20 % spread between processes, at the GPU demo's shape or Qwen2.5-0.5B's.")
     old_logprob_pass: Literal["auto", "always"] = Field("auto", description="auto: with one mini-batch per iteration (and no advantages finished in the trainer), old log-probs come from the training forward itself, saving a full forward; always: a separate no-grad pass first.")
     grad_accum_dtype: Literal["fp32", "bf16"] = Field("fp32", description="precision=bf16: dtype micro-batch gradients are summed in (bf16 is cheaper but rounds away small gradients over many micro-batches).")
@@ -198,17 +206,11 @@ class ClusterConfig(_Strict):
     namespace_prefix: str = Field("reflow", description="Actors live in namespace `<prefix>-<experiment>`.")
     bind_host: str = Field("127.0.0.1", description="Address engines and the router listen on: loopback for one machine; 0.0.0.0 on a multi-node cluster (they then advertise the node's IP).")
     placement_timeout_s: float = Field(120.0, gt=0.0, le=86400.0, description="How long an engine or trainer rank may wait for a node that can host it (its node_resources, CPUs, GPUs) before the run fails naming the actor and the nodes that offer them; a lost node then ends the run instead of leaving it pending.")
-    gpus: Literal["auto", "on", "off"] = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
+    gpus: AutoOnOff = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
     start_early: bool | None = Field(None, description="`reflow train` / `reflow demo` with a local cluster of their own: start Ray while the preflight runs (stopped again if it fails) and the run's actors as soon as it passed, while Prefect's server and the flow run start (the flow takes them): Ray's start-up and the flow's first steps overlap the preflight and the actors' loading (bench/RESULTS.md 25). Null (auto): on where this machine has an NVIDIA GPU and cluster.gpus is not off. Never on a long-lived cluster (RAY_ADDRESS) or while the experiment's lease file exists.")
     colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
     hand_over: bool = Field(True, description="colocate: engines release their memory and trainers offload their optimizer state at each hand-over (needed when the GPU cannot hold both at once); false keeps both resident, saving the hand-overs (~0.2 s an iteration for a 113M model on an H200) when it can.")
     release_tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(["weights", "kv_cache", "cuda_graph"], min_length=1, description="colocate: what engines release between rollout and train (SGLang's memory tags); resumed weights first, then the rest.")
-
-    @field_validator("gpus", mode="before")
-    @classmethod
-    def _yaml_bool(cls, v: Any) -> Any:
-        """YAML reads a bare on/off as true/false: take those as the words meant."""
-        return {True: "on", False: "off"}.get(v, v) if isinstance(v, bool) else v
 
 
 class StorageConfig(_Strict):

@@ -39,6 +39,18 @@ def test_bad_values_name_the_field(override, field):
     assert field in str(e.value)
 
 
+def test_bare_on_off_mean_the_words():
+    """YAML reads `on`/`off` as booleans: `trainer.compile=on` was refused ("got True") before; a checkpoint's
+    config.yaml from before compile_warmup took auto/on/off holds `compile_warmup: false`."""
+    cfg = load_config(None, ["trainer.compile=on", "trainer.compile_warmup=false", "cluster.gpus=off"])
+    assert (cfg.trainer.compile, cfg.trainer.compile_warmup, cfg.cluster.gpus) == ("on", "off", "off")
+    cfg = load_config(None, ["trainer.compile=off", "trainer.compile_warmup=true"])
+    assert (cfg.trainer.compile, cfg.trainer.compile_warmup) == ("off", "on")
+    assert load_config(None, []).trainer.compile_warmup == "auto"
+    with pytest.raises(ConfigError, match="trainer.compile_warmup"):
+        load_config(None, ["trainer.compile_warmup=sometimes"])
+
+
 def test_legacy_top_level_eval_keys_move_into_eval():
     cfg = load_config(None, ["eval_before_train=false", "eval_interval=5"])
     assert cfg.eval.before_train is False and cfg.eval.interval == 5

@@ -162,6 +162,23 @@ def test_cudnn_attention_is_a_rank_setting(tiny_policy):
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
+def test_compile_warmup_auto_is_for_gpu_machines(tiny_policy):
+    """trainer.compile_warmup=auto (the default) starts a warm-up only where the trainer compiles on this machine's
+    NVIDIA GPU; on CPU only `on` with trainer.compile=on does (these machines have no GPU)."""
+    from reflow.infra import compile_warmup
+    from reflow.infra.config import load_config
+    from reflow.infra.ray_connect import has_nvidia_gpu
+
+    def wanted(*over: str) -> bool:
+        return compile_warmup.wanted(load_config(None, [f"model.path={tiny_policy}", *over]))
+
+    gpu = has_nvidia_gpu()
+    assert wanted() is gpu and wanted("trainer.compile=on") is gpu
+    assert wanted("trainer.compile=on", "trainer.compile_warmup=on")
+    assert not wanted("trainer.compile=on", "trainer.compile_warmup=on", "trainer.zero_stage=3")
+    assert not wanted("trainer.compile_warmup=off") and not wanted("trainer.compile=off", "trainer.compile_warmup=on")
+
+
 @pytest.mark.slow
 def test_compile_warmup_fills_the_caches_the_first_step_reads(tmp_path, tiny_policy):
     """trainer.compile_warmup: `reflow train` compiles the trainer's graphs ahead in a process of its own (a one-layer
@@ -172,7 +189,7 @@ def test_compile_warmup_fills_the_caches_the_first_step_reads(tmp_path, tiny_pol
     from tests.ckpt_fixtures import run_train, write_config
 
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "warm",
-                       **{"num_iterations": 1, "trainer.compile": "on", "trainer.compile_warmup": True,
+                       **{"num_iterations": 1, "trainer.compile": "on", "trainer.compile_warmup": "on",
                           "checkpoint.save_interval": None})
     code, log = run_train(cfg, env_extra={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"),
                                           "REFLOW_LEASE_DIR": str(tmp_path / "leases")}, timeout=600)
