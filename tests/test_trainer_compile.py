@@ -163,8 +163,8 @@ def test_cudnn_attention_is_a_rank_setting(tiny_policy):
 
 
 def test_compile_warmup_auto_is_for_gpu_machines(tiny_policy):
-    """trainer.compile_warmup=auto (the default) starts a warm-up only where the trainer compiles on this machine's
-    NVIDIA GPU; on CPU only `on` with trainer.compile=on does (these machines have no GPU)."""
+    """trainer.compile_warmup=auto starts a warm-up only where the trainer compiles on this machine's NVIDIA GPU; on
+    CPU only `on` with trainer.compile=on does (these machines have no GPU); off, the default, never."""
     from reflow.infra import compile_warmup
     from reflow.infra.config import load_config
     from reflow.infra.ray_connect import has_nvidia_gpu
@@ -173,10 +173,11 @@ def test_compile_warmup_auto_is_for_gpu_machines(tiny_policy):
         return compile_warmup.wanted(load_config(None, [f"model.path={tiny_policy}", *over]))
 
     gpu = has_nvidia_gpu()
-    assert wanted() is gpu and wanted("trainer.compile=on") is gpu
+    assert not wanted() and not wanted("trainer.compile=on", "trainer.compile_warmup=off")
+    assert wanted("trainer.compile_warmup=auto") is gpu and wanted("trainer.compile=on", "trainer.compile_warmup=auto") is gpu
     assert wanted("trainer.compile=on", "trainer.compile_warmup=on")
     assert not wanted("trainer.compile=on", "trainer.compile_warmup=on", "trainer.zero_stage=3")
-    assert not wanted("trainer.compile_warmup=off") and not wanted("trainer.compile=off", "trainer.compile_warmup=on")
+    assert not wanted("trainer.compile=off", "trainer.compile_warmup=on")
 
 
 @pytest.mark.slow
