@@ -20,6 +20,7 @@ from functools import partial
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
+from reflow.engines.gc_freeze import freeze_long_lived, thaw
 from reflow.flows import async_rollout
 from reflow.flows.inputs import USER_ERRORS, checked_config, refused
 from reflow.flows.recovery import run_recovering
@@ -120,6 +121,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         history: list[dict[str, float]] = []
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
+        freeze_long_lived(collect=False)  # the set-up (Prefect, Ray, the prompts) out of the loop's full collections
         loop_t0 = between_t0 = time.perf_counter()
         for i in range(start, last):
             enter_stage(f"iteration {i}")
@@ -167,6 +169,7 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         return {"iterations": last - start, "start": start, "evals": evals, "history": history,
                 "seconds": time.perf_counter() - t0, "loop_seconds": loop_seconds, "loop_ended_at": loop_ended_at}
     finally:
+        thaw()  # frozen for the loop only (freeze_long_lived above); a no-op when it did not get that far
         async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
         drop_started_generation(config)  # a stop or a failure after the next generation was launched
         if control is not None:

@@ -24,6 +24,7 @@ import ray
 
 from reflow.engines import ray_nodes
 from reflow.engines.embedded.engine import EmbeddedEngine
+from reflow.engines.gc_freeze import freeze_actor, freeze_long_lived
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
 from reflow.engines.http_serve import new_api_key
 from reflow.engines.sglang.launcher import SGLangEngine, sglang_dtype
@@ -285,6 +286,7 @@ def _import_task_modules() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a warm-up only: the task that needs the module reports it
             pass
+    freeze_long_lived()  # a task worker lives as long as the driver's job: its imports out of later collections
 
 
 def warm_task_workers() -> list:
@@ -346,6 +348,10 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     urls = ray.get([e.url.remote() for e in engines])
     placement.check_layout(cfg.weight_sync, engines, urls, trainers.actors[0])  # before the first push
     ray.get([e.ready.remote() for e in engines])
+    # Ready and set up: what each holds now leaves the collector's sight (full collections walked it, ~0.2 s each,
+    # inside some iteration: bench/gc_pauses.py)
+    ray.get([a.__ray_call__.remote(freeze_actor) for a in
+             engines + trainers.actors + (critic.actors if critic is not None else [])])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)  # start_runtime writes the config there
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                  train_prompts=train_prompts, eval_prompts=eval_prompts, trainers=trainers,

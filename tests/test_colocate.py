@@ -28,6 +28,19 @@ def _assert_placed_together(rt) -> None:
     assert len(rt.placement.bundle_specs) == n
 
 
+def _assert_frozen(rt) -> None:
+    """Once ready, each engine and trainer rank froze what it held (engines/gc_freeze.py: tens of thousands of objects
+    at the least, torch's alone); the driver, this process, froze for its loop only and thawed after it."""
+    import gc
+
+    import ray
+
+    frozen = ray.get([a.__ray_call__.remote(lambda self: __import__("gc").get_freeze_count())
+                      for a in rt.engines + rt.trainers.actors])
+    assert all(n > 20_000 for n in frozen), frozen
+    assert gc.get_freeze_count() == 0
+
+
 def _run(cfg):
     from reflow.flows.train import train
 
@@ -36,6 +49,7 @@ def _run(cfg):
         rt = start_runtime(cfg)
         infos = [EngineClient(u, api_key=rt.api_key).server_info() for u in rt.engine_urls]
         _assert_placed_together(rt)
+        _assert_frozen(rt)
         return summary, infos
     finally:
         shutdown_runtime(cfg.experiment)
