@@ -2,6 +2,8 @@
 whole (the run config itself stays on the driver)."""
 from __future__ import annotations
 
+from typing import Literal
+
 from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.settings import LoraSettings, RankSettings
 from reflow.engines.weights.settings import PushSettings
@@ -41,7 +43,7 @@ def total_steps(cfg: RunConfig) -> int:
     return t.total_steps_hint or max(1, cfg.num_iterations * t.minibatches_per_iteration)
 
 
-def rank_backend(gpus: bool) -> str:
+def rank_backend(gpus: bool) -> Literal["gloo", "nccl"]:
     """The ranks' torch.distributed backend: nccl when they hold GPUs (gloo then only carries the CPU tensors the
     step reduces, ds_rank._init_distributed), gloo on CPU. Before, GPU ranks were given gloo: two of them failed at
     DeepSpeed's init (each Ray actor sees its one GPU as cuda:0, gloo's LOCAL_RANK named cuda:1; found on the
