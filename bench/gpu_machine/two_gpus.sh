@@ -10,6 +10,8 @@
 #   OUT=<folder> bash bench/gpu_machine/two_gpus.sh [iterations] [overrides...]
 #   PARTS="split ranks2" leaves the NCCL push out (default: "nccl split ranks2"); COMMIT names the measured commit.
 # Each part has its own time limit (LIMIT seconds per run, default 280), so a hang costs one part, not the call.
+# It leaves ~11 files in OUT (logs, records-<layout>.tgz, gpu-nccl.json); the lent machines return at most 8: point OUT
+# at a scratch folder and tar it into the call's $OUT (`tar -czf $OUT/o.tgz -C /tmp/o .`, no checkpoints in it).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 iters=${1:-200}; shift || true
