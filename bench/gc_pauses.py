@@ -26,30 +26,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def child(args) -> dict:
     import gc
 
-    import torch
+    from rollout_generate import demo_rollout
 
-    from reflow.engines.embedded.generator import Generator
     from reflow.engines.gc_freeze import freeze_long_lived
-    from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer
 
-    cuda = torch.cuda.is_available() and not args.cpu
-    torch.manual_seed(0)
-    tok = build_tokenizer()
-    model = build_model(tok, **SIZES["gpu" if cuda else "tiny"], seed=0)
-    model = model.to("cuda", torch.bfloat16) if cuda else model
-    gen = Generator(model, tok, max_batch_size=512, threads=None if cuda else 1)
-    prompts = [tok(f"{100 + 7 * i % 900}+{100 + 13 * i % 900}=", add_special_tokens=False)["input_ids"]
-               for i in range(args.prompts)]
-    ids = [list(p) for p in prompts for _ in range(args.n)]
-
-    def rollout(version: int) -> list[dict]:
-        sps = [{"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": version * 1_000_003 + j}
-               for j in range(len(ids))]
-        out = gen.generate(ids, sps)
-        if cuda:
-            torch.cuda.synchronize()
-        return out
-
+    rollout, cuda = demo_rollout(args, cpu_threads=1)
     kept = [rollout(v) for v in range(2)]  # warm-up: graph capture, allocator growth
     if args.freeze:
         freeze_long_lived()
@@ -83,6 +64,7 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=20, help="timed rollouts per child")
     p.add_argument("--prompts", type=int, default=128)
     p.add_argument("--n", type=int, default=8, help="samples per prompt (each its own seeded request)")
+    p.add_argument("--batch", type=int, default=512, help="the engine's max_batch_size")
     p.add_argument("--cpu", action="store_true", help="stay on the CPU even where a GPU is")
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--freeze", action="store_true", help=argparse.SUPPRESS)
@@ -95,7 +77,7 @@ def main() -> None:
     for r in range(args.rounds):
         for name in ("plain", "frozen"):
             cmd = [sys.executable, __file__, "--child", "--rollouts", str(args.rollouts), "--prompts", str(args.prompts),
-                   "--n", str(args.n)] + (["--freeze"] if name == "frozen" else []) + (["--cpu"] if args.cpu else [])
+                   "--n", str(args.n), "--batch", str(args.batch)] + (["--freeze"] if name == "frozen" else []) + (["--cpu"] if args.cpu else [])
             out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, check=True).stdout
             res = json.loads(next(line for line in out.splitlines() if line.startswith("RESULT "))[7:])
             runs[name].append(res)

@@ -31,7 +31,9 @@ sys.path.insert(0, str(ROOT / "bench"))
 from _trees import importable  # noqa: E402
 
 
-def child(args) -> dict:
+def demo_rollout(args, cpu_threads: int = 2):
+    """The GPU demo's rollout call through the engine's `Generator`: (rollout(version) -> the outputs, whether on
+    CUDA). args: prompts, n, batch (the engine's max_batch_size), cpu. Shared with bench/gc_pauses.py."""
     import torch
 
     from reflow.engines.embedded.generator import Generator
@@ -42,18 +44,29 @@ def child(args) -> dict:
     tok = build_tokenizer()
     model = build_model(tok, **SIZES["gpu" if cuda else "tiny"], seed=0)
     model = model.to("cuda", torch.bfloat16) if cuda else model
-    gen = Generator(model, tok, max_batch_size=args.batch, threads=None if cuda else 2)
+    gen = Generator(model, tok, max_batch_size=args.batch, threads=None if cuda else cpu_threads)
     prompts = [tok(f"{100 + 7 * i % 900}+{100 + 13 * i % 900}=", add_special_tokens=False)["input_ids"]
                for i in range(args.prompts)]
     ids = [list(p) for p in prompts for _ in range(args.n)]  # one request per sample, as the rollout sends them
 
-    def rollout(version: int) -> int:
+    def rollout(version: int) -> list[dict]:
         sps = [{"temperature": 1.0, "max_new_tokens": 6, "sampling_seed": version * 1_000_003 + j}
                for j in range(len(ids))]
         out = gen.generate(ids, sps)
         if cuda:
             torch.cuda.synchronize()
-        return sum(len(r["output_ids"]) for r in out)
+        return out
+
+    return rollout, cuda
+
+
+def child(args) -> dict:
+    import torch
+
+    generate, cuda = demo_rollout(args)
+
+    def rollout(version: int) -> int:
+        return sum(len(r["output_ids"]) for r in generate(version))
 
     for v in range(2):  # warm-up: graph capture, allocator growth
         rollout(v)
@@ -87,7 +100,7 @@ def child(args) -> dict:
         st = pstats.Stats(pr)
         rows = sorted(((v[3], v[2], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in st.stats.items()), reverse=True)
         prof = [{"cum_s": round(c, 4), "self_s": round(s, 4), "where": w} for c, s, w in rows[:40]]
-    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "samples": len(ids), "tokens": tokens,
+    return {"device": torch.cuda.get_device_name() if cuda else "cpu", "samples": args.prompts * args.n, "tokens": tokens,
             "seconds": secs, "median_s": statistics.median(secs), "best_s": min(secs), "profile": prof}
 
 

@@ -1,6 +1,6 @@
 """The GPU benchmarks' own code paths on CPU with tiny models: `bench/gpu.py --device cpu --tiny` (the
 trainer, the plain loop, the engine and the push as bench/gpu.py drives them) and bench/rollout_generate.py
-against a tree. CI has no GPU, so without this a refactor can break a script unnoticed until a paid device
+against a tree, bench/gc_pauses.py. CI has no GPU, so without this a refactor can break a script unnoticed until a paid device
 run (it did once: `train_iteration`'s keywords changed under it)."""
 from __future__ import annotations
 
@@ -37,3 +37,15 @@ def test_rollout_generate_benchmark_runs_on_cpu_against_a_tree(tmp_path):
     assert "rollout_generate: this_samples_per_s=" in p.stdout and "speedup=" in p.stdout, p.stdout[-2000:]
     res = json.loads(out.read_text())
     assert res["shape"]["prompts"] == 4 and res["this"]["samples_per_s"] > 0 and res["baseline"]["samples_per_s"] > 0
+
+
+def test_gc_pauses_benchmark_runs_on_cpu(tmp_path):
+    """bench/gc_pauses.py as the GPU call runs it: a plain and a frozen child; the frozen one holds its set-up frozen."""
+    out = tmp_path / "g.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "gc_pauses.py"), "--cpu", "--prompts", "4", "--n", "2",
+                        "--rollouts", "2", "--rounds", "1", "--json", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "gc_pauses: full collections" in p.stdout, p.stdout[-2000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert runs["plain"][0]["frozen_objects"] < 10_000 < runs["frozen"][0]["frozen_objects"], runs
