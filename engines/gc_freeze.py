@@ -8,7 +8,9 @@ survive trigger a full collection, which walks every object the process holds: ~
 process holds at that moment out of the collector's sight (`gc.freeze`): later full collections walk only what came
 after. Frozen objects are still freed by reference counting; only cycles among them stay until they are thawed. The
 runtime freezes its actors once they are ready and the task workers after their imports (all live as long as the
-run or the cluster); the driver freezes for its training loop only and thaws after it.
+run or the cluster), but not the actors of a colocated run with hand-overs: their release and offload free GPU memory
+by dropping references, and a frozen cycle that became garbage would keep its memory for good. The driver freezes
+for its training loop only and thaws after it.
 """
 from __future__ import annotations
 

@@ -348,10 +348,12 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     urls = ray.get([e.url.remote() for e in engines])
     placement.check_layout(cfg.weight_sync, engines, urls, trainers.actors[0])  # before the first push
     ray.get([e.ready.remote() for e in engines])
-    # Ready and set up: what each holds now leaves the collector's sight (full collections walked it, ~0.2 s each,
-    # inside some iteration: bench/gc_pauses.py)
-    ray.get([a.__ray_call__.remote(freeze_actor) for a in
-             engines + trainers.actors + (critic.actors if critic is not None else [])])
+    if not (cfg.cluster.colocate and cfg.cluster.hand_over):
+        # Ready and set up: what each holds now leaves the collector's sight (a full collection walked it, 0.26-0.32 s
+        # inside some rollout on an H200: bench/gc_pauses.py). Not where engines release and ranks offload at each
+        # hand-over: a frozen object that became garbage in a cycle would keep its GPU memory for good.
+        ray.get([a.__ray_call__.remote(freeze_actor) for a in
+                 engines + trainers.actors + (critic.actors if critic is not None else [])])
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)  # start_runtime writes the config there
     rt = Runtime(cfg=cfg, namespace=namespace, pad_id=tokenizer.pad_token_id, eos_id=tokenizer.eos_token_id,
                  train_prompts=train_prompts, eval_prompts=eval_prompts, trainers=trainers,
