@@ -3,8 +3,9 @@
 Every process of a run (the engine, each trainer rank, the iteration's task workers, the driver) holds hundreds of
 thousands of objects once set up (torch, transformers, the model's modules, Prefect) and then allocates and drops
 many small ones per iteration (a rollout's 1024 request and record dicts). Now and then the young objects that
-survive trigger a full collection, which walks every object the process holds: ~0.2 s each in an engine process of
-~390k objects (bench/gc_pauses.py), paid inside whichever iteration it falls in. `freeze_long_lived` moves what the
+survive trigger a full collection, which walks every object the process holds: 0.26-0.32 s each, every ~7 rollouts,
+in an engine process of ~467k objects on an H200 (bench/gc_pauses.py, bench/RESULTS.md 27), paid inside whichever
+iteration it falls in. `freeze_long_lived` moves what the
 process holds at that moment out of the collector's sight (`gc.freeze`): later full collections walk only what came
 after. Frozen objects are still freed by reference counting; only cycles among them stay until they are thawed. The
 runtime freezes its actors once they are ready and the task workers after their imports (all live as long as the
