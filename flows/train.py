@@ -121,7 +121,8 @@ def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]
         history: list[dict[str, float]] = []
         progress = Progress(config, start, config.num_iterations)
         saved_at = time.monotonic()
-        freeze_long_lived(collect=False)  # the set-up (Prefect, Ray, the prompts) out of the loop's full collections
+        if config.cluster.gc_freeze:  # the set-up (Prefect, Ray, the prompts) out of the loop's full collections
+            freeze_long_lived(collect=False)
         loop_t0 = between_t0 = time.perf_counter()
         for i in range(start, last):
             enter_stage(f"iteration {i}")

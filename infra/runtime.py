@@ -278,7 +278,7 @@ _WARM_WORKERS = 3
 
 
 @ray.remote(num_cpus=0)
-def _import_task_modules() -> None:
+def _import_task_modules(freeze: bool) -> None:
     import importlib
 
     for name in _TASK_MODULES:
@@ -286,13 +286,14 @@ def _import_task_modules() -> None:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - a warm-up only: the task that needs the module reports it
             pass
-    freeze_long_lived()  # a task worker lives as long as the driver's job: its imports out of later collections
+    if freeze:  # a task worker lives as long as the driver's job: its imports out of later collections
+        freeze_long_lived()
 
 
-def warm_task_workers() -> list:
+def warm_task_workers(freeze: bool = True) -> list:
     """Start the iteration's task workers while the actors load (it returns at once): their imports
     then overlap the actors' start-up instead of delaying the first iteration's stages."""
-    return [_import_task_modules.remote() for _ in range(_WARM_WORKERS)]
+    return [_import_task_modules.remote(freeze) for _ in range(_WARM_WORKERS)]
 
 
 def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
@@ -326,7 +327,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     if fresh:
         trainers = _start_trainers(cfg, namespace, persistent, pg, wait=False)
     critic = _start_critic(cfg, namespace, pg, wait=False)
-    warm_task_workers()
+    warm_task_workers(cfg.cluster.gc_freeze)
     t_asked = time.perf_counter()
     if inputs is None:
         try:
@@ -348,7 +349,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     urls = ray.get([e.url.remote() for e in engines])
     placement.check_layout(cfg.weight_sync, engines, urls, trainers.actors[0])  # before the first push
     ray.get([e.ready.remote() for e in engines])
-    if not (cfg.cluster.colocate and cfg.cluster.hand_over):
+    if cfg.cluster.gc_freeze and not (cfg.cluster.colocate and cfg.cluster.hand_over):
         # Ready and set up: what each holds now leaves the collector's sight (a full collection walked it, 0.26-0.32 s
         # inside some rollout on an H200: bench/gc_pauses.py). Not where engines release and ranks offload at each
         # hand-over: a frozen object that became garbage in a cycle would keep its GPU memory for good.

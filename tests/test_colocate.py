@@ -38,8 +38,8 @@ def _assert_frozen(rt) -> None:
 
     frozen = ray.get([a.__ray_call__.remote(lambda self: __import__("gc").get_freeze_count())
                       for a in rt.engines + rt.trainers.actors])
-    hand_overs = rt.cfg.cluster.colocate and rt.cfg.cluster.hand_over
-    assert all((n > 20_000) is not hand_overs for n in frozen), (frozen, hand_overs)
+    want = rt.cfg.cluster.gc_freeze and not (rt.cfg.cluster.colocate and rt.cfg.cluster.hand_over)
+    assert all((n > 20_000) is want for n in frozen), (frozen, want)
     assert gc.get_freeze_count() == 0
 
 

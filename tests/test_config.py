@@ -47,6 +47,7 @@ def test_bare_on_off_mean_the_words():
     cfg = load_config(None, ["trainer.compile=off", "trainer.compile_warmup=true"])
     assert (cfg.trainer.compile, cfg.trainer.compile_warmup) == ("off", "on")
     assert load_config(None, ["trainer.compile_warmup=auto"]).trainer.compile_warmup == "auto"
+    assert load_config(None, []).cluster.gc_freeze and not load_config(None, ["cluster.gc_freeze=off"]).cluster.gc_freeze
     with pytest.raises(ConfigError, match="trainer.compile_warmup"):
         load_config(None, ["trainer.compile_warmup=sometimes"])
 
