@@ -287,7 +287,7 @@ def _import_task_modules(freeze: bool) -> None:
         except Exception:  # noqa: BLE001 - a warm-up only: the task that needs the module reports it
             pass
     if freeze:  # a task worker lives as long as the driver's job: its imports out of later collections
-        freeze_long_lived()
+        freeze_long_lived(collect=False)  # a worker of CPU tasks: what its imports left is host memory
 
 
 def warm_task_workers(freeze: bool = True) -> list:
