@@ -5,9 +5,8 @@ thousands of objects once set up (torch, transformers, the model's modules, Pref
 many small ones per iteration (a rollout's 1024 request and record dicts). Now and then the young objects that
 survive trigger a full collection, which walks every object the process holds: 0.26-0.32 s each, every ~7 rollouts,
 in an engine process of ~467k objects on an H200 (bench/gc_pauses.py, bench/RESULTS.md 27), paid inside whichever
-iteration it falls in. `freeze_long_lived` moves what the
-process holds at that moment out of the collector's sight (`gc.freeze`): later full collections walk only what came
-after. Frozen objects are still freed by reference counting; only cycles among them stay until they are thawed. The
+iteration it falls in. `freeze_long_lived` moves what the process holds at that moment out of the collector's sight
+(`gc.freeze`): later full collections walk only what came after. Frozen objects are still freed by reference counting; only cycles among them stay until they are thawed. The
 runtime freezes its actors once they are ready and the task workers after their imports (all live as long as the
 run or the cluster), but not the actors of a colocated run with hand-overs: their release and offload free GPU memory
 by dropping references, and a frozen cycle that became garbage would keep its memory for good. The driver freezes

@@ -136,8 +136,9 @@ def main(argv: list[str]) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    backend = "nccl" if torch.cuda.is_available() and settings.backend == "nccl" else "gloo"
-    settings = dataclasses.replace(settings, backend=backend, storage=None, lora=None)
+    # policy_rank_settings without `gpus`: a group of one over gloo (what the run's ranks use between them, nccl on
+    # GPUs, does not change a one-rank step's compiled graphs)
+    settings = dataclasses.replace(settings, storage=None, lora=None)
     rank = TrainerRank(0, 1, "127.0.0.1", port, str(folder), settings)
     t1 = time.perf_counter()
     rank.train_iteration(batch, minibatches=cfg.trainer.minibatches_per_iteration, pad_id=tokenizer.pad_token_id,
