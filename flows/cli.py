@@ -345,11 +345,13 @@ def cmd_demo(args) -> None:
         return
     evals = summary["evals"]  # policy version -> {eval set: summary}; the demo's one set is `heldout`
     before, after = (next(iter(evals[v].values()))["pass@1"] for v in (min(evals), max(evals)))
+    # eval.before_train=false (or a resumed run with no eval at its start): the first eval is the last one
+    shown_before = f"{before:.3f}" if min(evals) < max(evals) else "n/a"
     print(_stage_line(summary["history"], summary.get("loop_seconds")))
     # trained_s: from this command's start to its training loop's end (the final policy exists; its save and
     # the eval after it follow): the clock bench/gpu_machine/compare.sh gives TRL, whose run stops at its last step
     trained = f" trained_s={summary['loop_ended_at'] - started_at:.0f}" if summary.get("loop_ended_at") else ""
-    print(f"demo: accuracy_before={before:.3f} accuracy_after={after:.3f} "
+    print(f"demo: accuracy_before={shown_before} accuracy_after={after:.3f} "
           f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}{trained}")
 
 

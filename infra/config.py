@@ -167,7 +167,7 @@ class LoraConfig(_Strict):
 class TrainerConfig(_Strict):
     num_ranks: int = Field(1, ge=1, description="Data-parallel trainer ranks (Ray actors).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision.")
+    precision: Literal["fp32", "bf16", "bf16-mixed"] = Field("fp32", description="Training precision. fp32; bf16: DeepSpeed's bf16 (the model's weights, activations and gradients in bf16, fp32 master weights in the optimizer; needs zero_stage >= 1); bf16-mixed: the weights stay fp32 and torch.autocast runs the matmuls in bf16 (norms, softmax and the residual stream in fp32), as HF Trainer's and TRL's bf16=True do; the engines then hold the fp32 weights too. On the GPU demo, fp32 weights learned more per update than bf16 ones (bench/RESULTS.md 28).")
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Learning-rate decay after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")

@@ -32,6 +32,7 @@ from reflow.engines.sglang.router import Router, SGLangRouter, sglang_router_ava
 from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.critic import CriticGroup
 from reflow.engines.train.group import TrainerGroup, TrainerInitError
+from reflow.engines.train.settings import weights_precision
 from reflow.infra import actors, placement
 from reflow.infra import checkpoint as ckpt
 from reflow.infra.config import RunConfig, dump_config
@@ -103,6 +104,12 @@ def runtime_api_key(namespace: str, num_engines: int, timeout_s: float = 30.0) -
     return new_api_key()
 
 
+def engine_dtype(cfg: RunConfig, gpu: bool) -> str:
+    """What an engine computes in: on a GPU the dtype the trainer holds its weights in, so pushes land unchanged
+    (bf16; fp32, and bf16-mixed's fp32 weights); on CPU fp32."""
+    return weights_precision(cfg.trainer.precision) if gpu else "fp32"
+
+
 def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_key: str, pg=None):
     """Get-or-create engine i (a named actor); both backends answer url()/ready()/shutdown()/api_key() and
     speak SGLang's HTTP API, so nothing after this point knows which one runs."""
@@ -111,16 +118,14 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
         gpu = _engine_gpus(cfg) if use_gpus(cfg) else 0.0
         actor_cls, options = ray.remote(EmbeddedEngine), {"num_cpus": 1, "num_gpus": gpu}
         storage, files = model_source(cfg)
-        # On a GPU the engine computes in the trainer's precision (bf16 pushes land unchanged); on CPU in fp32.
-        dtype = cfg.trainer.precision if gpu else "fp32"
         kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host,
                       api_key=api_key, storage=storage, model_files=files, device="cuda" if gpu else "cpu",
-                      dtype=dtype)
+                      dtype=engine_dtype(cfg, bool(gpu)))
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s,
-                      api_key=api_key, dtype=sglang_dtype(cfg.trainer.precision), lora_rank=cfg.trainer.lora.rank,
+                      api_key=api_key, dtype=sglang_dtype(engine_dtype(cfg, True)), lora_rank=cfg.trainer.lora.rank,
                       lora_target_modules=list(cfg.trainer.lora.target_modules))
     if detached:
         options["lifetime"] = "detached"

@@ -52,6 +52,25 @@ def test_bare_on_off_mean_the_words():
         load_config(None, ["trainer.compile_warmup=sometimes"])
 
 
+def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
+    """trainer.precision=bf16-mixed reaches the ranks as is (their forward runs under autocast: tests/test_trainer.py),
+    while everything that holds weights (the ranks' model, checkpoints, engines on a GPU, SGLang's --dtype) is fp32."""
+    from reflow.engines.sglang.launcher import sglang_dtype
+    from reflow.engines.train.settings import weights_precision
+    from reflow.infra.runtime import engine_dtype
+    from reflow.infra.settings import policy_rank_settings
+
+    cfg = load_config(None, ["trainer.precision=bf16-mixed", "trainer.zero_stage=1"])
+    assert policy_rank_settings(cfg).precision == "bf16-mixed"
+    assert (engine_dtype(cfg, True), engine_dtype(cfg, False), sglang_dtype(engine_dtype(cfg, True))) == \
+        ("fp32", "fp32", "float32")
+    bf16 = load_config(None, ["trainer.precision=bf16", "trainer.zero_stage=1"])
+    assert (engine_dtype(bf16, True), engine_dtype(bf16, False)) == ("bf16", "fp32")
+    assert [weights_precision(p) for p in ("fp32", "bf16", "bf16-mixed")] == ["fp32", "bf16", "fp32"]
+    with pytest.raises(ConfigError, match="trainer.precision"):
+        load_config(None, ["trainer.precision=fp16"])
+
+
 def test_legacy_top_level_eval_keys_move_into_eval():
     cfg = load_config(None, ["eval_before_train=false", "eval_interval=5"])
     assert cfg.eval.before_train is False and cfg.eval.interval == 5

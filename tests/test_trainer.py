@@ -57,14 +57,16 @@ def _batch(policy, advantages=ADVANTAGES) -> RolloutBatch:
         finish_reason=["stop"] * len(PROBLEMS), label=[None] * len(PROBLEMS), advantages=list(advantages))
 
 
-def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-mean"):
+def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-mean", autocast=False):
     """Single-process objective on the whole batch with weights `named`: (batch with engine-like
-    rollout logprobs at TEMPERATURE, loss, pre-clip gradient norm)."""
+    rollout logprobs at TEMPERATURE, loss, pre-clip gradient norm). `autocast`: the forward under
+    torch.autocast(bf16), as HF Trainer's bf16=True runs it."""
     model = load_causal_lm(str(policy)).eval()
     model.load_state_dict(dict(named))
     pad = load_tokenizer(str(policy)).pad_token_id
     t = to_train_tensors(batch, pad)
-    logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1]  # [B, T-1, V]
+    with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1]  # [B, T-1, V]
     logp = token_logprobs(logits, t["input_ids"][:, 1:], TEMPERATURE)  # [B, T-1]
     mask = t["loss_mask"]
     pg, _ = policy_loss(logp, logp.detach(), t["advantages"], mask, 0.2, 0.2, agg)
@@ -119,6 +121,10 @@ def test_lr_multiplier_and_config_checks():
     assert lr_multiplier(6, "linear", 2, 10) == pytest.approx(0.5)
     with pytest.raises(ValueError, match="zero_stage >= 1"):
         ds_config(0, "bf16", 1.0, 2, 1, 0)
+    mixed = ds_config(0, "bf16-mixed", 1.0, 2, 1, 0)  # fp32 weights: stage 0 is fine
+    assert mixed["torch_autocast"]["dtype"] == "bfloat16" and "bf16" not in mixed
+    with pytest.raises(ValueError, match="fp32, bf16 or bf16-mixed"):
+        ds_config(1, "fp16", 1.0, 2, 1, 0)
 
 
 @pytest.mark.parametrize("stage", [0, 2])
@@ -209,6 +215,29 @@ def test_bf16_zero2_two_ranks(ray_cluster, tiny_policy):
         after = ray.get(group.weights_checksum())
         assert all(math.isfinite(v) for v in m.values()), m
         assert len(set(after)) == 1 and after[0] != before[0]
+    finally:
+        group.kill()
+
+
+def test_bf16_mixed_keeps_fp32_weights_and_computes_under_autocast(ray_cluster, tiny_policy):
+    """precision=bf16-mixed: the weights (and so checkpoints and pushes) stay float32 and the training forward
+    runs under torch.autocast(bf16): its loss and gradient norm are those of a single-process autocast forward,
+    not of the float32 one (the two differ here by far more than the tolerance)."""
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    group = _create("mixed", 2, tiny_policy, zero_stage=1, precision="bf16-mixed")
+    try:
+        named = ray.get(group.named_weights()[0])
+        assert {str(w.dtype) for _, w in named} == {"torch.float32"}
+        batch, mixed_loss, mixed_norm = _reference(tiny_policy, named, _batch(tiny_policy), autocast=True)
+        _, fp32_loss, fp32_norm = _reference(tiny_policy, named, batch)
+        assert abs(mixed_norm - fp32_norm) > 1e-3 * fp32_norm, "autocast changed nothing here: no test"
+        before = ray.get(group.weights_checksum())
+        m = ray.get(group.train_iteration(batch, **_train_kw(pad)))[0]
+        assert m["grad_norm"] == pytest.approx(mixed_norm, rel=2e-4)
+        assert m["loss"] == pytest.approx(mixed_loss, rel=2e-4, abs=1e-6)
+        after = ray.get(group.named_weights()[0])
+        assert {str(w.dtype) for _, w in after} == {"torch.float32"}
+        assert len(set(ray.get(group.weights_checksum()))) == 1 and ray.get(group.weights_checksum())[0] != before[0]
     finally:
         group.kill()
 

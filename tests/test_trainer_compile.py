@@ -121,6 +121,25 @@ def test_compiled_layers_train_like_eager_layers_and_bound_their_shapes(ray_clus
 
 
 @pytest.mark.slow
+def test_compiled_layers_under_bf16_mixed_autocast(ray_cluster, tiny_policy):
+    """precision=bf16-mixed with compiled layers: the graphs are traced inside DeepSpeed's autocast region and
+    score as the eager layers under it do (bf16 matmuls: a looser tolerance than the fp32 test above)."""
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    batch = _batch(tiny_policy)
+    out = {}
+    for mode in ("off", "on"):
+        g = _create(f"mixed-{mode}", 1, tiny_policy, compile=mode, compile_backend="aot_eager",
+                    precision="bf16-mixed", zero_stage=1)
+        try:
+            out[mode] = ray.get(g.train_iteration(batch, **_train_kw(pad)))[0]
+        finally:
+            g.kill()
+    assert out["on"]["compile_graphs"] >= 1 and out["off"]["compile_graphs"] == 0
+    for k in ("loss", "grad_norm"):
+        assert out["on"][k] == pytest.approx(out["off"][k], rel=1e-2), k
+
+
+@pytest.mark.slow
 def test_the_old_logprob_pass_replays_the_training_forwards_compiled_graph(ray_cluster, tiny_policy):
     """With compiled layers the separate old-logprob pass runs them in grad mode (the LM head after them
     without): it compiles nothing the training forward does not (a no-grad graph per shape took 2.9 s of

@@ -33,7 +33,7 @@ from torch import nn
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint, torch_dtype
 from reflow.engines.train.ds_rank import DeepSpeedRank, _rows, ds_config
 from reflow.engines.train.group import TrainerGroup
-from reflow.engines.train.settings import RankSettings
+from reflow.engines.train.settings import RankSettings, weights_precision
 from reflow.rl.algorithms.gae import value_loss_tokens
 from reflow.rl.types import RolloutBatch, to_train_tensors
 
@@ -86,7 +86,7 @@ class CriticRank(DeepSpeedRank):
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
-        self._build_engine(load_value_model(model_path, s.precision, s.seed, s.storage), cfg, s.lr, s.weight_decay, lambda _: 1.0)
+        self._build_engine(load_value_model(model_path, weights_precision(s.precision), s.seed, s.storage), cfg, s.lr, s.weight_decay, lambda _: 1.0)
         self.init_time_s = time.perf_counter() - t0
 
     def _shard(self, batch: RolloutBatch, pad_id: int, minibatches: int = 1) -> dict[str, torch.Tensor]:

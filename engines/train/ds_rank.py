@@ -71,7 +71,8 @@ def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_siz
 
     bf16: `grad_accum_dtype` fp32 sums micro-batch gradients in fp32 (at ZeRO-1 DeepSpeed then uses
     its BF16_Optimizer, where `immediate_grad_update` folds each gradient in as backward makes it);
-    bf16 sums them in bf16 (ZeRO's own optimizer), cheaper but lossy over many micro-batches."""
+    bf16 sums them in bf16 (ZeRO's own optimizer), cheaper but lossy over many micro-batches.
+    bf16-mixed: fp32 everywhere but the forward's autocast regions (DeepSpeed's `torch_autocast`)."""
     zero: dict = {"stage": zero_stage}
     if zero_stage == 3:
         # Parameters smaller than this stay whole on every rank. DeepSpeed's 1e5 default is right for
@@ -97,8 +98,12 @@ def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_siz
             raise ValueError(f"grad_accum_dtype must be fp32 or bf16, got {grad_accum_dtype!r}")
         cfg["bf16"] = {"enabled": True, "immediate_grad_update": immediate_grad_update}
         cfg["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
+    elif precision == "bf16-mixed":
+        # fp32 weights, gradients and optimizer; the forward (and so its backward) under torch.autocast(bf16),
+        # which DeepSpeed's engine enters around every forward. No module reduces its gradients in bf16.
+        cfg["torch_autocast"] = {"enabled": True, "dtype": "bfloat16", "lower_precision_safe_modules": []}
     elif precision != "fp32":
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r} (fp16 does not run on CPU)")
+        raise ValueError(f"precision must be fp32, bf16 or bf16-mixed, got {precision!r} (fp16 does not run on CPU)")
     return cfg
 
 
@@ -209,7 +214,7 @@ class DeepSpeedRank:
         flag = torch.tensor([float(nonfinite)], dtype=torch.float64)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         self.optimizer.veto = bool(flag.item())
-        pre_norm = self._full_grad_norm() if self.zero_stage == 0 and self.precision == "fp32" else None
+        pre_norm = self._full_grad_norm() if self.zero_stage == 0 and self.precision != "bf16" else None
         try:
             self.engine.step()
         finally:

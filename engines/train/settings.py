@@ -7,6 +7,14 @@ from typing import Literal
 
 from reflow.engines.storage_access import StorageAccess
 
+Precision = Literal["fp32", "bf16", "bf16-mixed"]
+
+
+def weights_precision(precision: str) -> str:
+    """The dtype a trainer of `precision` holds its weights in, and so what its checkpoints, pushes and the
+    engines it feeds hold: bf16-mixed keeps float32 weights (its matmuls run in bf16 under torch.autocast)."""
+    return "fp32" if precision == "bf16-mixed" else precision
+
 
 @dataclass(frozen=True)
 class LoraSettings:
@@ -22,7 +30,7 @@ class RankSettings:
     """How one DeepSpeed rank (policy or critic) is built and optimised."""
 
     zero_stage: Literal[0, 1, 2, 3] = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Precision = "fp32"  # bf16-mixed: fp32 weights, bf16 matmuls (torch.autocast)
     lr: float = 1e-4
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = 0

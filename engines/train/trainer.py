@@ -53,7 +53,7 @@ from reflow.engines.train.compiled import (
     wait_for_warmup,
 )
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
-from reflow.engines.train.settings import RankSettings
+from reflow.engines.train.settings import RankSettings, weights_precision
 from reflow.engines.weights.settings import PushSettings
 from reflow.engines.weights.verify import verify_due
 from reflow.rl.algorithms.base import AlgorithmBase
@@ -123,7 +123,7 @@ class TrainerRank(DeepSpeedRank):
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
-        model = load_causal_lm(model_path, dtype=s.precision, storage=s.storage)
+        model = load_causal_lm(model_path, dtype=weights_precision(s.precision), storage=s.storage)
         self.lora, self.hf_folder = s.lora, "adapter" if s.lora else "model"  # LoRA: engines/train/lora.py
         self._build_engine(lora.wrap(model, s.lora) if s.lora else model, cfg, s.lr, s.weight_decay,
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
@@ -134,7 +134,8 @@ class TrainerRank(DeepSpeedRank):
             self._round_up = length_bucket
         self.ref_model = None
         if ref_model_path is not None:
-            self.ref_model = load_causal_lm(ref_model_path, dtype=s.precision, storage=s.storage).to(self.engine.device)
+            self.ref_model = load_causal_lm(ref_model_path, dtype=weights_precision(s.precision),
+                                            storage=s.storage).to(self.engine.device)
             self.ref_model.eval().requires_grad_(False)
         self.init_time_s = time.perf_counter() - t0
 
@@ -245,7 +246,10 @@ class TrainerRank(DeepSpeedRank):
                     logits = self._logits(self.engine, mb, first)  # [b, L-1-first, V]
                 old[s:e, first:L1] = token_logprobs(logits, labels, temperature)
             if ref:
-                refs[s:e, first:L1] = token_logprobs(self._logits(self.ref_model, mb, first), labels, temperature)
+                with torch.autocast(self.engine.device.type, torch.bfloat16, enabled=self.precision == "bf16-mixed"):
+                    # the reference model scores as the policy does (DeepSpeed's engine enters the policy's autocast)
+                    logits = self._logits(self.ref_model, mb, first)
+                refs[s:e, first:L1] = token_logprobs(logits, labels, temperature)
         shard["ref_logprobs"] = refs
         if policy:
             shard["old_logprobs"] = old
