@@ -145,6 +145,28 @@ def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess
     return model
 
 
+def fp32_lm_head(model):
+    """Make `model`'s LM head (its output embeddings: hidden state -> vocabulary logits) compute in float32
+    whatever the model's dtype or an enclosing torch.autocast: its input and weight are upcast for the product
+    (the weight as it is at each call, so pushed weights take effect) and the logits come out float32. A model
+    in bf16 otherwise computes logits with ~3 significant digits (spaced 0.125 near 20), which every log-prob,
+    importance ratio and sampled token inherits. Costs a float32 copy of the head's weight per forward (LoRA
+    adapters on the head are not supported: the base layer alone would be upcast). Returns `model`."""
+    import torch.nn.functional as F
+
+    head = model.get_output_embeddings()
+    if not isinstance(head, torch.nn.Linear):
+        raise ValueError(f"fp32_lm_head needs a torch.nn.Linear output layer, this model has {type(head).__name__}")
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            return F.linear(x.float(), head.weight.float(), bias)
+
+    head.forward = forward  # nn.Module.__call__ (and its hooks: ZeRO-3 gathering) still wrap it
+    return model
+
+
 def load_tokenizer(path_or_url: str, storage: StorageAccess | None = None, files: Files | None = None):
     from transformers import AutoTokenizer
 

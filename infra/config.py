@@ -167,7 +167,8 @@ class LoraConfig(_Strict):
 class TrainerConfig(_Strict):
     num_ranks: int = Field(1, ge=1, description="Data-parallel trainer ranks (Ray actors).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
-    precision: Literal["fp32", "bf16", "bf16-mixed"] = Field("fp32", description="Training precision. fp32; bf16: DeepSpeed's bf16 (the model's weights, activations and gradients in bf16, fp32 master weights in the optimizer; needs zero_stage >= 1); bf16-mixed: the weights stay fp32 and torch.autocast runs the matmuls in bf16 (norms, softmax and the residual stream in fp32), as HF Trainer's and TRL's bf16=True do; the engines then hold the fp32 weights too. On the GPU demo, fp32 weights learned more per update than bf16 ones (bench/RESULTS.md 28).")
+    precision: Literal["fp32", "bf16", "bf16-mixed"] = Field("fp32", description="Training precision. fp32; bf16: DeepSpeed's bf16 (the model's weights, activations and gradients in bf16, fp32 master weights in the optimizer; needs zero_stage >= 1); bf16-mixed: the weights stay fp32 and torch.autocast runs the matmuls in bf16 (norms, softmax and the residual stream in fp32), as HF Trainer's and TRL's bf16=True do; the engines then hold the fp32 weights too. On the GPU demo fp32 learned more per update than bf16 (0.924 vs 0.854 after 300 iterations, one lease); bf16-mixed has not shown that gain yet (one run, on another lease: bench/RESULTS.md 28). See also fp32_lm_head.")
+    fp32_lm_head: bool = Field(False, description="Compute the LM head (hidden state -> vocabulary logits) in float32 in the trainer and the embedded engines, whatever trainer.precision: bf16 logits carry ~3 significant digits into every log-prob, importance ratio and sampled token. Costs a float32 copy of the head's weight per forward. Not with rollout.backend=sglang (SGLang 0.5.23 has no such option).")
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Learning-rate decay after warm-up.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
@@ -378,6 +379,14 @@ class RunConfig(_Strict):
             raise ValueError("cluster.colocate with SGLang engines (GPUs) needs trainer.zero_stage 1, 2 or 3: DeepSpeed "
                              "offloads only ZeRO optimizer states, so with stage 0 the trainer's memory would stay "
                              "on the GPUs the engines need")
+        return self
+
+    @model_validator(mode="after")
+    def _check_fp32_lm_head(self) -> RunConfig:
+        if self.trainer.fp32_lm_head and self.rollout.backend == "sglang":
+            raise ValueError("trainer.fp32_lm_head=true computes the logits in float32 in the trainer and the embedded "
+                             "engines; SGLang 0.5.23 has no such option, so its engines would sample from bf16 logits "
+                             "the trainer no longer computes. Use rollout.backend=embedded, or trainer.fp32_lm_head=false")
         return self
 
     @model_validator(mode="after")

@@ -69,6 +69,10 @@ def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
     assert [weights_precision(p) for p in ("fp32", "bf16", "bf16-mixed")] == ["fp32", "bf16", "fp32"]
     with pytest.raises(ConfigError, match="trainer.precision"):
         load_config(None, ["trainer.precision=fp16"])
+    assert policy_rank_settings(load_config(None, ["trainer.fp32_lm_head=true"])).fp32_lm_head
+    assert not policy_rank_settings(cfg).fp32_lm_head
+    with pytest.raises(ConfigError, match="trainer.fp32_lm_head=false"):
+        load_config(None, ["trainer.fp32_lm_head=true", "rollout.backend=sglang", "trainer.zero_stage=1"])
 
 
 def test_legacy_top_level_eval_keys_move_into_eval():

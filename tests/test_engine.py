@@ -105,6 +105,32 @@ def test_logprobs_are_log_softmax_of_tempered_logits_before_filtering(gen, model
                 assert all(o in logits[j].topk(k).indices for j, o in enumerate(out))
 
 
+@pytest.mark.parametrize("decoder", ["eager", "static"])
+def test_fp32_lm_head_engine_samples_from_float32_logits(tiny_policy, tok, decoder):
+    """EmbeddedEngine(fp32_lm_head=True) on a bf16 model: its head gives float32 logits, and each decoder's
+    log-probs are those of that head (the trainer's, with trainer.fp32_lm_head)."""
+    from reflow.engines.hf_io import fp32_lm_head
+
+    ref = fp32_lm_head(load_causal_lm(str(tiny_policy), dtype="bf16"))
+    e = EmbeddedEngine(str(tiny_policy), "fp32-head-engine", threads=1, api_key=KEY, dtype="bf16",
+                       fp32_lm_head=True, decoder=decoder)
+    try:
+        head = e.generator.model.get_output_embeddings()
+        assert head.weight.dtype == torch.bfloat16
+        assert head(torch.ones(1, head.in_features, dtype=torch.bfloat16)).dtype == torch.float32
+        prompts = _ids(tok, PROMPTS[:3])
+        recs = e.generator.generate(prompts, {"temperature": 1.0, "max_new_tokens": 8, "sampling_seed": 3})
+        for p, r in zip(prompts, recs):
+            out = r["output_ids"]
+            with torch.no_grad():
+                logits = ref(torch.tensor([p + out])).logits[0, len(p) - 1:-1]  # [L, V] float32
+            want = torch.log_softmax(logits, -1).gather(-1, torch.tensor(out)[:, None])[:, 0]
+            got = torch.tensor([lp for lp, _, _ in r["output_token_logprobs"]])
+            torch.testing.assert_close(got, want, rtol=0, atol=0.05)  # bf16 layers: the same ops, other kernels
+    finally:
+        e.shutdown()
+
+
 def test_n_samples_are_prompt_major(gen, tok):
     prompts = _ids(tok, ["1+1=", "(3+4)*5=", "99-1="])
     recs = gen.generate(prompts, {"max_new_tokens": 5}, n=3)

@@ -102,3 +102,29 @@ def test_only_the_files_of_the_manifest_are_downloaded(tiny_policy, s3_endpoint,
     local = resolve_checkpoint("s3://planted/model", StorageAccess(endpoint_url=s3_endpoint),
                                files=_manifest(tiny_policy))
     assert sorted(p.name for p in local.iterdir() if p.name != ".complete") == sorted(_manifest(tiny_policy))
+
+
+def test_fp32_lm_head_computes_logits_in_float32_under_bf16_and_autocast(tiny_policy):
+    """trainer.fp32_lm_head: a bf16 model's head gives float32 logits equal to the float32 product of its (bf16)
+    weight and input, also inside torch.autocast(bf16); a weight written in place (a push) takes effect."""
+    import torch.nn.functional as F
+
+    from reflow.engines.hf_io import fp32_lm_head
+
+    plain = load_causal_lm(str(tiny_policy), dtype="bf16")
+    model = fp32_lm_head(load_causal_lm(str(tiny_policy), dtype="bf16"))
+    head = model.get_output_embeddings()
+    h = torch.randn(3, head.in_features, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 8
+    want = F.linear(h.float(), head.weight.float())
+    for autocast in (False, True):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            got = head(h)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert plain.get_output_embeddings()(h).dtype == torch.bfloat16
+    assert not torch.equal(plain.get_output_embeddings()(h).float(), want), "bf16 rounding changed nothing: no test"
+    with torch.no_grad():
+        head.weight.mul_(2)  # an in-place push
+    torch.testing.assert_close(head(h), F.linear(h.float(), head.weight.float()), rtol=0, atol=0)
+    logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits  # the whole model: float32 logits
+    assert logits.dtype == torch.float32

@@ -14,7 +14,7 @@ import pytest
 import ray
 import torch
 
-from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.hf_io import fp32_lm_head, load_causal_lm, load_tokenizer
 from reflow.engines.train.group import TrainerGroup
 from reflow.engines.train.settings import RankSettings
 from reflow.engines.train.trainer import ds_config, lr_multiplier
@@ -57,12 +57,15 @@ def _batch(policy, advantages=ADVANTAGES) -> RolloutBatch:
         finish_reason=["stop"] * len(PROBLEMS), label=[None] * len(PROBLEMS), advantages=list(advantages))
 
 
-def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-mean", autocast=False):
+def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-mean", autocast=False,
+               fp32_head=False):
     """Single-process objective on the whole batch with weights `named`: (batch with engine-like
     rollout logprobs at TEMPERATURE, loss, pre-clip gradient norm). `autocast`: the forward under
-    torch.autocast(bf16), as HF Trainer's bf16=True runs it."""
+    torch.autocast(bf16), as HF Trainer's bf16=True runs it; `fp32_head`: its LM head in float32 (fp32_lm_head)."""
     model = load_causal_lm(str(policy)).eval()
     model.load_state_dict(dict(named))
+    if fp32_head:
+        fp32_lm_head(model)
     pad = load_tokenizer(str(policy)).pad_token_id
     t = to_train_tensors(batch, pad)
     with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
@@ -219,18 +222,26 @@ def test_bf16_zero2_two_ranks(ray_cluster, tiny_policy):
         group.kill()
 
 
-def test_bf16_mixed_keeps_fp32_weights_and_computes_under_autocast(ray_cluster, tiny_policy):
+@pytest.mark.parametrize("fp32_head", [False, True])
+def test_bf16_mixed_keeps_fp32_weights_and_computes_under_autocast(ray_cluster, tiny_policy, fp32_head):
     """precision=bf16-mixed: the weights (and so checkpoints and pushes) stay float32 and the training forward
     runs under torch.autocast(bf16): its loss and gradient norm are those of a single-process autocast forward,
-    not of the float32 one (the two differ here by far more than the tolerance)."""
+    not of the float32 one (the two differ here by far more than the tolerance). With fp32_lm_head the head
+    stays float32 inside that autocast (and the result differs from the bf16 head's by far more than the tolerance)."""
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
-    group = _create("mixed", 2, tiny_policy, zero_stage=1, precision="bf16-mixed")
+    group = _create(f"mixed{int(fp32_head)}", 2, tiny_policy, zero_stage=1, precision="bf16-mixed",
+                    fp32_lm_head=fp32_head)
     try:
         named = ray.get(group.named_weights()[0])
         assert {str(w.dtype) for _, w in named} == {"torch.float32"}
-        batch, mixed_loss, mixed_norm = _reference(tiny_policy, named, _batch(tiny_policy), autocast=True)
+        batch, mixed_loss, mixed_norm = _reference(tiny_policy, named, _batch(tiny_policy), autocast=True,
+                                                   fp32_head=fp32_head)
         _, fp32_loss, fp32_norm = _reference(tiny_policy, named, batch)
-        assert abs(mixed_norm - fp32_norm) > 1e-3 * fp32_norm, "autocast changed nothing here: no test"
+        _, _, other_norm = _reference(tiny_policy, named, batch, autocast=True, fp32_head=not fp32_head)
+        # on this tiny model most of what autocast changes is the head's product: with the head in float32 the norm
+        # is within 1e-4 of the float32 model's (3.51011 vs 3.51034; bf16 head 3.51453)
+        assert fp32_head or abs(mixed_norm - fp32_norm) > 1e-3 * fp32_norm, "autocast changed nothing here: no test"
+        assert abs(mixed_norm - other_norm) > 1e-3 * mixed_norm, "the head's precision changed nothing: no test"
         before = ray.get(group.weights_checksum())
         m = ray.get(group.train_iteration(batch, **_train_kw(pad)))[0]
         assert m["grad_norm"] == pytest.approx(mixed_norm, rel=2e-4)

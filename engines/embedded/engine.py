@@ -15,6 +15,7 @@ import torch
 
 from reflow.engines.embedded.generator import Generator
 from reflow.engines.embedded.server import build_app
+from reflow.engines.hf_io import fp32_lm_head as hf_fp32_lm_head
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, ThreadedServer, check_api_key, new_api_key
 from reflow.engines.rollout_client import poll_health
@@ -30,17 +31,21 @@ class EmbeddedEngine:
                  threads: int = 1, max_batch_size: int = 256, dtype: str = "fp32", api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
                  storage: StorageAccess | None = None, model_files: dict | None = None, device: str = "cpu",
-                 decoder: str = "auto"):
+                 decoder: str = "auto", fp32_lm_head: bool = False):
         """`storage`: how to reach `model_path` and pushed folders in object storage (the run's endpoint
         and retries); `model_files`: the checkpoint manifest entries `model_path` is checked against
         (reflow.engines.hf_io.resolve_checkpoint); `device`: where the model runs ("cuda" in a Ray actor
         given a GPU); `decoder`: the generator's decoding path (reflow.engines.embedded.generator.Generator:
-        "auto" decodes with CUDA graphs on a GPU)."""
+        "auto" decodes with CUDA graphs on a GPU); `fp32_lm_head`: logits computed in float32 whatever the model's
+        dtype (reflow.engines.hf_io.fp32_lm_head; trainer.fp32_lm_head sets it for the trainer and the engines alike)."""
         torch.set_num_threads(threads)  # Ray actors default to 1 OMP thread; make it deliberate
         self.engine_id, self.host = engine_id, host
         self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
         local = str(resolve_checkpoint(model_path, storage, model_files))
-        self.generator = Generator(load_causal_lm(local, dtype).to(device), load_tokenizer(local),
+        model = load_causal_lm(local, dtype).to(device)
+        if fp32_lm_head:
+            model = hf_fp32_lm_head(model)  # weight reloads and pushes write into this very module
+        self.generator = Generator(model, load_tokenizer(local),
                                    max_batch_size=max_batch_size, threads=threads, decoder=decoder)
         info = {"model_path": model_path, "tokenizer_path": model_path, "local_path": local,
                 "engine_id": engine_id, "version": SGLANG_API_VERSION, "threads": threads, "device": device,

@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.hf_io import fp32_lm_head, load_causal_lm, load_tokenizer
 from reflow.engines.train import lora
 from reflow.engines.train.compiled import (
     compile_cache_hits,
@@ -124,6 +124,8 @@ class TrainerRank(DeepSpeedRank):
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         model = load_causal_lm(model_path, dtype=weights_precision(s.precision), storage=s.storage)
+        if s.fp32_lm_head:
+            fp32_lm_head(model)  # before LoRA wraps it and DeepSpeed hooks it
         self.lora, self.hf_folder = s.lora, "adapter" if s.lora else "model"  # LoRA: engines/train/lora.py
         self._build_engine(lora.wrap(model, s.lora) if s.lora else model, cfg, s.lr, s.weight_decay,
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
@@ -136,6 +138,8 @@ class TrainerRank(DeepSpeedRank):
         if ref_model_path is not None:
             self.ref_model = load_causal_lm(ref_model_path, dtype=weights_precision(s.precision),
                                             storage=s.storage).to(self.engine.device)
+            if s.fp32_lm_head:
+                fp32_lm_head(self.ref_model)
             self.ref_model.eval().requires_grad_(False)
         self.init_time_s = time.perf_counter() - t0
 
