@@ -253,6 +253,35 @@ def test_bf16_mixed_keeps_fp32_weights_and_computes_under_autocast(ray_cluster, 
         group.kill()
 
 
+def test_bf16_mixed_resumes_bit_exactly(ray_cluster, tiny_policy, tmp_path):
+    """bf16-mixed with the float32 LM head: a checkpoint after one step, loaded into fresh ranks, gives exactly
+    the weights of the run that went on (DeepSpeed's fp32 path, the autocast config and the patched head alike)."""
+    from reflow.infra.config import StorageConfig
+    from reflow.infra.storage import ExperimentStore
+
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    batch, kw = _batch(tiny_policy), dict(zero_stage=1, precision="bf16-mixed", fp32_lm_head=True)
+    store = ExperimentStore.from_config(StorageConfig(root=f"file://{tmp_path}"), "mixed-resume")
+    first = _create("mixres-a", 2, tiny_policy, **kw)
+    try:
+        ray.get(first.train_iteration(batch, **_train_kw(pad)))
+        manifest: dict = {}
+        for part in ray.get(first.save_checkpoint(store, "ckpt")):
+            manifest |= part
+        ray.get(first.train_iteration(batch, **_train_kw(pad)))
+        went_on = ray.get(first.weights_checksum())[0]
+    finally:
+        first.kill()
+    second = _create("mixres-b", 2, tiny_policy, **kw)
+    try:
+        ray.get(second.fetch_checkpoint(store, "ckpt", manifest))
+        ray.get(second.load_checkpoint())
+        ray.get(second.train_iteration(batch, **_train_kw(pad)))
+        assert ray.get(second.weights_checksum()) == [went_on, went_on]
+    finally:
+        second.kill()
+
+
 def test_push_survives_a_lost_shared_memory_manager(ray_cluster, tiny_policy, tmp_path):
     """torch's file_system sharing registers every shared buffer with a torch_shm_manager child of
     the trainer process; once that process is gone every allocation fails ("Broken pipe") for the
