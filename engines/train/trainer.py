@@ -123,9 +123,11 @@ class TrainerRank(DeepSpeedRank):
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
-        model = load_causal_lm(model_path, dtype=weights_precision(s.precision), storage=s.storage)
-        if s.fp32_lm_head:
-            fp32_lm_head(model)  # before LoRA wraps it and DeepSpeed hooks it
+        def load(path: str):  # the policy and the reference model alike: weights' dtype, head precision
+            model = load_causal_lm(path, dtype=weights_precision(s.precision), storage=s.storage)
+            return fp32_lm_head(model) if s.fp32_lm_head else model
+
+        model = load(model_path)  # its head patched before LoRA wraps it and DeepSpeed hooks it
         self.lora, self.hf_folder = s.lora, "adapter" if s.lora else "model"  # LoRA: engines/train/lora.py
         self._build_engine(lora.wrap(model, s.lora) if s.lora else model, cfg, s.lr, s.weight_decay,
                            lambda step: lr_multiplier(step, s.lr_schedule, s.warmup_steps, s.total_steps))
@@ -136,10 +138,7 @@ class TrainerRank(DeepSpeedRank):
             self._round_up = length_bucket
         self.ref_model = None
         if ref_model_path is not None:
-            self.ref_model = load_causal_lm(ref_model_path, dtype=weights_precision(s.precision),
-                                            storage=s.storage).to(self.engine.device)
-            if s.fp32_lm_head:
-                fp32_lm_head(self.ref_model)
+            self.ref_model = load(ref_model_path).to(self.engine.device)
             self.ref_model.eval().requires_grad_(False)
         self.init_time_s = time.perf_counter() - t0
 
