@@ -145,6 +145,15 @@ def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess
     return model
 
 
+def set_tf32(on: bool) -> None:
+    """Whether float32 matrix products (and convolutions) in this process may run on NVIDIA's TF32 tensor cores:
+    inputs rounded to a 10-bit mantissa (bf16 keeps 7), float32 range, sums and everything between the products.
+    A process-wide flag, set before any model runs (compiled graphs pick their kernels once); no effect on CPU
+    or on bf16 products. torch's default is off ("highest")."""
+    torch.set_float32_matmul_precision("high" if on else "highest")
+    torch.backends.cudnn.allow_tf32 = on
+
+
 def fp32_lm_head(model):
     """Make `model`'s LM head (its output embeddings: hidden state -> vocabulary logits) compute in float32
     whatever the model's dtype or an enclosing torch.autocast: its input and weight are upcast for the product

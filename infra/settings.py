@@ -55,7 +55,7 @@ def policy_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
     """`gpus`: whether the ranks take GPUs (runtime.use_gpus)."""
     t = cfg.trainer
     return RankSettings(backend=rank_backend(gpus),
-        zero_stage=t.zero_stage, precision=t.precision, fp32_lm_head=t.fp32_lm_head, lr=t.lr, lr_schedule=t.lr_schedule,
+        zero_stage=t.zero_stage, precision=t.precision, fp32_lm_head=t.fp32_lm_head, tf32=t.tf32, lr=t.lr, lr_schedule=t.lr_schedule,
         warmup_steps=t.warmup_steps, total_steps=total_steps(cfg), weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed,
         compile=t.compile, cudnn_attention=t.cudnn_attention, old_logprob_pass=t.old_logprob_pass,
@@ -71,7 +71,8 @@ def critic_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
         zero_stage=t.zero_stage, precision=t.precision, lr=c.lr, weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
         threads=t.threads_per_rank, seed=cfg.seed, grad_accum_dtype=t.grad_accum_dtype,
-        immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg), cudnn_attention=t.cudnn_attention)
+        immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg), cudnn_attention=t.cudnn_attention,
+        tf32=t.tf32)
 
 
 def push_settings(cfg: RunConfig) -> PushSettings:

@@ -58,7 +58,7 @@ def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
     from reflow.engines.sglang.launcher import sglang_dtype
     from reflow.engines.train.settings import weights_precision
     from reflow.infra.runtime import engine_dtype
-    from reflow.infra.settings import policy_rank_settings
+    from reflow.infra.settings import critic_rank_settings, policy_rank_settings
 
     cfg = load_config(None, ["trainer.precision=bf16-mixed", "trainer.zero_stage=1"])
     assert policy_rank_settings(cfg).precision == "bf16-mixed"
@@ -71,6 +71,8 @@ def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
         load_config(None, ["trainer.precision=fp16"])
     assert policy_rank_settings(load_config(None, ["trainer.fp32_lm_head=true"])).fp32_lm_head
     assert not policy_rank_settings(cfg).fp32_lm_head
+    tf32 = load_config(None, ["trainer.tf32=true"])
+    assert policy_rank_settings(tf32).tf32 and critic_rank_settings(tf32).tf32 and not policy_rank_settings(cfg).tf32
     with pytest.raises(ConfigError, match="trainer.fp32_lm_head=false"):
         load_config(None, ["trainer.fp32_lm_head=true", "rollout.backend=sglang", "trainer.zero_stage=1"])
 

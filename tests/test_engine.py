@@ -16,7 +16,7 @@ import torch
 
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.embedded.generator import Generator
-from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer, set_tf32
 from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.weights.buckets import BucketError, flatten, load_payload, serialize_bucket, unflatten
@@ -113,8 +113,12 @@ def test_fp32_lm_head_engine_samples_from_float32_logits(tiny_policy, tok, decod
 
     ref = fp32_lm_head(load_causal_lm(str(tiny_policy), dtype="bf16"))
     e = EmbeddedEngine(str(tiny_policy), "fp32-head-engine", threads=1, api_key=KEY, dtype="bf16",
-                       fp32_lm_head=True, decoder=decoder)
+                       fp32_lm_head=True, decoder=decoder, tf32=decoder == "static")
     try:
+        # trainer.tf32 reaches the engine's process (this one: the flag is restored below) and its /server_info
+        want = "high" if decoder == "static" else "highest"
+        assert torch.get_float32_matmul_precision() == want
+        assert httpx.get(f"{e.url()}/server_info", headers=AUTH).json()["matmul_precision"] == want
         head = e.generator.model.get_output_embeddings()
         assert head.weight.dtype == torch.bfloat16
         assert head(torch.ones(1, head.in_features, dtype=torch.bfloat16)).dtype == torch.float32
@@ -129,6 +133,7 @@ def test_fp32_lm_head_engine_samples_from_float32_logits(tiny_policy, tok, decod
             torch.testing.assert_close(got, want, rtol=0, atol=0.05)  # bf16 layers: the same ops, other kernels
     finally:
         e.shutdown()
+        set_tf32(False)
 
 
 def test_n_samples_are_prompt_major(gen, tok):

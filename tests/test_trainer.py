@@ -227,11 +227,14 @@ def test_bf16_mixed_keeps_fp32_weights_and_computes_under_autocast(ray_cluster, 
     """precision=bf16-mixed: the weights (and so checkpoints and pushes) stay float32 and the training forward
     runs under torch.autocast(bf16): its loss and gradient norm are those of a single-process autocast forward,
     not of the float32 one (the two differ here by far more than the tolerance). With fp32_lm_head the head
-    stays float32 inside that autocast (and the result differs from the bf16 head's by far more than the tolerance)."""
+    stays float32 inside that autocast (and the result differs from the bf16 head's by far more than the tolerance).
+    trainer.tf32 (with the fp32 head here) reaches every rank's process (its products are float32 on CPU anyway)."""
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
     group = _create(f"mixed{int(fp32_head)}", 2, tiny_policy, zero_stage=1, precision="bf16-mixed",
-                    fp32_lm_head=fp32_head)
+                    fp32_lm_head=fp32_head, tf32=fp32_head)
     try:
+        want = "high" if fp32_head else "highest"
+        assert [p["matmul_precision"] for p in ray.get(group.ping())] == [want, want]
         named = ray.get(group.named_weights()[0])
         assert {str(w.dtype) for _, w in named} == {"torch.float32"}
         batch, mixed_loss, mixed_norm = _reference(tiny_policy, named, _batch(tiny_policy), autocast=True,

@@ -16,7 +16,7 @@ import torch
 from reflow.engines.embedded.generator import Generator
 from reflow.engines.embedded.server import build_app
 from reflow.engines.hf_io import fp32_lm_head as hf_fp32_lm_head
-from reflow.engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
+from reflow.engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint, set_tf32
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, ThreadedServer, check_api_key, new_api_key
 from reflow.engines.rollout_client import poll_health
 from reflow.engines.storage_access import StorageAccess
@@ -31,14 +31,16 @@ class EmbeddedEngine:
                  threads: int = 1, max_batch_size: int = 256, dtype: str = "fp32", api_key: str | None = None,
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
                  storage: StorageAccess | None = None, model_files: dict | None = None, device: str = "cpu",
-                 decoder: str = "auto", fp32_lm_head: bool = False):
+                 decoder: str = "auto", fp32_lm_head: bool = False, tf32: bool = False):
         """`storage`: how to reach `model_path` and pushed folders in object storage (the run's endpoint
         and retries); `model_files`: the checkpoint manifest entries `model_path` is checked against
         (reflow.engines.hf_io.resolve_checkpoint); `device`: where the model runs ("cuda" in a Ray actor
         given a GPU); `decoder`: the generator's decoding path (reflow.engines.embedded.generator.Generator:
         "auto" decodes with CUDA graphs on a GPU); `fp32_lm_head`: logits computed in float32 whatever the model's
-        dtype (reflow.engines.hf_io.fp32_lm_head; trainer.fp32_lm_head sets it for the trainer and the engines alike)."""
+        dtype (reflow.engines.hf_io.fp32_lm_head; trainer.fp32_lm_head sets it for the trainer and the engines alike);
+        `tf32`: this process's float32 products on TF32 tensor cores (reflow.engines.hf_io.set_tf32; trainer.tf32)."""
         torch.set_num_threads(threads)  # Ray actors default to 1 OMP thread; make it deliberate
+        set_tf32(tf32)  # before the model is loaded and its CUDA graphs captured
         self.engine_id, self.host = engine_id, host
         self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
         local = str(resolve_checkpoint(model_path, storage, model_files))
@@ -49,7 +51,7 @@ class EmbeddedEngine:
                                    max_batch_size=max_batch_size, threads=threads, decoder=decoder)
         info = {"model_path": model_path, "tokenizer_path": model_path, "local_path": local,
                 "engine_id": engine_id, "version": SGLANG_API_VERSION, "threads": threads, "device": device,
-                "decoder": decoder}
+                "decoder": decoder, "matmul_precision": torch.get_float32_matmul_precision()}
         self.app = build_app(self.generator, info, self._api_key, max_body_bytes=max_body_bytes,
                              max_weight_bytes=max_weight_bytes, storage=storage)
         self.http = ThreadedServer(self.app, host, port, f"uvicorn-{engine_id}", timeout_keep_alive=75)

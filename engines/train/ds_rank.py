@@ -23,6 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function  # phase names in profiles; ~free otherwise
 
+from reflow.engines.hf_io import set_tf32
+
 
 class NonFiniteLossError(FloatingPointError):
     """A loss or gradient was NaN/inf; the optimizer update was skipped."""
@@ -159,11 +161,12 @@ class DeepSpeedRank:
     """One DeepSpeed data-parallel rank. Collective methods must be called on every rank together."""
 
     def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
-               threads: int, seed: int, cudnn_attention: bool = True) -> None:
+               threads: int, seed: int, cudnn_attention: bool = True, tf32: bool = False) -> None:
         """Seed this process and join the process group (before any model is built)."""
         self.rank, self.world_size, self.iteration = rank, world_size, 0
         torch.set_num_threads(threads)
         set_attention_kernels(cudnn_attention)
+        set_tf32(tf32)
         random.seed(seed)
         torch.manual_seed(seed)
         _init_distributed(rank, world_size, master_addr, master_port, backend)
@@ -189,7 +192,8 @@ class DeepSpeedRank:
         import ray
 
         return {"rank": self.rank, "world_size": self.world_size, "pid": os.getpid(),
-                "node_ip": ray.util.get_node_ip_address(), "init_time_s": self.init_time_s}
+                "node_ip": ray.util.get_node_ip_address(), "init_time_s": self.init_time_s,
+                "matmul_precision": torch.get_float32_matmul_precision()}  # "high": TF32 (trainer.tf32)
 
     def _micro_slices(self, rows: int) -> list[tuple[int, int]]:
         return [(s, min(s + self.micro_batch_size, rows)) for s in range(0, rows, self.micro_batch_size)]

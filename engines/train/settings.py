@@ -32,6 +32,7 @@ class RankSettings:
     zero_stage: Literal[0, 1, 2, 3] = 0
     precision: Precision = "fp32"  # bf16-mixed: fp32 weights, bf16 matmuls (torch.autocast)
     fp32_lm_head: bool = False  # the LM head computes in float32 (reflow.engines.hf_io.fp32_lm_head)
+    tf32: bool = False  # float32 matrix products on TF32 tensor cores (reflow.engines.hf_io.set_tf32)
     lr: float = 1e-4
     lr_schedule: Literal["constant", "cosine", "linear"] = "constant"
     warmup_steps: int = 0

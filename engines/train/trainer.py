@@ -120,7 +120,8 @@ class TrainerRank(DeepSpeedRank):
         self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
         self._ipc_lost: str | None = None  # why GPU tensor pushes stage through host memory (no CUDA IPC)
         self.probes_made = 0  # logprob probes computed for pushes (_logprob_probe; tests read it)
-        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention)
+        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention,
+                    s.tf32)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         def load(path: str):  # the policy and the reference model alike: weights' dtype, head precision
