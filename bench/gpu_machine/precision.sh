@@ -4,15 +4,16 @@
 # another in one call (bench/RESULTS.md 28: fp32 0.924 against bf16 0.854 after 300 iterations on one lease).
 #   OUT=/tmp/o bash bench/gpu_machine/precision.sh [iterations] [overrides for every run...]
 #   VARIANTS='trainer.precision=bf16|trainer.fp32_lm_head=true' ...   # '|' between runs, ' ' inside one
-# Default variants: bf16; bf16 + fp32 LM head; bf16-mixed + fp32 LM head (fp32 at 0.48 s a train stage, 2.5x
-# bf16's, fits a second call: VARIANTS=trainer.precision=fp32). Each run gets LIMIT seconds (default 200).
+# Default variants: bf16; bf16-mixed + fp32 LM head; fp32 + tf32 (the GPU demo's since RESULTS 29; plain fp32 at
+# 0.48 s a train stage, 2.5x bf16's, fits a second call: VARIANTS='trainer.precision=fp32 trainer.tf32=false').
+# Each run gets LIMIT seconds (default 200).
 # Prints one `precision:` line per run and writes $OUT/precision.json; TRL can follow in the next call
 # (STEP=trl CLOCK=command bash bench/gpu_machine/compare.sh), on the last run's clock.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 iters=${1:-200}; shift || true
 out=$(realpath "${OUT:-gpu-out}"); mkdir -p "$out"
-IFS='|' read -r -a variants <<< "${VARIANTS:-trainer.precision=bf16|trainer.fp32_lm_head=true|trainer.precision=bf16-mixed trainer.fp32_lm_head=true}"
+IFS='|' read -r -a variants <<< "${VARIANTS:-trainer.precision=bf16 trainer.tf32=false|trainer.precision=bf16-mixed trainer.fp32_lm_head=true trainer.tf32=false|trainer.precision=fp32 trainer.tf32=true}"
 results=()
 for v in "${variants[@]}"; do
   name=$(echo "$v" | tr ' =/' '_-_'); mkdir -p "$out/$name"
