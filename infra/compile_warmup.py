@@ -118,9 +118,7 @@ def main(argv: list[str]) -> int:
     import dataclasses
     import socket
 
-    import torch
-
-    from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
+    from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint, torch_dtype
     from reflow.engines.train.settings import weights_precision
     from reflow.engines.train.trainer import TrainerRank
     from reflow.infra.config import load_config
@@ -132,7 +130,7 @@ def main(argv: list[str]) -> int:
     local = str(resolve_checkpoint(cfg.model.path, storage_access(cfg), None))
     tokenizer = load_tokenizer(local)
     batch = _first_batch(cfg, tokenizer)
-    dtype = torch.bfloat16 if weights_precision(cfg.trainer.precision) == "bf16" else torch.float32
+    dtype = torch_dtype(weights_precision(cfg.trainer.precision))
     folder = _one_layer_model(local, Path(argv[0]).parent / "model", dtype)
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

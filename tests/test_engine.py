@@ -116,9 +116,9 @@ def test_fp32_lm_head_engine_samples_from_float32_logits(tiny_policy, tok, decod
                        fp32_lm_head=True, decoder=decoder, tf32=decoder == "static")
     try:
         # trainer.tf32 reaches the engine's process (this one: the flag is restored below) and its /server_info
-        want = "high" if decoder == "static" else "highest"
-        assert torch.get_float32_matmul_precision() == want
-        assert httpx.get(f"{e.url()}/server_info", headers=AUTH).json()["matmul_precision"] == want
+        precision = "high" if decoder == "static" else "highest"
+        assert torch.get_float32_matmul_precision() == precision
+        assert httpx.get(f"{e.url()}/server_info", headers=AUTH).json()["matmul_precision"] == precision
         head = e.generator.model.get_output_embeddings()
         assert head.weight.dtype == torch.bfloat16
         assert head(torch.ones(1, head.in_features, dtype=torch.bfloat16)).dtype == torch.float32
