@@ -99,7 +99,7 @@ def _download(storage: StorageAccess, url: str, want: Files, dest: Path) -> None
     try:
         for name, meta in sorted(want.items()):
             try:
-                storage.get_file(f"{url.rstrip('/')}/{name}", tmp / name)
+                storage.download(url, name, tmp)
             except FileNotFoundError:
                 raise CheckpointError(f"checkpoint {url}: {name} is listed but missing in storage") from None
             _verify(tmp / name, name, meta, url)

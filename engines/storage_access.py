@@ -69,6 +69,37 @@ class ChecksumError(StorageError):
     """A file does not match the sha256 (or size) recorded for it."""
 
 
+class UnsafeName(ValueError):
+    """A file name that came from storage (a listing, a manifest) would not stay inside the folder it is
+    written to."""
+
+
+def check_name(name: str, source: str) -> str:
+    """`name` (a relative file name read from storage: an object key under a prefix, a manifest entry) if it
+    is a relative path of plain segments: no leading `/`, no `.` or `..`, no empty segment, no backslash
+    or NUL. Storage names are any string, and a key like `model/../../site-packages/x.pth` joined to a
+    local folder unchecked writes a file Python runs at its next start. `source` names where it came from."""
+    if (not name or "\\" in name or "\0" in name or name.startswith("/")
+            or any(seg in ("", ".", "..") for seg in name.split("/"))):
+        raise UnsafeName(f"{source}: the stored name {name!r} is not a plain relative path (a name from a "
+                         f"listing or a manifest may not hold '..', '.', '//', a leading '/' or a backslash); "
+                         f"refusing to write it anywhere. Whoever can write that storage planted it: remove the "
+                         f"object and check who has write access")
+    return name
+
+
+def local_target(root: str | Path, name: str, source: str) -> Path:
+    """The local path of the stored name `name` under the folder `root`: `check_name`, then the resolved
+    path (symlinks followed) must lie inside `root` resolved. Every download goes through here
+    (StorageAccess.download)."""
+    base = Path(root).resolve()
+    target = (base / check_name(name, source)).resolve()
+    if not target.is_relative_to(base):
+        raise UnsafeName(f"{source}: the stored name {name!r} resolves to {target}, outside {base} (a symbolic "
+                         f"link on the way); refusing to write there")
+    return target
+
+
 def is_local(url: str) -> bool:
     """A `file://` URL or a plain path."""
     return url.startswith("file://") or "://" not in url
@@ -312,9 +343,12 @@ class StorageAccess:
 
         return self.call(once, "read", url)
 
-    def get_file(self, url: str, local: str | Path, sha256: str | None = None) -> Path:
-        """Download one file; with `sha256`, raise ChecksumError if the bytes differ from it."""
-        local = Path(local)
+    def download(self, base_url: str, name: str, root: str | Path, sha256: str | None = None) -> Path:
+        """Download `base_url/name` to `root/name` and return that path; `name` comes from storage, so it is
+        checked first (local_target: a plain relative path that stays inside `root`). With `sha256`, raise
+        ChecksumError if the bytes differ from it."""
+        url = f"{base_url.rstrip('/')}/{name}"
+        local = local_target(root, name, url)
         local.parent.mkdir(parents=True, exist_ok=True)
 
         def once() -> None:

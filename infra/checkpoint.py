@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import fsspec
 
+from reflow.engines.storage_access import UnsafeName, check_name
 from reflow.infra import signing
 from reflow.infra.storage import ExperimentStore, normalize_root
 
@@ -153,6 +154,10 @@ def check(ck: Checkpoint, keys: signing.Keyring | None = None, *, signature: boo
                                 f"(copied from another checkpoint folder?)")
     files = doc["files"]
     for rel, meta in files.items():
+        try:
+            check_name(rel, f"{ck.url}: {MANIFEST}")
+        except UnsafeName as e:
+            raise CheckpointInvalid(str(e)) from None
         if not ck.store.exists(ck.rel(rel)):
             raise CheckpointInvalid(f"{ck.url}: {rel} is listed in the manifest but missing")
         if ck.store.size(ck.rel(rel)) != meta["bytes"]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from reflow.engines.storage_access import StorageAccess, StorageError
+from reflow.engines.storage_access import StorageAccess, StorageError, UnsafeName
 from reflow.infra.config import RunConfig
 from reflow.infra.settings import storage_access
 from reflow.infra.storage import ExperimentStore
@@ -79,6 +79,8 @@ def _model_location(cfg: RunConfig, field: str, path: str, access: StorageAccess
         raise PreflightError(f"{field}: {text}{fix}") from e
     except ckpt.CheckpointInvalid as e:
         raise PreflightError(f"{field}={path!r}: {one_line(e, 400)}; point {field} at a valid checkpoint") from e
+    except UnsafeName as e:  # a planted object key: the URL and endpoint are fine, the folder's content is not
+        raise PreflightError(f"{field}={path!r}: {one_line(e, 500)}") from e
     except (StorageError, OSError, ValueError) as e:
         raise PreflightError(f"{field}={path!r}: cannot fetch it ({type(e).__name__}: {one_line(e, 300)}); "
                              f"check the URL and storage.endpoint_url") from e

@@ -134,9 +134,9 @@ class ExperimentStore:
     def read_text(self, rel: str) -> str:
         return self.read_bytes(rel).decode()
 
-    def get_file(self, rel: str, local: str | Path, sha256: str | None = None) -> Path:
-        """Download one file; with `sha256`, raise ChecksumError if the bytes differ from it."""
-        return self.access.get_file(self.url(rel), local, sha256)
+    def download(self, prefix: str, name: str, root: str | Path, sha256: str | None = None) -> Path:
+        """Download `prefix/name` of the store to `root/name` (StorageAccess.download: `name` is checked)."""
+        return self.access.download(self.url(prefix), name, root, sha256)
 
     def exists(self, rel: str) -> bool:
         return self.access.exists(self.url(rel))

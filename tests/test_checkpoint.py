@@ -83,9 +83,9 @@ def test_download_checks_sha256(tmp_path):
     local = tmp_path / "f.bin"
     local.write_bytes(b"abc")
     meta = store.put_file(local, "x/f.bin")
-    store.get_file("x/f.bin", tmp_path / "back.bin", sha256=meta["sha256"])
+    store.download("x", "f.bin", tmp_path / "back", sha256=meta["sha256"])
     with pytest.raises(ChecksumError, match="x/f.bin"):
-        store.get_file("x/f.bin", tmp_path / "back2.bin", sha256="0" * 64)
+        store.download("x", "f.bin", tmp_path / "back2", sha256="0" * 64)
 
 
 # ---------------------------------------------------------------- commit, validation, retention

@@ -70,7 +70,7 @@ def _assert_matches_baseline(store: ExperimentStore, baseline, tmp: Path) -> Non
     rewards, weights = baseline
     assert iteration_rewards(store.read_json, N) == rewards
     for f in ("model.safetensors", "config.json"):
-        store.get_file(f"{ckpt.ROOT}/{ckpt.name_of(N)}/model/{f}", tmp / "final" / f)
+        store.download(f"{ckpt.ROOT}/{ckpt.name_of(N)}/model", f, tmp / "final")
     assert_bit_identical(final_weights(tmp / "final"), weights)
     for i in range(N):
         df = pd.read_parquet(store.fs.open(store._path(f"iterations/{i:06d}/rollouts.parquet")))

@@ -112,7 +112,7 @@ def test_tensorboard_files_reach_remote_storage(tmp_path):
         store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
         _feed(Trackers(cfg, store, "trk-s3"))
         (name,) = store.listdir("tracking/tensorboard")
-        store.get_file(f"tracking/tensorboard/{name}", tmp_path / "tb" / name)
+        store.download("tracking/tensorboard", name, tmp_path / "tb")
     assert _scalars(tmp_path / "tb") == EXPECTED
 
 

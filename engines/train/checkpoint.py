@@ -12,7 +12,7 @@ calls `engine.load_checkpoint` (collective) on every rank. That unpickles optim/
 `fetch` takes is the one the driver verified with its SIGNATURE (infra/checkpoint.py `check`): a rank
 never reads MANIFEST.json from the bucket and downloads only files that table lists.
 
-`store` is duck-typed (`put_file(local, rel) -> {"sha256", "bytes"}`, `get_file(rel, local,
+`store` is duck-typed (`put_file(local, rel) -> {"sha256", "bytes"}`, `download(prefix, name, root,
 sha256)`): reflow.infra.storage.ExperimentStore, passed in by the caller so engines/ imports no infra/.
 Every rank downloads all of `optim/`: DeepSpeed's ZeRO-1/2 load reads every rank's partition file.
 """
@@ -100,7 +100,7 @@ def fetch(tr, store, prefix: str, manifest: dict[str, dict]) -> str:
     tr._fetched_checkpoint = str(local)
     for rel, meta in sorted(manifest.items()):
         if _wanted(rel, tr.rank):
-            store.get_file(f"{prefix}/{rel}", local / rel, sha256=meta["sha256"])
+            store.download(prefix, rel, local, sha256=meta["sha256"])
     return str(local)
 
 
