@@ -35,7 +35,9 @@ def _info(engine) -> dict:
 def _raw(path: str, *lines: bytes) -> list[dict]:
     """Send raw lines on a fresh connection; the answers until the engine closes it (or 2 s pass). An engine that
     answers a line by closing (a wrong key) may do so before the later lines are sent: those then meet a closed
-    socket (EPIPE, seen in a CI rehearsal), and what it answered is still read from the receive buffer."""
+    socket (EPIPE, seen in a CI rehearsal). If they arrived before it closed, unread, its close resets the
+    connection: the reading side gets its queued answers first, then ECONNRESET where EOF would be. Either way
+    what it answered is read from the receive buffer, and a reset ends the stream like EOF."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(2.0)
         s.connect(path)
@@ -48,9 +50,40 @@ def _raw(path: str, *lines: bytes) -> list[dict]:
         try:
             while chunk := s.recv(1 << 16):
                 data += chunk
-        except TimeoutError:
+        except (TimeoutError, ConnectionResetError):
             pass
     return [json.loads(x) for x in data.splitlines()]
+
+
+def test_raw_keeps_the_answer_of_a_peer_that_closes_with_a_line_unread(tmp_path):
+    """What the engine does to a wrong key, made deterministic: answer the first line, close with the second
+    still unread. On Linux the closing side then resets the connection (ECONNRESET): the answer already
+    received must be read, and the reset taken as the end of the stream (issue 52: it was raised, once in CI)."""
+    import threading
+    import time
+
+    path = str(tmp_path / "s.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    first = b'{"api_key": "wrong"}\n'
+
+    def peer() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            got = b""
+            while len(got) < len(first):
+                got += conn.recv(len(first) - len(got))  # exactly the first line: the second stays queued
+            conn.sendall(b'{"success": false, "status": 401}\n')
+            time.sleep(0.3)  # the client has sent its second line by now
+
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    try:
+        assert _raw(path, first, b'{"op": "x"}\n') == [{"success": False, "status": 401}]
+    finally:
+        t.join(5)
+        listener.close()
 
 
 def _named(model_params: dict, seed: int) -> list[tuple[str, torch.Tensor]]:
