@@ -43,6 +43,7 @@ ROOT = "checkpoints"
 LATEST = f"{ROOT}/latest"
 MARKER, MANIFEST, STATE, SIGNATURE = "COMMITTED", "MANIFEST.json", "state.json", "SIGNATURE"
 HMAC_ALG = "HMAC-SHA256"
+MAX_STEP_DIGITS = 18  # an iteration count; a longer number is no name reflow wrote
 
 
 class CheckpointInvalid(RuntimeError):
@@ -70,8 +71,14 @@ def name_of(step: int) -> str:
 
 
 def step_of(name: str) -> int | None:
+    """The step of a checkpoint name `iter_NNNNNN`, else None. Names come from storage (folder names,
+    `latest`, resume URLs): only ASCII digits count (str.isdigit also takes superscripts, which int()
+    refuses, and other scripts' digits, which it reads), and at most MAX_STEP_DIGITS of them (int()
+    raises ValueError past 4300 digits)."""
     head, _, digits = name.partition("_")
-    return int(digits) if head == "iter" and digits.isdigit() else None
+    if head != "iter" or not 0 < len(digits) <= MAX_STEP_DIGITS or not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits)
 
 
 def at_step(store: ExperimentStore, step: int) -> Checkpoint:
@@ -208,9 +215,17 @@ def read_state(ck: Checkpoint, files: dict[str, dict]) -> dict:
 
 
 def latest_step(store: ExperimentStore) -> int | None:
+    """The step `latest` names; None when there is no pointer, or (with a warning) when it holds no
+    checkpoint name: a bucket writer can put anything there, and readers then go by the listing."""
     if not store.exists(LATEST):
         return None
-    return step_of(store.read_text(LATEST).strip())
+    text = store.read_bytes(LATEST).decode("utf-8", errors="replace").strip()
+    step = step_of(text)
+    if step is None:
+        shown = repr(text[:40]) + (f" (+{len(text) - 40} characters)" if len(text) > 40 else "")
+        log.warning("%s holds %s, which is not a checkpoint name (iter_NNNNNN); ignoring it and going by "
+                    "the committed checkpoints", store.url(LATEST), shown)
+    return step
 
 
 def committed(store: ExperimentStore) -> list[Checkpoint]:

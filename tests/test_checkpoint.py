@@ -120,6 +120,39 @@ def test_retention_keeps_last_n_and_what_latest_names(tmp_path):
     assert "iter_000003" not in store.listdir(ckpt.ROOT)
 
 
+@pytest.mark.parametrize("pointer", [b"iter_" + b"9" * 5000, b"iter_" + b"0" * 5000, b"iter_-3", "iter_\u00b2".encode(),
+                                     "iter_\u0663".encode(), b"garbage", b"", b"../../etc/iter_000001", b"\xffiter_1"])
+def test_a_malformed_latest_pointer_falls_back_to_the_listing(tmp_path, pointer):
+    """`latest` is written by whoever can write the bucket (issue 51, point 4): a name int() refuses
+    (over 4300 digits, a superscript digit), a negative or non-ASCII number, garbage, a path or bytes
+    that are not UTF-8 are not a checkpoint name. Resume, retention and the listing go on from the committed checkpoints, with
+    a warning naming the pointer; none raises."""
+    store = _store(tmp_path)
+    for step in (1, 2):
+        _fake_checkpoint(store, step, tmp_path)
+    store.write_bytes(ckpt.LATEST, pointer)
+    with captured("reflow.checkpoint") as warnings:
+        assert ckpt.latest_step(store) is None
+        assert [ck.step for ck, _, _ in ckpt.valid_candidates(store)] == [2, 1]
+        assert ckpt.apply_retention(store, keep_last=2) == []
+    assert any("checkpoints/latest" in w and "not a checkpoint name" in w for w in warnings), warnings
+    assert all(len(w) < 1000 for w in warnings), "a 5000-digit pointer is shortened in the warning"
+
+
+def test_checkpoint_names_are_plain_ascii_steps_of_bounded_length(tmp_path):
+    """The same parse serves folder names in the listing and resume URLs: a folder iter_<5000 digits>
+    is ignored, not a crash; such a resume URL is refused as not a checkpoint URL."""
+    assert ckpt.step_of("iter_000042") == 42 and ckpt.step_of(ckpt.name_of(10**12)) == 10**12
+    for name in ("iter_" + "9" * 5000, "iter_\u00b2", "iter_\u0663", "iter_-1", "iter_+1", "iter_ 1", "iter_1_2"):
+        assert ckpt.step_of(name) is None, name
+    store = _store(tmp_path)
+    _fake_checkpoint(store, 1, tmp_path)
+    (tmp_path / "runs/exp/checkpoints" / ("iter_" + "7" * 200)).mkdir()  # within NAME_MAX, still refused
+    assert [ck.step for ck in ckpt.committed(store)] == [1]
+    with pytest.raises(ckpt.CheckpointInvalid, match="is not a checkpoint URL"):
+        ckpt.from_url(store.url(ckpt.ROOT, "iter_" + "9" * 5000), store)
+
+
 # ---------------------------------------------------------------- real trainer ranks
 
 
