@@ -63,17 +63,20 @@ lint: $(BIN)/.installed-test
 # clusters) in a second pytest process beside the rest; with ARGS (`make test ARGS="-k push"`) everything
 # runs in one process.
 test: lint
+	mkdir -p $(PREFECT_HOME)  # Prefect makes its home's last folder only; without .reflow it warns and goes on
 	tests/suite.sh $(BIN)/python $(ARGS)
 
 # The same suite with modules and tests shuffled. The seed is printed first (pytest -q hides the
 # plugin's header line); repeat an order with `make test-random SEED=N`.
 test-random: $(BIN)/.installed-test
+	@mkdir -p $(PREFECT_HOME)
 	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
 	echo "random order seed $$seed (repeat it: make test-random SEED=$$seed)"; \
 	$(BIN)/python -m pytest -q --durations=15 --random-order-seed=$$seed tests $(ARGS)
 
 # The quick tier: no Ray, DeepSpeed or Prefect start-up (tests/conftest.py fails a test that does).
 test-fast: $(BIN)/.installed-test
+	mkdir -p $(PREFECT_HOME)
 	$(BIN)/python -m pytest -q -m "not slow" tests $(ARGS)
 
 # Each script prints a table and a one-line summary, and takes under 10 minutes on 2 cores
