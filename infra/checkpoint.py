@@ -6,7 +6,7 @@
         state.json                           step, data cursor, ranks, time
         config.yaml                          the resolved run config (no credentials: none are in it)
         LINEAGE.json                         parent, config/code/data digests, flow runs (infra/lineage.py)
-        MANIFEST.json                        {relative path: {sha256, bytes}} of every file above
+        MANIFEST.json                        {experiment, step, files: {relative path: {sha256, bytes}}}
         SIGNATURE                            {alg, key_id, hmac}: HMAC-SHA256 of MANIFEST.json's bytes
         COMMITTED                            sha256 of MANIFEST.json; written only after all of it
     <experiment>/checkpoints/latest          name of the newest committed checkpoint, written last
@@ -21,6 +21,15 @@ bucket writer can rewrite MANIFEST.json and COMMITTED too; SIGNATURE (key outsid
 infra/signing.py) is what they cannot forge. `check` verifies it before any rank downloads a file
 and returns the verified {path: sha256} table that the ranks check their downloads against.
 Readers of model/ (safetensors) and state.json (JSON) unpickle nothing and need no signature.
+
+What is signed names where it belongs: MANIFEST.json holds the experiment and the step, and a
+signature counts only for the checkpoint folder they name (<experiment>/checkpoints/iter_<step>,
+wherever the storage root is). The keys that verify one experiment's checkpoints verify others'
+too (one $REFLOW_CHECKPOINT_KEY for all, or every key file of this machine), so without that a
+bucket writer could copy another experiment's signed checkpoint into this one's checkpoints/ and
+have a run resume from it (issue 51). Another experiment's checkpoint is resumed by its own URL.
+A manifest signed before it named its experiment is refused like an unsigned checkpoint
+(checkpoint.trust_unsigned loads it, with a warning).
 """
 from __future__ import annotations
 
@@ -81,6 +90,17 @@ def step_of(name: str) -> int | None:
     return int(digits)
 
 
+def experiment_name(ck: Checkpoint) -> str | None:
+    """The experiment whose checkpoints/ folder holds `ck`, from where it is (never from what its files
+    say); None when it is not in one (a URL not of the form …/<experiment>/checkpoints/iter_NNNNNN)."""
+    if ck.prefix:
+        return ck.store.experiment if ck.prefix.startswith(f"{ROOT}/") else None
+    exp_url, _, folder = ck.store.root.rpartition("/")
+    _, _, path = exp_url.partition("://")
+    above, _, name = path.rpartition("/")
+    return name if folder == ROOT and name and (above or path.startswith("/")) else None
+
+
 def at_step(store: ExperimentStore, step: int) -> Checkpoint:
     return Checkpoint(store, f"{ROOT}/{name_of(step)}", step)
 
@@ -121,7 +141,12 @@ def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str
            keys: signing.Keyring | None = None, lineage: dict | None = None) -> str:
     """Write state + config (+ `lineage` as LINEAGE.json, infra/lineage.py), then MANIFEST and its
     SIGNATURE (with `keys`' signing key; default: the experiment's key from infra/signing.keyring),
-    then COMMITTED, then move `latest`. Returns the URL."""
+    then COMMITTED, then move `latest`. The manifest names the experiment and step (see the module
+    docstring: what the signature binds). Returns the URL."""
+    experiment = experiment_name(ck)
+    if experiment is None:
+        raise CheckpointInvalid(f"{ck.url} is not inside an experiment's {ROOT}/ folder: a checkpoint is "
+                                f"committed only as …/<experiment>/{ROOT}/iter_NNNNNN")
     kid, key = (keys or signing.keyring(ck.store.experiment)).signing_key()
     files = dict(files)
     docs = [(STATE, json.dumps(state, indent=2, sort_keys=True).encode()), ("config.yaml", config_yaml.encode())]
@@ -130,7 +155,8 @@ def commit(ck: Checkpoint, files: dict[str, dict], state: dict, config_yaml: str
     for name, data in docs:
         ck.store.write_bytes(ck.rel(name), data)
         files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
-    manifest = json.dumps({"step": ck.step, "files": files}, indent=2, sort_keys=True).encode()
+    manifest = json.dumps({"experiment": experiment, "step": ck.step, "files": files}, indent=2,
+                          sort_keys=True).encode()
     ck.store.write_bytes(ck.rel(MANIFEST), manifest)
     mac = hmac.new(key, manifest, hashlib.sha256).hexdigest()
     ck.store.write_bytes(ck.rel(SIGNATURE), json.dumps({"alg": HMAC_ALG, "key_id": kid, "hmac": mac}).encode())
@@ -174,7 +200,9 @@ def check(ck: Checkpoint, keys: signing.Keyring | None = None, *, signature: boo
 
 def verify_signature(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> None:
     """Raise CheckpointInvalid unless SIGNATURE is a valid HMAC of `manifest` under a key `keys` holds
-    (or the checkpoint is unsigned and `keys.trust_unsigned` allows that, with a warning)."""
+    and the manifest names the experiment whose checkpoints/ folder holds `ck` (or the checkpoint is
+    unsigned, or signed before manifests named their experiment, and `keys.trust_unsigned` allows
+    that, with a warning). `check` compares the manifest's step with the folder's."""
     if not ck.store.exists(ck.rel(SIGNATURE)):
         if keys.trust_unsigned:
             log.warning("%s is unsigned; loading it anyway because checkpoint.trust_unsigned is true: its "
@@ -205,6 +233,36 @@ def verify_signature(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> 
             f"{ck.url}: {SIGNATURE} does not match {MANIFEST} under key {kid} ({where}): the manifest was "
             f"changed after the save signed it, by someone without the key. Do not load it; resume from "
             f"another checkpoint and check who can write the bucket.")
+    _check_experiment(ck, manifest, keys)
+
+
+def _check_experiment(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> None:
+    """The signed manifest's experiment is the one whose checkpoints/ folder holds `ck`."""
+    doc = json.loads(manifest)
+    if not isinstance(doc, dict):
+        raise CheckpointInvalid(f"{ck.url}: {MANIFEST} is not a JSON object")
+    here = experiment_name(ck)
+    if "experiment" not in doc:
+        if keys.trust_unsigned:
+            log.warning("%s is signed, but its %s names no experiment; loading it anyway because "
+                        "checkpoint.trust_unsigned is true: it could be another experiment's checkpoint "
+                        "copied here", ck.url, MANIFEST)
+            return
+        raise CheckpointInvalid(
+            f"{ck.url}: its {MANIFEST} names no experiment (signed by a reflow version before signatures "
+            f"named it), so it could be another experiment's signed checkpoint that whoever can write the "
+            f"bucket copied here; it is not loaded. If you saved it yourself in this experiment, resume once "
+            f"with checkpoint.trust_unsigned=true (later saves name their experiment).")
+    signed_for = doc["experiment"]
+    if signed_for != here:
+        where = f"experiment {here!r}'s {ROOT}/" if here else f"a folder outside any experiment's {ROOT}/"
+        step = doc.get("step")
+        named = name_of(step) if isinstance(step, int) else f"step {step!r}"
+        raise CheckpointInvalid(
+            f"{ck.url}: {MANIFEST} is signed as {named} of experiment {signed_for!r}, but it lies in {where} "
+            f"(copied there from experiment {signed_for!r}?). A signature counts only where it was made, so "
+            f"it is not loaded here; to continue from that checkpoint, resume from its own URL "
+            f"(…/{signed_for}/{ROOT}/{named}).")
 
 
 def read_state(ck: Checkpoint, files: dict[str, dict]) -> dict:

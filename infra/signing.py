@@ -23,6 +23,11 @@ another machine fails with the missing key id and how to provide it (1., 2., or 
 by loading unsigned pickles. Verifying accepts the configured key and every key file in the keys dir
 (each one a secret this machine made), so resuming another experiment's checkpoint, or switching to
 REFLOW_CHECKPOINT_KEY later, keeps working.
+
+Because one key verifies many experiments' checkpoints, a key proves who saved a checkpoint, not
+where it belongs: the signed MANIFEST.json names the experiment and step, and infra/checkpoint.py
+accepts a signature only in that experiment's checkpoints/iter_<step> folder (issue 51). Another
+experiment's checkpoint is resumed by its own URL, never as a copy in this one's checkpoints/.
 """
 from __future__ import annotations
 

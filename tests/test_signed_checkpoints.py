@@ -260,3 +260,77 @@ def test_key_from_a_prefect_secret_block(prefect_server, keys_dir, tmp_path, mon
     assert KEY_A not in store.read_text(ck.rel("config.yaml")) and KEY_A not in repr(keyring(cfg))
     with pytest.raises(signing.SigningKeyError, match=r"Secret block 'no-such-block' .* could not be loaded"):
         find_checkpoints.fn(_cfg(tmp_path, "checkpoint.signing_key_secret=no-such-block"))
+
+
+# ---------------------------------------------------------------- signatures name their experiment
+
+
+def _copy_checkpoint(src: ckpt.Checkpoint, dst: ckpt.Checkpoint) -> None:
+    """What a bucket writer can do without the key: copy every file of a checkpoint, SIGNATURE included."""
+    fs, src_path = src.store.fs, src.store._path(src.prefix)
+    for path in fs.find(src_path):
+        rel = path.removeprefix(src_path.rstrip("/") + "/")
+        dst.store.write_bytes(dst.rel(rel), fs.cat_file(path))
+
+
+@pytest.mark.parametrize("shared_key", [True, False], ids=["one-key-for-all", "generated-per-experiment"])
+def test_a_signed_checkpoint_of_another_experiment_is_refused_in_this_ones_folder(keys_dir, monkeypatch,
+                                                                                  shared_key):
+    """Issue 51, point 4: a bucket writer copies experiment A's signed checkpoint into B's checkpoints/
+    and points B's `latest` at it. The keys that verify B's checkpoints also verify A's (one
+    $REFLOW_CHECKPOINT_KEY for every experiment, or A's key file generated on this machine), so B used
+    to resume from A's weights and optimizer. The signed manifest names its experiment: the copy is
+    refused naming both, B falls back to its own checkpoint, and A's checkpoint still resumes from its
+    own URL (explicit resume of another experiment's checkpoint). On moto's S3 server."""
+    if shared_key:
+        monkeypatch.setenv(signing.KEY_ENV, KEY_A)
+    with s3_with_bucket() as server:
+        root = f"s3://reflow-test/bound-{'shared' if shared_key else 'generated'}"
+        a = ExperimentStore.open(root, "exp-a", endpoint_url=server.url, retries=1)
+        b = ExperimentStore.open(root, "exp-b", endpoint_url=server.url, retries=1)
+        own, theirs = _commit(b, 1), _commit(a, 3)
+        moved = ckpt.at_step(b, 3)
+        _copy_checkpoint(theirs, moved)
+        b.write_text(ckpt.LATEST, ckpt.name_of(3))
+
+        refused = r"signed as iter_000003 of experiment 'exp-a', but it lies in experiment 'exp-b'"
+        with pytest.raises(ckpt.CheckpointInvalid, match=refused):
+            ckpt.check(moved, signing.keyring("exp-b"))
+        with pytest.raises(ckpt.CheckpointInvalid, match=refused):  # the copy named by its URL
+            ckpt.check(ckpt.from_url(moved.url, b), signing.keyring("exp-b"))
+        with captured("reflow.checkpoint") as warnings:
+            assert [ck.step for ck, _, _ in ckpt.valid_candidates(b, signing.keyring("exp-b"))] == [own.step]
+        assert any("skipping checkpoint" in w and "'exp-a'" in w and "'exp-b'" in w for w in warnings), warnings
+        assert "optim/mp_rank_00_model_states.pt" in ckpt.check(ckpt.from_url(theirs.url, b), signing.keyring("exp-b"))
+        assert json.loads(a.read_bytes(theirs.rel(ckpt.MANIFEST)))["experiment"] == "exp-a"
+
+
+def test_a_signature_that_names_no_experiment_needs_trust_unsigned(keys_dir, tmp_path, monkeypatch):
+    """A manifest signed before signatures named their experiment (valid HMAC, no `experiment`) could
+    be another experiment's copy: refused with what to do, loaded only with checkpoint.trust_unsigned
+    (the same escape hatch as unsigned ones, with a warning). Adding the field without the key breaks
+    the HMAC."""
+    import hmac
+
+    monkeypatch.setenv(signing.KEY_ENV, KEY_A)
+    store = ExperimentStore.open(f"file://{tmp_path}/runs", "exp")
+    ck = _commit(store, 1)
+    doc = json.loads(store.read_bytes(ck.rel(ckpt.MANIFEST)))
+    del doc["experiment"]
+    raw = json.dumps(doc, indent=2, sort_keys=True).encode()  # as the save of an earlier version wrote it
+    store.write_bytes(ck.rel(ckpt.MANIFEST), raw)
+    store.write_text(ck.rel(ckpt.MARKER), hashlib.sha256(raw).hexdigest())
+    store.write_bytes(ck.rel(ckpt.SIGNATURE), json.dumps({"alg": ckpt.HMAC_ALG, "key_id": signing.key_id(
+        KEY_A.encode()), "hmac": hmac.new(KEY_A.encode(), raw, hashlib.sha256).hexdigest()}).encode())
+    with pytest.raises(ckpt.CheckpointInvalid, match=r"names no experiment.*checkpoint.trust_unsigned=true"):
+        ckpt.check(ck)
+    with captured("reflow.checkpoint") as warnings:
+        ckpt.check(ck, signing.keyring("exp", trust_unsigned=True))
+    assert any("names no experiment; loading it anyway" in w for w in warnings), warnings
+
+    doc["experiment"] = "exp"  # a bucket writer "upgrades" it: the signature no longer matches
+    raw = json.dumps(doc, indent=2, sort_keys=True).encode()
+    store.write_bytes(ck.rel(ckpt.MANIFEST), raw)
+    store.write_text(ck.rel(ckpt.MARKER), hashlib.sha256(raw).hexdigest())
+    with pytest.raises(ckpt.CheckpointInvalid, match="SIGNATURE does not match MANIFEST.json"):
+        ckpt.check(ck, signing.keyring("exp", trust_unsigned=True))
