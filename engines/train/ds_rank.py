@@ -110,9 +110,18 @@ def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_siz
 
 
 def _init_distributed(rank: int, world_size: int, master_addr: str, master_port: int, backend: str) -> None:
+    """Join the DeepSpeed group, its store served by rank 0 on `master_addr` only (issue 51).
+
+    torch's own rendezvous (DeepSpeed's env://, or tcp://) would have rank 0's TCPStore listen on every
+    interface, unauthenticated. So the store comes from `weights.group.tcp_store`, the group is built on
+    it here, and DeepSpeed adopts the initialized group. Backend and timeouts are those the rendezvous
+    gave: gloo with DeepSpeed's default (DEEPSPEED_TIMEOUT, 10 min), "cpu:gloo,cuda:nccl" with torch's."""
     import deepspeed
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
+    from deepspeed.constants import default_pg_timeout as deepspeed_timeout
+
+    from reflow.engines.weights.group import tcp_store
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                       MASTER_PORT=str(master_port),
@@ -123,12 +132,15 @@ def _init_distributed(rank: int, world_size: int, master_addr: str, master_port:
         # inference), never training; marking it incompatible skips its ~40 s JIT build. The probed
         # dict is documented as a persistent module-level cache.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    if backend == "nccl" and not torch.distributed.is_initialized():
-        # The step's veto flags and the metric sums are CPU tensors, which nccl cannot reduce ("No
+    if not torch.distributed.is_initialized():
+        # nccl: the step's veto flags and the metric sums are CPU tensors, which nccl cannot reduce ("No
         # backend type associated with device type cpu"): gloo serves CPU tensors, nccl CUDA ones.
-        # DeepSpeed then reuses this group. (Found by bench/gpu.py on the H200.)
-        torch.distributed.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://{master_addr}:{master_port}",
-                                             rank=rank, world_size=world_size)
+        # (Found by bench/gpu.py on the H200.)
+        group_backend, timeout = (("cpu:gloo,cuda:nccl", dist.constants.default_pg_timeout) if backend == "nccl"
+                                  else (backend, deepspeed_timeout))
+        # Under the prefix torch's rendezvous gives the default group's keys.
+        store = dist.PrefixStore("default_pg", tcp_store(master_addr, master_port, world_size, rank == 0, timeout))
+        dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
 
 

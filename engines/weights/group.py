@@ -16,6 +16,7 @@ tensors by element size, largest first, keeps every offset aligned for its dtype
 from __future__ import annotations
 
 import datetime
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +31,37 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")  # SGLang's request carries "bfloat16", not "torch.bfloat16"
 
 
+def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta) -> dist.TCPStore:
+    """torch's TCPStore at host:port; the master's server listens on `host` only (port 0: the OS picks one,
+    `store.port` tells which).
+
+    torch's own server listens on every interface (`::`) whatever host it is given, and the store asks
+    no credentials: whoever reaches the port can read and write the group's keys (issue 51). So the
+    master binds and listens itself, on the address the run chose (loopback by default; a multi-node
+    run's node IP), and hands the socket to torch (`master_listen_fd`), which owns it from then on: it
+    closes it with the store, or when the constructor fails (both measured with torch 2.13, libuv
+    server and the older one alike). Everything else is as torch's tcp:// and env:// rendezvous make
+    it: multi-tenant, torch's default (libuv) server, the master waits for `world_size` members."""
+    if not is_master:
+        return dist.TCPStore(host, port, world_size, False, timeout=timeout, multi_tenant=True)
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own listener
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+        bound_port = sock.getsockname()[1]
+        fd = sock.detach()  # torch's now; the `with` closes nothing
+    return dist.TCPStore(host, bound_port, world_size, True, timeout=timeout, multi_tenant=True,
+                         master_listen_fd=fd)
+
+
 def open_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S):
     """Join (rank 0: host) the weight-update group. Blocks until every member has joined."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"weight-update group backend must be 'gloo' or 'nccl', got {backend!r}")
     timeout = datetime.timedelta(seconds=timeout_s)
-    tcp = dist.TCPStore(master_address, int(master_port), world_size, rank == 0, timeout=timeout,
-                        multi_tenant=True)
+    tcp = tcp_store(master_address, int(master_port), world_size, rank == 0, timeout)
     device = "cpu" if backend == "gloo" else "cuda"
     store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp)))
     if backend == "gloo":
