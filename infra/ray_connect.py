@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import os
-import tempfile
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import ray
 
 from reflow.infra import console
-from reflow.infra.ray_head import ray_env, read_head, use_ray_env, worker_pool_config, write_token
+from reflow.infra.ray_head import private_temp_dir, ray_env, read_head, use_ray_env, worker_pool_config, write_token
 
 log = logging.getLogger("reflow.ray")
 _ATTACHED: list[str] = []  # the address this process attached to (empty: a cluster of its own, or none)
@@ -75,12 +74,12 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_
                                   f"(`reflow cluster status`)") from e
         _ATTACHED[:] = [address]
         return f"connected to Ray at {address}"
-    # A fresh temp dir: a stale ray_current_cluster file from an earlier `ray stop` would make
-    # ray.init try to join a dead cluster.
-    tmp = tempfile.mkdtemp(prefix="reflow_ray_")
+    # A fresh temp dir (a stale ray_current_cluster file from an earlier `ray stop` would make
+    # ray.init try to join a dead cluster), inside a folder only this user can enter.
+    tmp = private_temp_dir()
     cpus = num_cpus or max(4, os.cpu_count() or 1)
-    _closed_local_cluster(Path(tmp))
-    ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=tmp,
+    _closed_local_cluster(tmp.parent)
+    ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=str(tmp),
              runtime_env={"env_vars": worker_env()}, log_to_driver=True,
              logging_level=level, _system_config=worker_pool_config(cpus))
     return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
@@ -167,12 +166,13 @@ class _NotMainThreadWarning(logging.Filter):
         return "not the main thread" not in record.getMessage()
 
 
-def _closed_local_cluster(tmp: Path) -> None:
+def _closed_local_cluster(private: Path) -> None:
     """Make the cluster `ray.init` is about to start in this process loopback-only and token-
     authenticated, as `reflow cluster up` does (infra/ray_head.py says why each piece is needed).
-    The token file is private to this run (mkdtemp's folder is 0700, the file 0600); Ray's own
-    default, ~/.ray/auth_token, is created world-readable."""
-    use_ray_env(ray_env(write_token(tmp / "auth_token"), "127.0.0.1"))
+    The token file is private to this run: 0600, in the 0700 folder around Ray's temp dir (`private`),
+    never in Ray's temp dir itself, which Ray makes 0777; Ray's own default, ~/.ray/auth_token, is
+    created world-readable."""
+    use_ray_env(ray_env(write_token(private / "auth_token"), "127.0.0.1"))
 
 
 def attached_to_running_cluster() -> bool:

@@ -80,6 +80,18 @@ def ray_setting_env(settings: dict[str, int | bool]) -> dict[str, str]:
     return {f"RAY_{k}": str(v).lower() if isinstance(v, bool) else str(v) for k, v in settings.items()}
 
 
+def private_temp_dir() -> Path:
+    """Ray's temp dir for a cluster reflow starts: `<fresh 0700 folder>/r`, not yet made (Ray makes it).
+
+    Ray makes its temp dir, session_*, sockets/ and logs/ mode 0777 without the sticky bit, whatever
+    mode they had: any local user could read the logs, replace or delete files there (a run's auth
+    token: new actors then fail with InvalidAuthToken) and reach the Unix sockets. The parent, made by
+    mkdtemp (0700, an unpredictable name, created exclusively) and never touched by Ray, lets no other
+    user past it. Ray's sockets live under its temp dir and AF_UNIX paths are capped at 107 bytes, so
+    it stays short: /tmp/reflow_ray_XXXXXXXX/r."""
+    return Path(tempfile.mkdtemp(prefix="reflow_ray_", dir="/tmp")) / "r"
+
+
 def write_token(path: Path) -> Path:
     """A fresh 256-bit Ray auth token in `path`, readable by its owner only (created 0600, so it is
     never readable by others, not even for a moment)."""
@@ -151,8 +163,7 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
                            f"(or attach to that cluster with RAY_ADDRESS={host}:{port} RAY_AUTH_MODE=token)")
     d = state_dir(path).resolve()
     d.mkdir(parents=True, exist_ok=True)
-    # Ray's sockets live under its temp dir and AF_UNIX paths are capped at 107 bytes: keep it short.
-    tmp = Path(tempfile.mkdtemp(prefix="reflow_ray_", dir="/tmp"))
+    tmp = private_temp_dir()
     cpus = num_cpus or max(4, os.cpu_count() or 1)
     token = write_token(d / "auth_token")
     ray_bin = Path(sys.executable).with_name("ray")
