@@ -174,18 +174,58 @@ def check(ck: Checkpoint, keys: signing.Keyring | None = None, *, signature: boo
     returns the manifest's files. sha256 of the contents is checked by whoever downloads them.
     `keys` default: infra/signing.keyring (REFLOW_CHECKPOINT_KEY and this machine's key files).
     signature=False only for readers that unpickle nothing (model/ safetensors, state.json)."""
+    manifest = _committed_manifest(ck)
+    if signature:
+        verify_signature(ck, manifest, keys or signing.keyring(ck.store.experiment))
+    return _listed_files(ck, manifest)
+
+
+@dataclass(frozen=True)
+class Examined:
+    """What `examine` found: the manifest's files, the sha256 of the manifest bytes they were read from,
+    and the id of the key whose signature verified (None: not verified, `unverified` says why)."""
+
+    files: dict
+    manifest_sha256: str
+    key_id: str | None
+    unverified: str = ""
+
+
+def examine(ck: Checkpoint, keys: signing.Keyring | None) -> Examined:
+    """`check` for readers that unpickle nothing but say whether what they show is authentic (`reflow
+    lineage`): the signature is reported, never required. `keys.trust_unsigned` does not apply here:
+    an unsigned checkpoint is reported as not verified. keys=None: no key could be loaded."""
+    manifest = _committed_manifest(ck)
+    files, digest = _listed_files(ck, manifest), hashlib.sha256(manifest).hexdigest()
+    if keys is None:
+        return Examined(files, digest, None, "no checkpoint signing key could be loaded here")
+    try:
+        kid = verify_signature(ck, manifest, dataclasses.replace(keys, trust_unsigned=False))
+    except (CheckpointInvalid, signing.SigningKeyError) as e:
+        return Examined(files, digest, None, str(e))
+    return Examined(files, digest, kid)
+
+
+def _committed_manifest(ck: Checkpoint) -> bytes:
+    """MANIFEST.json's bytes, once its COMMITTED marker holds their digest."""
     if not ck.store.exists(ck.rel(MARKER)):
         raise CheckpointInvalid(f"{ck.url}: no {MARKER} marker (the save did not finish)")
     manifest = ck.store.read_bytes(ck.rel(MANIFEST))
     if ck.store.read_text(ck.rel(MARKER)).strip() != hashlib.sha256(manifest).hexdigest():
         raise CheckpointInvalid(f"{ck.url}: {MANIFEST} does not match the digest in {MARKER}")
-    if signature:
-        verify_signature(ck, manifest, keys or signing.keyring(ck.store.experiment))
+    return manifest
+
+
+def _listed_files(ck: Checkpoint, manifest: bytes) -> dict:
+    """The manifest's files, each a safe name, present with its size, for the step of `ck`'s folder."""
     doc = json.loads(manifest)
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(m, dict) for m in files.values()):
+        raise CheckpointInvalid(f"{ck.url}: {MANIFEST} is not a reflow manifest ({{step, files: {{name: "
+                                f"{{sha256, bytes}}}}}})")
     if doc.get("step") != ck.step:
         raise CheckpointInvalid(f"{ck.url}: {MANIFEST} is that of step {doc.get('step')}, not {ck.step} "
                                 f"(copied from another checkpoint folder?)")
-    files = doc["files"]
     for rel, meta in files.items():
         try:
             check_name(rel, f"{ck.url}: {MANIFEST}")
@@ -198,16 +238,17 @@ def check(ck: Checkpoint, keys: signing.Keyring | None = None, *, signature: boo
     return files
 
 
-def verify_signature(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> None:
+def verify_signature(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> str | None:
     """Raise CheckpointInvalid unless SIGNATURE is a valid HMAC of `manifest` under a key `keys` holds
     and the manifest names the experiment whose checkpoints/ folder holds `ck` (or the checkpoint is
     unsigned, or signed before manifests named their experiment, and `keys.trust_unsigned` allows
-    that, with a warning). `check` compares the manifest's step with the folder's."""
+    that, with a warning). `check` compares the manifest's step with the folder's. Returns the id of
+    the key that verified it (None: an unsigned one let through by trust_unsigned)."""
     if not ck.store.exists(ck.rel(SIGNATURE)):
         if keys.trust_unsigned:
             log.warning("%s is unsigned; loading it anyway because checkpoint.trust_unsigned is true: its "
                         "optimizer states are pickles whoever can write the bucket could have replaced", ck.url)
-            return
+            return None
         raise CheckpointInvalid(
             f"{ck.url} is unsigned (no {SIGNATURE}): its optimizer states (optim/*.pt) are pickles that "
             f"anyone who can write the bucket could have replaced, so it is not loaded. If you saved it "
@@ -234,6 +275,7 @@ def verify_signature(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> 
             f"changed after the save signed it, by someone without the key. Do not load it; resume from "
             f"another checkpoint and check who can write the bucket.")
     _check_experiment(ck, manifest, keys)
+    return kid
 
 
 def _check_experiment(ck: Checkpoint, manifest: bytes, keys: signing.Keyring) -> None:

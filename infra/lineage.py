@@ -14,6 +14,23 @@ Each checkpoint holds LINEAGE.json, listed in its signed manifest like every oth
 The retrain decision that promoted a checkpoint is made after it is committed (and signed), so it
 is not inside it: `chain` finds it in the experiment's retrain/runs/*/decision.json, which names
 the checkpoint URL (infra/promotion.py).
+
+Trust (issue 51). Whoever can write the bucket can rewrite LINEAGE.json and fix MANIFEST.json and
+COMMITTED up to match; only SIGNATURE (infra/checkpoint.py) is beyond them, and `reflow lineage`
+runs where the key may not be. So the walk reads everything as untrusted JSON and:
+  - reports for each checkpoint whether what it shows is authentic (`verified`): its SIGNATURE
+    verifies with a key held here, for its own folder (signatures name experiment and step), or its
+    manifest sha256 is the one a verified descendant recorded (LINEAGE.json is in the manifest, so
+    the digest covers it). A deleted ancestor's summary is as trustworthy as the record it came from.
+    Verifying is never required: without the key the chain still prints, marked not verified;
+  - follows a parent URL only when it cannot be the bucket writer's choice of where to send
+    requests: it lies inside the storage root of the checkpoint asked about (same scheme, bucket
+    and prefix, then plain path segments: no `..`), which the reader already chose to read, or it was
+    recorded by a verified checkpoint (a run holding the key resumed from it). Otherwise the chain
+    stops there and says where the link leads; `reflow lineage <that URL>` goes on if the reader
+    trusts it;
+  - reads each checkpoint once (a parent already in the chain is a loop: the chain stops), and at
+    most MAX_CHAIN of them; a parent record that is not {url, step, manifest_sha256} stops it too.
 """
 from __future__ import annotations
 
@@ -26,10 +43,13 @@ from importlib import metadata
 from pathlib import Path
 
 from reflow.infra import checkpoint as ckpt
-from reflow.infra.storage import ExperimentStore, StorageAccess, normalize_root
+from reflow.infra import signing
+from reflow.infra.guards import segment_problem
+from reflow.infra.storage import ExperimentStore, StorageAccess, StorageError, normalize_root
 
 LINEAGE = "LINEAGE.json"
 SUMMARY_KEYS = ("parent", "config_sha256", "code", "data", "initial_model", "flow_runs")
+MAX_CHAIN = 10_000  # checkpoints one walk reads at most (real chains are far shorter)
 
 
 def code_version() -> dict[str, object]:
@@ -110,9 +130,12 @@ def read_lineage(ck: ckpt.Checkpoint, files: dict[str, dict]) -> dict | None:
     if LINEAGE not in files:
         return None
     data = ck.store.read_bytes(ck.rel(LINEAGE))
-    if hashlib.sha256(data).hexdigest() != files[LINEAGE]["sha256"]:
+    if hashlib.sha256(data).hexdigest() != files[LINEAGE].get("sha256"):
         raise ckpt.CheckpointInvalid(f"{ck.url}: {LINEAGE} does not match its sha256 in the manifest")
-    return json.loads(data)
+    doc = json.loads(data)
+    if not isinstance(doc, dict):
+        raise ckpt.CheckpointInvalid(f"{ck.url}: {LINEAGE} is not a JSON object")
+    return doc
 
 
 def parent_of(ck: ckpt.Checkpoint, files: dict[str, dict]) -> Parent:
@@ -133,6 +156,9 @@ class Node:
     live: bool = True
     note: str = ""  # why the stored copy could not be used, or that its manifest changed
     promotions: list[dict] = field(default_factory=list)
+    verified: bool = False  # what it shows is what a run holding the signing key saved (module docstring)
+    signature: str = ""  # how `verified` was decided: the key, the descendant that vouches for it, or why not
+    stop: str = ""  # on the last node: why the walk did not go on to its parent
 
 
 def experiment_of(ck: ckpt.Checkpoint) -> ExperimentStore | None:
@@ -151,42 +177,144 @@ def promotions(store: ExperimentStore | None, url: str) -> list[dict]:
     found = []
     for run in sorted(store.listdir("retrain/runs")):
         rel = f"retrain/runs/{run}/decision.json"
-        if store.exists(rel) and (d := store.read_json(rel)).get("checkpoint") == url and d.get("promote"):
+        if not store.exists(rel) or not isinstance(d := store.read_json(rel), dict):
+            continue
+        if d.get("checkpoint") == url and d.get("promote"):
             found.append({"run": run, "reason": d.get("reason"), "metric": d.get("metric"),
                           "value": d.get("candidate"), "data_files": d.get("data_files", [])})
     return found
 
 
-def _open(url: str, like: ExperimentStore) -> Node:
+def storage_root(url: str) -> str:
+    """Where a walk that starts at checkpoint `url` follows unverified parent links: the storage root of
+    …/<root>/<experiment>/checkpoints/iter_N, else the folder that holds the checkpoint."""
+    scheme, _, path = url.rstrip("/").partition("://") if "://" in url else ("", "", url.rstrip("/"))
+    segs = path.split("/")
+    keep = segs[:-3] if len(segs) >= 4 and segs[-2] == ckpt.ROOT and any(segs[:-3]) else segs[:-1]
+    return (f"{scheme}://" if scheme else "") + "/".join(keep)
+
+
+def within(url: str, root: str) -> bool:
+    """`url` names something inside `root`: its prefix, then only plain path segments (no `..`, `.`,
+    empty segment, query or escape that could lead elsewhere)."""
+    if not url.startswith(root + "/"):
+        return False
+    return all(segment_problem(seg) is None for seg in url[len(root) + 1:].rstrip("/").split("/"))
+
+
+def _keys(keys: signing.Keyring | None) -> tuple[signing.Keyring | None, str]:
+    """The keys that verify signatures here (never used to sign), or None and why none could be loaded."""
+    if keys is not None:
+        return keys, ""
+    try:
+        return signing.keyring("lineage"), ""
+    except signing.SigningKeyError as e:  # deliberate: the chain is still shown, as not verified
+        return None, f"no checkpoint signing key could be loaded here ({e})"
+
+
+def _clip(text: str, limit: int = 300) -> str:
+    line = text.splitlines()[0] if text else ""
+    return line if len(line) <= limit else line[:limit] + "…"
+
+
+def _why_unverified(url: str, reason: str) -> str:
+    """The first sentence of a signature check's refusal, without the URL it starts with."""
+    if reason.startswith(url):
+        rest = reason[len(url):]
+        reason = "it" + rest if rest.startswith(" ") else rest.lstrip(": ")
+    head, dot, _ = reason.partition(". ")
+    return _clip(head + dot.strip())
+
+
+def _open(url: str, like: ExperimentStore, keys: signing.Keyring | None, no_keys: str) -> Node:
     """The live node at `url` (raises CheckpointInvalid / FileNotFoundError when it is gone or broken)."""
     ck = ckpt.from_url(url, like)
-    files = ckpt.check(ck, signature=False)  # JSON only is read here: nothing is unpickled
-    lineage = read_lineage(ck, files)
-    node = Node(ck.url, ck.step, manifest_sha256(ck), lineage or {})
+    seen = ckpt.examine(ck, keys)  # JSON only is read here: nothing is unpickled
+    lineage = read_lineage(ck, seen.files)
+    node = Node(ck.url, ck.step, seen.manifest_sha256, lineage or {})
+    node.verified = seen.key_id is not None
+    node.signature = (f"verified (key {seen.key_id})" if node.verified
+                      else f"not verified: {_why_unverified(ck.url, no_keys or seen.unverified)}")
     if lineage is None:
         node.note = f"no {LINEAGE} (saved before lineage was recorded): its ancestry is unknown"
     node.promotions = promotions(experiment_of(ck), ck.url)
     return node
 
 
-def chain(url: str, like: ExperimentStore) -> list[Node]:
-    """The checkpoint at `url`, then each ancestor back to the one trained from the initial model.
-    An ancestor that is gone (retention) or changed is taken from the newest descendant's record."""
-    nodes = [_open(url, like)]
-    recorded = list(nodes[0].lineage.get("ancestors", []))
-    while (parent := nodes[-1].lineage.get("parent")) is not None:
+def _parent(record: dict) -> tuple[dict | None, str]:
+    """(the parent link of a LINEAGE.json or summary, ""), (None, "") at the initial model, or (None, why)
+    when it is not a link reflow writes: {url: str, step: int, manifest_sha256: str}."""
+    link = record.get("parent")
+    if link is None:
+        return None, ""
+    if (isinstance(link, dict) and isinstance(link.get("url"), str) and isinstance(link.get("step"), int)
+            and isinstance(link.get("manifest_sha256"), str)):
+        return link, ""
+    return None, f"the parent record is not one reflow writes ({_clip(repr(link), 120)})"
+
+
+def _ancestors(record: dict, default: list[dict]) -> list[dict]:
+    if "ancestors" not in record:
+        return default
+    found = record["ancestors"]
+    return [a if isinstance(a, dict) else {} for a in found] if isinstance(found, list) else []
+
+
+def _not_followed(url: str, child: Node, root: str, seen: set[str], length: int) -> str:
+    """Why the walk must not read the parent at `url` of `child` ("" when it may: module docstring)."""
+    name = ckpt.name_of(child.step)
+    if url.rstrip("/") in seen:
+        return f"the parent of {name}, {url}, is already in this chain: a loop, which no save writes"
+    if length >= MAX_CHAIN:
+        return f"the chain is {MAX_CHAIN} checkpoints long, the most one walk reads"
+    if child.verified or within(url, root):
+        return ""
+    return (f"the parent of {name}, {url}, is outside {root}, where this walk started, and {name} is not "
+            f"verified (its signature line says why): whoever can write the bucket can put any URL in its "
+            f"record, so it is not read. If you trust it, continue with `reflow lineage {url}`")
+
+
+def chain(url: str, like: ExperimentStore, keys: signing.Keyring | None = None) -> list[Node]:
+    """The checkpoint at `url`, then each ancestor back to the one trained from the initial model, as far
+    as parent links may be followed (module docstring: Trust). An ancestor that is gone (retention) or
+    changed is taken from the newest descendant's record (a verified one's, when there is one).
+    `keys` (default: REFLOW_CHECKPOINT_KEY and this machine's key files) only verify."""
+    keys, no_keys = _keys(keys)
+    first = _open(url, like, keys, no_keys)
+    root = storage_root(first.url)  # as from_url normalised it, like the URLs saves record
+    nodes, seen = [first], {first.url.rstrip("/")}
+    recorded, recorded_by = _ancestors(first.lineage, []), first
+    while True:
+        child = nodes[-1]
+        parent, malformed = _parent(child.lineage)
+        if parent is None:
+            child.stop = malformed and f"{ckpt.name_of(child.step)}: {malformed}"
+            break
+        if why := _not_followed(parent["url"], child, root, seen, len(nodes)):
+            child.stop = why
+            break
+        seen.add(parent["url"].rstrip("/"))
         summary = recorded.pop(0) if recorded else {}
         try:
-            node = _open(parent["url"], like)
-        except (ckpt.CheckpointInvalid, FileNotFoundError, KeyError, ValueError) as e:  # deliberate: reported
+            node = _open(parent["url"], like, keys, no_keys)
+        # deliberate: a gone or broken ancestor is reported, and taken from its descendant's record
+        except (ckpt.CheckpointInvalid, StorageError, OSError, KeyError, ValueError, TypeError) as e:
             node = Node(parent["url"], parent["step"], parent["manifest_sha256"],
                         {k: summary.get(k) for k in SUMMARY_KEYS}, live=False,
-                        note=f"not readable now ({str(e).splitlines()[0][:200]}): as its descendant recorded it")
+                        note=f"not readable now ({_clip(str(e), 200)}): as its descendant recorded it",
+                        verified=recorded_by.verified,
+                        signature=f"as recorded by {recorded_by.url}, "
+                                  + ("verified" if recorded_by.verified else "not verified"))
         else:
             if node.manifest_sha256 != parent["manifest_sha256"]:
-                node.note = (f"its manifest changed since {nodes[-1].url} was saved from it (recorded "
+                node.note = (f"its manifest changed since {child.url} was saved from it (recorded "
                              f"{parent['manifest_sha256'][:12]}, now {(node.manifest_sha256 or '')[:12]})")
-            recorded = list(node.lineage.get("ancestors", recorded))
+            elif child.verified and not node.verified:  # the verified record holds this manifest's sha256
+                node.verified = True
+                node.signature = (f"verified through {child.url}, which records its manifest sha256 "
+                                  f"(its own signature: {node.signature})")
+            if node.verified or not recorded_by.verified:
+                recorded, recorded_by = _ancestors(node.lineage, recorded), node
         nodes.append(node)
     return nodes
 
@@ -199,42 +327,54 @@ def walk(url: str, endpoint_url: str | None = None) -> list[Node]:
 
 
 def format_chain(nodes: list[Node]) -> str:
-    """`reflow lineage`'s text: one block per checkpoint, newest first, then the initial model."""
+    """`reflow lineage`'s text: one block per checkpoint, newest first, then the initial model (or why
+    the walk stopped). Every value comes from storage, so each is checked for its type before use."""
     lines = []
     for n in nodes:
         lin = n.lineage
         lines.append(f"{ckpt.name_of(n.step)}  {n.url}" + ("" if n.live else "  [deleted or unreadable]"))
         lines.append(f"  manifest sha256 {n.manifest_sha256}")
+        lines.append(f"  signature: {n.signature}")
         if lin:
-            code = lin.get("code") or {}
-            dirty = {True: " (dirty)", False: "", None: ""}[code.get("git_dirty")]
+            code = _obj(lin.get("code"))
+            dirty = " (dirty)" if code.get("git_dirty") is True else ""
             lines.append(f"  config sha256 {lin.get('config_sha256')}; code reflow {code.get('version')} "
                          f"git {code.get('git_commit') or 'unknown'}{dirty}")
-            lines += _data_lines(lin.get("data") or {})
-            lines += _runs_line(lin.get("flow_runs") or {})
+            lines += _data_lines(_obj(lin.get("data")))
+            lines += _runs_line(_obj(lin.get("flow_runs")))
         lines += [f"  promoted by retrain run {p['run']}: {p['reason']}" for p in n.promotions]
         if n.note:
             lines.append(f"  note: {n.note}")
-    last = nodes[-1].lineage
-    if last.get("initial_model") and last.get("parent") is None:
-        lines.append(f"initial model  {last['initial_model']}")
+    last = nodes[-1]
+    if last.stop:
+        lines.append(f"not followed further: {last.stop}")
+    elif last.lineage.get("initial_model") and last.lineage.get("parent") is None:
+        lines.append(f"initial model  {last.lineage['initial_model']}")
     else:
         lines.append("older ancestry unknown (recorded before lineage existed)")
     return "\n".join(lines)
+
+
+def _obj(value: object) -> dict:
+    """`value` when it is a JSON object, else {} (LINEAGE.json is read as untrusted JSON)."""
+    return value if isinstance(value, dict) else {}
 
 
 def _runs_line(runs: dict) -> list[str]:
     """The train flow run and the last iteration's run (`--json` lists every iteration's)."""
     if not runs:
         return []
-    its = sorted((int(i), r) for i, r in (runs.get("iterations") or {}).items())
+    its = sorted((int(i), r) for i, r in _obj(runs.get("iterations")).items()
+                 if i.isascii() and i.isdigit() and len(i) <= ckpt.MAX_STEP_DIGITS)
     last = f"; iteration {its[-1][0]} {its[-1][1]}" + (f" (+{len(its) - 1} earlier)" if len(its) > 1 else "") if its else ""
     return [f"  flow runs: train {runs.get('train')}{last}"]
 
 
 def _data_lines(data: dict) -> list[str]:
-    cur = data.get("cursor") or {}
+    cur = _obj(data.get("cursor"))
     out = [f"  data: task {data.get('task')}, seed {cur.get('seed')}, iterations {cur.get('from_iteration')}.."
            f"{cur.get('to_iteration')} (prompts {cur.get('prompts_from')}..{cur.get('prompts_to')})"]
-    out += [f"    {f['url']} sha256 {f['sha256']} ({f['bytes']} bytes)" for f in data.get("files") or []]
+    files = data.get("files")
+    out += [f"    {f.get('url')} sha256 {f.get('sha256')} ({f.get('bytes')} bytes)"
+            for f in (files if isinstance(files, list) else []) if isinstance(f, dict)]
     return out
