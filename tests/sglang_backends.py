@@ -81,7 +81,7 @@ class Backend:
         return [EngineClient(u, timeout=60, api_key=KEY) for u in self.urls[:k]]
 
 
-def sglang_launches(model_dirs: dict[str, Path]) -> tuple[dict[str, list[int]], list[str]]:
+def sglang_launches(model_dirs: dict[str, Path], secrets_dir: Path) -> tuple[dict[str, list[int]], list[str]]:
     """Ports per server group and tests.sglang_app's arguments: RECEIVERS servers per model with the
     flags reflow's launcher gives sglang.launch_server (parsed by the wheel), plus one Llama server
     under SGLang's default --dtype auto and one serving LoRA adapters."""
@@ -89,7 +89,7 @@ def sglang_launches(model_dirs: dict[str, Path]) -> tuple[dict[str, list[int]], 
 
     def flags(path: Path, port: int, **kw) -> list[str]:
         return command_line(server_args(str(path), host="127.0.0.1", port=port, nccl_port=free_port(), api_key=KEY,
-                                        **kw))[3:]
+                                        **kw), secrets_dir=secrets_dir)[3:]  # the key in a --config file
 
     ports = {a: [free_port() for _ in range(RECEIVERS)] for a in model_dirs}
     serve = [arg for a, ps in ports.items() for p in ps
@@ -118,7 +118,7 @@ def start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subproces
 
 
 def _start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:
-    ports, serve = sglang_launches(model_dirs)
+    ports, serve = sglang_launches(model_dirs, log.parent)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     with log.open("w") as out:  # the child holds its own copy of the descriptor
         proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_app", *serve], cwd=REPO,

@@ -12,8 +12,9 @@ wheel is installed.
 from __future__ import annotations
 
 import base64
+import importlib.util
 import pickle
-import sys
+from pathlib import Path
 
 import httpx
 import pytest
@@ -283,25 +284,44 @@ def test_engine_caps_bodies_and_payloads_by_its_model(tiny_policy):
 
 
 def test_sglang_server_gets_the_key_and_binds_loopback(tmp_path):
-    from reflow.engines.sglang.launcher import EngineStartError, SGLangEngine, redacted
+    """The key reaches the server through a 0600 file in a private folder (SGLang's --config), never its
+    command line, which any local user reads in /proc; the file goes once the server answers."""
+    import stat
+
+    from reflow.engines.sglang.launcher import EngineStartError, SGLangEngine
     from tests.test_sglang_engine import _stub_sglang
 
     e = SGLangEngine("/models/x", "stub-auth", env=_stub_sglang(tmp_path, False), startup_timeout_s=60, api_key=KEY)
     try:
-        assert e.args["host"] == "127.0.0.1" and e.cmd[e.cmd.index("--api-key") + 1] == KEY
-        assert e.api_key() == KEY and KEY not in " ".join(redacted(e.cmd))
+        assert e.args["host"] == "127.0.0.1" and e.api_key() == KEY
+        assert KEY not in Path(f"/proc/{e.proc.pid}/cmdline").read_bytes().decode()
+        config = Path(e.cmd[e.cmd.index("--config") + 1])
+        assert KEY in config.read_text() and stat.S_IMODE(config.stat().st_mode) == 0o600
+        assert stat.S_IMODE(config.parent.stat().st_mode) == 0o700
         with pytest.raises(EngineStartError) as err:
             e.ready(timeout=0.5)
-        assert KEY not in str(err.value) and "--api-key <redacted>" in str(err.value)
+        assert KEY not in str(err.value)
+        assert e.ready() and not config.parent.exists()
     finally:
         e.shutdown()
 
 
-def test_sglang_router_command_carries_the_key():
-    from reflow.engines.sglang.router import sglang_router_command
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
+def test_sglang_router_gets_the_key_on_stdin_not_the_command_line():
+    """sglang-router has no key file or variable, and its --api-key stayed readable in /proc/<pid>/cmdline until
+    the binary renamed its process (~1 s): reflow's launcher reads the key from stdin and adds it to the argument
+    list in memory. The real router still demands it."""
+    from reflow.engines.sglang.router import SGLangRouter
 
-    cmd = sglang_router_command(["http://127.0.0.1:9"], "127.0.0.1", 30000, sys.executable, KEY)
-    assert cmd[cmd.index("--api-key") + 1] == KEY
+    r = SGLangRouter([], api_key=KEY)
+    try:
+        assert KEY not in Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().decode()
+        r.ready(timeout=60)
+        assert KEY not in Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().decode()
+        assert httpx.get(r.url() + "/workers", timeout=10).status_code == 401
+        assert httpx.get(r.url() + "/workers", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).status_code == 200
+    finally:
+        r.shutdown()
 
 
 def test_runtime_reuses_the_key_its_actors_hold(ray_cluster):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import stat
 import sys
 import textwrap
 import threading
@@ -93,34 +94,61 @@ def _sglang_parser() -> tuple[argparse.ArgumentParser, set[str]]:
     return parser, covered
 
 
+def _merged(parser: argparse.ArgumentParser, argv: list[str]) -> list[str]:
+    """`argv` with its `--config` file's options merged in, by SGLang's own merger (what prepare_server_args runs)."""
+    import importlib.util
+
+    path = Path(sglang_contract.installed_root()) / "srt" / "utils" / "server_args_config_parser.py"
+    spec = importlib.util.spec_from_file_location("sglang_server_args_config_parser", path)  # its package needs pybase64
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.ConfigArgumentMerger(parser).merge_config_with_args(argv)
+
+
 @needs_wheel
-def test_command_line_parses_with_sglangs_own_argument_builder():
+def test_command_line_parses_with_sglangs_own_argument_builder(tmp_path):
     args = _args()
-    cmd = command_line(args, python="python3")
+    cmd = command_line(args, python="python3", secrets_dir=tmp_path)
     assert cmd[:3] == ["python3", "-m", "sglang.launch_server"]
     parser, covered = _sglang_parser()
     ours = covered & set(args)
     assert {"tp_size", "nccl_port", "dist_init_addr", "base_gpu_id"} <= ours  # Parallel + Device import on CPU
-    parsed, _ = parser.parse_known_args(cmd[3:])
+    parsed, _ = parser.parse_known_args(_merged(parser, cmd[3:]))
     for name in ours:
         assert getattr(parsed, name) == args[name], name
 
 
-def test_command_line_flags():
-    cmd = command_line(_args(enable_memory_saver=False, dist_init_addr=None), python="py")
+def test_command_line_flags(tmp_path):
+    cmd = command_line(_args(enable_memory_saver=False, dist_init_addr=None), python="py", secrets_dir=tmp_path)
     assert "--enable-memory-saver" not in cmd and "--dist-init-addr" not in cmd
     assert "--skip-server-warmup" in cmd and cmd[cmd.index("--tp-size") + 1] == "2"
     assert cmd[cmd.index("--mem-fraction-static") + 1] == "0.7"
-    assert cmd[cmd.index("--api-key") + 1] == "runtime-key"  # SGLang's own auth (tests/test_http_auth.py)
+
+
+@needs_wheel
+def test_the_api_key_reaches_sglang_by_its_config_file_not_the_command_line(tmp_path):
+    """Any local user reads /proc/<pid>/cmdline (issue 51): the key goes into SGLang's own `--config` YAML file,
+    mode 0600, which SGLang's argument merger (the code `prepare_server_args` runs) turns into --api-key."""
+    cmd = command_line(_args(), python="python3", secrets_dir=tmp_path)
+    assert not any("runtime-key" in a for a in cmd) and "--api-key" not in cmd, cmd
+    config = Path(cmd[cmd.index("--config") + 1])
+    assert config.parent == tmp_path and stat.S_IMODE(config.stat().st_mode) == 0o600
+    parser, covered = _sglang_parser()
+    merged = _merged(parser, cmd[3:])
+    assert merged[merged.index("--api-key") + 1] == "runtime-key" and "--config" not in merged
+    if "api_key" in covered:  # the serving group imports here: SGLang's parser takes it too
+        assert parser.parse_known_args(merged)[0].api_key == "runtime-key"
+    with pytest.raises(ValueError, match="private folder"):
+        command_line(_args(), python="python3")  # a key and nowhere safe to put it
     with pytest.raises(ValueError, match="not a ServerArgs field"):
         command_line({"made_up": 1})
     with pytest.raises(TypeError, match="tp_size must be int"):
         command_line({"tp_size": "2"})
 
 
-def test_lora_flags_only_with_a_rank():
-    assert "--enable-lora" not in command_line(_args(), python="py")
-    cmd = command_line(_args(lora_rank=8, lora_target_modules=("v_proj", "q_proj")), python="py")
+def test_lora_flags_only_with_a_rank(tmp_path):
+    assert "--enable-lora" not in command_line(_args(), python="py", secrets_dir=tmp_path)
+    cmd = command_line(_args(lora_rank=8, lora_target_modules=("v_proj", "q_proj")), python="py", secrets_dir=tmp_path)
     i = cmd.index("--lora-target-modules")
     assert "--enable-lora" in cmd and cmd[cmd.index("--max-lora-rank") + 1] == "8"
     assert cmd[i + 1:i + 3] == ["q_proj", "v_proj"] and cmd[cmd.index("--max-loras-per-batch") + 1] == "2"
@@ -248,7 +276,7 @@ def _wheel_dtype_choices() -> list[str]:
 
 
 @needs_wheel
-def test_engine_dtype_is_pinned_from_the_trainer_precision():
+def test_engine_dtype_is_pinned_from_the_trainer_precision(tmp_path):
     import torch
 
     from reflow.engines.sglang.launcher import PINNED_DTYPES, sglang_dtype
@@ -258,7 +286,7 @@ def test_engine_dtype_is_pinned_from_the_trainer_precision():
     assert resolve(fp32_llama, "auto") == torch.float16  # the defect: a float32 checkpoint held as float16
     assert set(PINNED_DTYPES) == set(_wheel_dtype_choices()) - {"auto"}
     for precision, want in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        cmd = command_line(_args(dtype=sglang_dtype(precision)), python="py")
+        cmd = command_line(_args(dtype=sglang_dtype(precision)), python="py", secrets_dir=tmp_path)
         assert resolve(fp32_llama, cmd[cmd.index("--dtype") + 1]) == want  # what SGLang then holds
     assert "--dtype" in command_line(server_args("/m", host="h", port=1, nccl_port=2))  # never left to auto
     with pytest.raises(ValueError, match=r"dtype 'auto': pin one of .*float32 checkpoints as float16"):

@@ -375,6 +375,16 @@ def test_server_info_names_the_dtype_the_engine_holds(name, request):
 # ---------------------------------------------------------------- SGLang's own behaviour behind two fixes
 
 
+def test_sglangs_server_demands_the_key_it_read_from_its_config_file(sglang_apps):
+    """The launcher hands SGLang the key in a `--config` file, not as `--api-key` on the command line (issue 51):
+    SGLang's own start-up merged it, so its middleware refuses a request without it and takes one with it."""
+    import httpx
+
+    url = sglang_apps[AUTO][0]
+    assert httpx.get(f"{url}/model_info", timeout=30).status_code == 401
+    assert httpx.get(f"{url}/model_info", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).status_code == 200
+
+
 def test_sglang_auto_dtype_holds_float32_checkpoints_as_float16(sglang_apps):
     """Why the launcher pins --dtype (issue 14 point 4): under "auto", SGLang's ModelConfig loads a
     float32 checkpoint as float16, and /server_info still says "auto"."""

@@ -12,8 +12,10 @@ therefore allocated under a node-wide file lock and remembered for a while (`all
 
 Authentication: the server gets the runtime's key as SGLang's own `--api-key` (every endpoint but
 /health*, /ready*, /metrics* then needs it as a bearer token) and binds 127.0.0.1 unless told
-otherwise (a multi-node cluster sets cluster.bind_host=0.0.0.0). The key is on the server's command
-line, which other users of the node can read (ps); `redacted` keeps it out of reflow's messages.
+otherwise (a multi-node cluster sets cluster.bind_host=0.0.0.0). The key never goes on the command line
+(any user of the node reads /proc/<pid>/cmdline): it is written to a YAML file of mode 0600 in a private
+folder and handed over as SGLang's own `--config FILE`, which SGLang merges into its flags while parsing
+them; the file is removed once the server answers (it was read at start-up).
 Untested here (no GPU): the real server start, CUDA device placement, NCCL.
 """
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -99,9 +102,24 @@ def _lora_args(rank: int, target_modules: list[str] | tuple[str, ...]) -> dict:
             "max_loras_per_batch": LORAS_PER_BATCH}
 
 
-def command_line(args: dict, python: str = sys.executable) -> list[str]:
-    """`python -m sglang.launch_server` with one flag per non-null field (checked against the table)."""
+CONFIG_FILE = "server-config.yaml"
+
+
+def command_line(args: dict, python: str = sys.executable, secrets_dir: str | Path | None = None) -> list[str]:
+    """`python -m sglang.launch_server` with one flag per non-null field (checked against the table), except
+    `api_key`, which goes into `secrets_dir/server-config.yaml` (mode 0600; `secrets_dir` must be a folder only
+    this user can enter, e.g. a fresh mkdtemp) passed as `--config`."""
     cmd = [python, "-m", "sglang.launch_server"]
+    if args.get("api_key") is not None:
+        if secrets_dir is None:
+            raise ValueError("an SGLang server with an API key needs a private folder (secrets_dir) for the file "
+                             "that hands it the key: on the command line any local user could read it")
+        config = Path(secrets_dir) / CONFIG_FILE
+        fd = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"api-key": check_api_key(args["api_key"])}, f)  # JSON is YAML; the key spelled as the flag
+        cmd += ["--config", str(config)]
+        args = {k: v for k, v in args.items() if k != "api_key"}
     for name, value in args.items():
         kind = SERVER_ARG_TYPES.get(name)
         if kind is None:
@@ -115,11 +133,6 @@ def command_line(args: dict, python: str = sys.executable) -> list[str]:
         flag = "--" + name.replace("_", "-")
         cmd += [flag] if kind is bool else [flag, *map(str, value)] if kind is list else [flag, str(value)]
     return cmd
-
-
-def redacted(cmd: list[str]) -> list[str]:
-    """`cmd` with the value of --api-key replaced, for messages and logs."""
-    return [("<redacted>" if i and cmd[i - 1] == "--api-key" else a) for i, a in enumerate(cmd)]
 
 
 def allocate_ports(count: int, host: str = "", registry: Path | None = None) -> list[int]:
@@ -178,7 +191,8 @@ class SGLangEngine:
                                 mem_fraction_static=mem_fraction_static, enable_memory_saver=enable_memory_saver,
                                 base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed,
                                 api_key=self._api_key, lora_rank=lora_rank, lora_target_modules=lora_target_modules)
-        self.cmd = command_line(self.args, python)
+        self._secrets = tempfile.mkdtemp(prefix="reflow-sglang-")  # 0700: the key's file (command_line)
+        self.cmd = command_line(self.args, python, self._secrets)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-{engine_id}-{port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
@@ -201,9 +215,10 @@ class SGLangEngine:
         timeout = self.startup_timeout_s if timeout is None else timeout
         last = poll_health(self.url(), timeout, 1.0, self._check_process)
         if last is None:
+            shutil.rmtree(self._secrets, ignore_errors=True)  # SGLang read its --config file while starting
             return True
         raise EngineStartError(f"SGLang engine {self.engine_id} at {self.url()} not healthy after {timeout:.0f}s "
-                               f"({last}); command: {' '.join(redacted(self.cmd))}; last log lines:\n{self.log_tail()}")
+                               f"({last}); command: {' '.join(self.cmd)}; last log lines:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 20) -> str:
         try:
@@ -213,6 +228,7 @@ class SGLangEngine:
 
     def shutdown(self, grace_s: float = 30.0) -> None:
         """SIGTERM the server's process group, SIGKILL what is left after `grace_s`."""
+        shutil.rmtree(self._secrets, ignore_errors=True)
         if self.proc.poll() is not None:
             return
         _signal_group(self.proc.pid, signal.SIGTERM)

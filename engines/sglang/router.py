@@ -23,8 +23,9 @@ Authentication: the router and its workers share the runtime's API key. Every en
 router sends it to the workers on /generate. So a worker joins only when the runtime launched it
 (the worker list the router starts with) or someone holding the key adds it: the router actor's
 own add_worker over Ray, or POST /workers with the key. (A worker added by URL gets the key with
-every request, so adding must never be open.) sglang-router gets the same key as `--api-key`,
-which it passes to the workers it was started with; a worker added later gets no key unless the
+every request, so adding must never be open.) sglang-router gets the same key as `--api-key`, read
+from stdin by reflow.engines.sglang.keyed_router (never on a command line), which it passes to the
+workers it was started with; a worker added later gets no key unless the
 body names one, so `WorkersClient.add_worker` always sends it. Ours sends its own key to every
 worker and refuses a body naming a different one.
 
@@ -290,17 +291,16 @@ def sglang_router_available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
 
 
-def sglang_router_command(worker_urls: list[str], host: str, port: int, python: str, api_key: str,
+def sglang_router_command(worker_urls: list[str], host: str, port: int, python: str,
                           log_level: str = "warn") -> list[str]:
-    """sglang-router's launcher (cache-aware routing over the workers); used when it is installed.
-    `--api-key` guards the router and is what it sends to the workers it starts with."""
-    return [python, "-m", "sglang_router.launch_router", "--worker-urls", *worker_urls, "--host", host,
-            "--port", str(port), "--policy", "cache_aware", "--api-key", check_api_key(api_key),
-            "--log-level", log_level]
+    """sglang-router's launcher (cache-aware routing over the workers) through reflow.engines.sglang.keyed_router,
+    which reads `--api-key` (it guards the router and is what it sends to the workers it starts with) from stdin."""
+    return [python, "-m", "reflow.engines.sglang.keyed_router", "--worker-urls", *worker_urls, "--host", host,
+            "--port", str(port), "--policy", "cache_aware", "--log-level", log_level]
 
 
 class SGLangRouter(WorkersClient):
-    """sglang-router (its Rust binary, launched by `python -m sglang_router.launch_router`) in a child
+    """sglang-router (its Rust binary, launched by its own launcher through keyed_router) in a child
     process of its own session, with the same surface as `Router`. Its output goes to `log_path`."""
 
     def __init__(self, worker_urls: list[str], *, api_key: str, host: str = "127.0.0.1",
@@ -310,11 +310,14 @@ class SGLangRouter(WorkersClient):
         self.host, self._api_key = host, check_api_key(api_key)
         self.port = allocate_ports(1, host)[0]
         self._initial = [u.rstrip("/") for u in worker_urls]
-        self.cmd = sglang_router_command(worker_urls, host, self.port, python, self._api_key)
+        self.cmd = sglang_router_command(worker_urls, host, self.port, python)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-router-{self.port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle
-            self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                         env=env)
+            self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True, env=env)
+        assert self.proc.stdin is not None
+        with self.proc.stdin:  # the key, off the command line (keyed_router)
+            self.proc.stdin.write(f"{self._api_key}\n".encode())
 
     def ready(self, timeout: float = 60.0) -> bool:
         """Block until it serves GET /workers *and* lists the workers it was started with: its start-up job
@@ -337,7 +340,7 @@ class SGLangRouter(WorkersClient):
         if self.proc.poll() is not None:
             tail = "\n".join(self.log_path.read_text(errors="replace").splitlines()[-20:])
             raise RouterError(f"sglang-router exited with code {self.proc.returncode} (python -m "
-                              f"sglang_router.launch_router, port {self.port}); last log lines:\n{tail}")
+                              f"reflow.engines.sglang.keyed_router, port {self.port}); last log lines:\n{tail}")
 
     def shutdown(self) -> None:
         self.proc.terminate()
