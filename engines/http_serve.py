@@ -39,10 +39,35 @@ def advertised_url(host: str, port: int) -> str:
     return f"http://{node_ip() if host in WILDCARD_HOSTS else host}:{port}"
 
 
-class ThreadedServer:
-    """`app` served by uvicorn in a daemon thread on a socket bound to (host, port)."""
+def bounded_h11(max_connections: int, idle_timeout_s: float):
+    """uvicorn's h11 protocol, bounded for connections that send nothing: a connection past `max_connections`
+    open ones is closed at once, and one that has not begun a request within `idle_timeout_s` is closed (uvicorn
+    times out idle keep-alive connections only after a first response, so a peer that connects and stays silent
+    held a file descriptor for good: 300 of them took a driver from 10 to 311 open files). A request begun
+    in time is served as uvicorn serves it."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    def __init__(self, app, host: str, port: int, thread_name: str, **uvicorn_kw):
+    class BoundedH11Protocol(H11Protocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > max_connections:
+                transport.close()
+                return
+            # uvicorn's own keep-alive timer: data_received cancels it, each response sets it again
+            self.timeout_keep_alive_task = self.loop.call_later(idle_timeout_s, self.timeout_keep_alive_handler)
+
+    return BoundedH11Protocol
+
+
+class ThreadedServer:
+    """`app` served by uvicorn in a daemon thread on a socket bound to (host, port), with at most
+    `max_connections` connections and silent ones closed after IDLE_TIMEOUT_S (bounded_h11)."""
+
+    MAX_CONNECTIONS = 1024
+    IDLE_TIMEOUT_S = 5.0
+
+    def __init__(self, app, host: str, port: int, thread_name: str, max_connections: int = MAX_CONNECTIONS,
+                 **uvicorn_kw):
         import uvicorn
 
         # proto IPPROTO_TCP matters: asyncio sets TCP_NODELAY only on sockets whose proto says TCP;
@@ -56,6 +81,7 @@ class ThreadedServer:
         # driver's Prefect API log handler among them, flushing its queue: 5.5 s on the H200, bench/RESULTS.md 16);
         # its loggers propagate to the process's handlers instead.
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, log_config=None,
+                                                    http=bounded_h11(max_connections, self.IDLE_TIMEOUT_S),
                                                     **uvicorn_kw))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name=thread_name,
                                        daemon=True)

@@ -34,6 +34,7 @@ from reflow.infra.guards import check_segment
 
 log = logging.getLogger("reflow.control")
 COMMANDS = ("pause", "resume", "save", "stop")
+MAX_CONNECTIONS = 32  # an operator's few clients and a Prometheus scraper; the rest is someone holding sockets open
 _stage: list = ["starting", time.monotonic()]  # what this process's train loop does now: [name, since]
 
 
@@ -235,7 +236,7 @@ def start_control(cfg: RunConfig, flow_run_id: str | None, iteration: int) -> Ru
     control = RunControl(cfg, flow_run_id, iteration, token=new_api_key())
     if cfg.control.enabled:
         control.server = server = ThreadedServer(build_app(control), cfg.control.host, cfg.control.port,
-                                                 "reflow-control")
+                                                 "reflow-control", max_connections=MAX_CONNECTIONS)
         _write_record(cfg.experiment, server.url(), control.token, flow_run_id)  # type: ignore[attr-defined]
         log.info("control API at %s (token in %s): `reflow ctl %s health|pause|resume|save|stop`",
                  server.url(), token_path(cfg.experiment), cfg.experiment)  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -277,3 +278,41 @@ def test_give_up_message_names_the_rank_the_iteration_and_the_bound():
                                    "actor died unexpectedly before finishing this task.); this run already recovered "
                                    "2 time(s) and fault_tolerance.max_trainer_recoveries=2, so it gives up")
     assert "class_name" not in str(e.value) and e.value.__cause__ is error
+
+
+def test_half_open_connections_are_bounded_and_time_out(tmp_path, monkeypatch):
+    """Any local user can connect to the control API (loopback) without the token and send nothing: each such
+    connection held a file descriptor of the driver for good (300 took it from 10 to 311 open files, issue 51).
+    The server keeps at most MAX_CONNECTIONS, closes the rest at once, and closes an idle one after its timeout;
+    a request with the token still gets through afterwards."""
+    from reflow.engines.http_serve import ThreadedServer
+    from reflow.infra.config import load_config
+
+    monkeypatch.setenv("REFLOW_LEASE_DIR", str(tmp_path / "leases"))
+    cfg = load_config(None, ["experiment=halfopen", "control.enabled=true"])
+    ctl = control.start_control(cfg, None, 0)
+    server = ctl.server
+    port = server.port
+    held = []
+
+    def server_side() -> int:
+        return sum(1 for c in psutil.net_connections("tcp4") if c.laddr and c.laddr.port == port
+                   and c.status == psutil.CONN_ESTABLISHED and c.raddr)
+
+    try:
+        for _ in range(300):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(1.0)
+        assert server_side() <= control.MAX_CONNECTIONS, server_side()
+        deadline = time.monotonic() + ThreadedServer.IDLE_TIMEOUT_S + 10
+        while server_side() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert server_side() == 0, "idle connections that never sent a request were kept open"
+        for s in held:
+            s.close()
+        r = httpx.post(f"{server.url()}/resume", headers={"Authorization": f"Bearer {ctl.token}"}, timeout=30)
+        assert r.status_code == 200, r.text
+    finally:
+        for s in held:
+            s.close()
+        ctl.close()
