@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -47,8 +48,22 @@ def own_threads() -> str:
     return "\n".join(out)
 
 
+# A flag whose value is a credential, as it would appear in a command line py-spy prints at the head of a dump.
+_SECRET_FLAG = re.compile(r"(--[\w-]*(?:api[-_]key|token|secret|password)[\w-]*)(=|\s+)(\S+)", re.IGNORECASE)
+
+
+def scrub(text: str, secrets: tuple[str, ...] = ()) -> str:
+    """`text` with every value of a credential flag (`--api-key X`, `--token=X`, ...) and every string of
+    `secrets` (the run's keys) replaced by `<redacted>`: dumps are stored where readers of the bucket see them."""
+    text = _SECRET_FLAG.sub(lambda m: f"{m.group(1)}{m.group(2)}<redacted>", text)
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "<redacted>")
+    return text
+
+
 def dump_pid(pid: int, subprocesses: bool = False, exe: str | None = None) -> str:
-    """py-spy's dump of `pid` (its error text when it could not)."""
+    """py-spy's dump of `pid` (its error text when it could not), scrubbed of credentials (`scrub`)."""
     exe = exe or py_spy()
     if exe is None:
         return "py-spy not found: `pip install py-spy` (reflow's `debug` extra) to dump other processes"
@@ -58,8 +73,8 @@ def dump_pid(pid: int, subprocesses: bool = False, exe: str | None = None) -> st
     except subprocess.TimeoutExpired:
         return f"py-spy gave no dump of pid {pid} within {PYSPY_TIMEOUT_S:.0f} s"
     if done.returncode != 0:
-        return f"py-spy failed on pid {pid} (exit {done.returncode}): {(done.stderr or done.stdout).strip()}"
-    return done.stdout
+        return scrub(f"py-spy failed on pid {pid} (exit {done.returncode}): {(done.stderr or done.stdout).strip()}")
+    return scrub(done.stdout)
 
 
 def run_processes(cfg: RunConfig) -> list[dict[str, object]]:
@@ -77,9 +92,12 @@ def run_processes(cfg: RunConfig) -> list[dict[str, object]]:
     return [{"name": name, "kind": kind, **ray_record(h)} for name, kind, h in handles]
 
 
-def dump_round(cfg: RunConfig) -> str:
-    """One round's text: the driver, then every actor of the run."""
+def dump_round(cfg: RunConfig, secrets: tuple[str, ...] = ()) -> str:
+    """One round's text: the driver, then every actor of the run; scrubbed of credential flags, the runtime's
+    API key and `secrets` (the control API's token)."""
     import ray
+
+    from reflow.infra.runtime import get_runtime
 
     here = ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     exe = py_spy()
@@ -93,7 +111,7 @@ def dump_round(cfg: RunConfig) -> str:
             sections.append(f"{head}\non node {p['node']}, not this one: py-spy reads local processes only")
         else:
             sections.append(f"{head}\n{dump_pid(int(p['pid']), subprocesses=p['kind'] == 'engine', exe=exe)}")
-    return "\n\n".join(sections) + "\n"
+    return scrub("\n\n".join(sections) + "\n", (get_runtime(cfg).api_key, *secrets))
 
 
 class StackDumper:
@@ -124,7 +142,7 @@ class StackDumper:
             now = time.time()
             rel = f"{FOLDER}/{time.strftime('%Y%m%dT%H%M%S', time.gmtime(now))}.{int(now % 1 * 1000):03d}Z-iter{it:06d}.txt"
             try:
-                store.write_text(rel, dump_round(self.cfg))
+                store.write_text(rel, dump_round(self.cfg, (self.control.token,) if self.control is not None else ()))
             except Exception as e:  # deliberate: a failed dump must never take the run down; say it and go on
                 log.warning("stack dump %s failed: %s: %s", rel, type(e).__name__, e)
                 continue
