@@ -1,9 +1,9 @@
 """Issue 51, point 1: the sockets a trainer rank listens on stay on the address the run chose.
 
 Two groups are checked, each started through reflow's own code with real torch.distributed (gloo):
-  - the DeepSpeed group a trainer rank joins (`ds_rank._init_distributed`, one rank): its TCPStore;
   - the weight-update group (`weights.group.open_group`, trainer rank 0 and one engine rank in two
-    threads), at 127.0.0.1 and at ::1: its TCPStore.
+    threads), at 127.0.0.1 and at ::1: its TCPStore and gloo's listeners;
+  - then the DeepSpeed group a trainer rank joins (`ds_rank._init_distributed`, one rank): the same.
 torch's TCPStore server listens on `::` (every interface) whatever host it is given, and takes no
 credentials. gloo's own listener takes the address the machine's hostname resolves to, so the second
 test runs in private namespaces (`unshare`) where the hostname resolves to a veth address (nothing
@@ -45,16 +45,9 @@ out = {"before": listening()}
 from reflow.engines.train.ds_rank import _init_distributed
 from reflow.engines.weights.group import broadcast, open_group
 
-port = free_port("127.0.0.1")
-_init_distributed(0, 1, "127.0.0.1", port, "gloo")
-t = torch.ones(2)
-dist.all_reduce(t)
-assert t.tolist() == [1.0, 1.0]
-out["ds"] = {"address": "127.0.0.1", "port": port, "listening": listening()}
-
 groups = []  # kept alive: a group's listeners go with it
 for host in sys.argv[1:]:
-    port, got, sent = free_port(host), {}, torch.arange(4.0)
+    port, sent = free_port(host), torch.arange(4.0)
     def trainer():
         g = open_group(host, port, 0, 2, "wug", "gloo", timeout_s=60)
         groups.append(g)
@@ -68,6 +61,14 @@ for host in sys.argv[1:]:
     th.join(60)
     assert torch.equal(t, sent)
     out["wg " + host] = {"address": host, "port": port, "listening": listening()}
+
+# After the weight-update groups: _init_distributed sets GLOO_SOCKET_IFNAME for the rest of the process.
+port = free_port("127.0.0.1")
+_init_distributed(0, 1, "127.0.0.1", port, "gloo")
+t = torch.ones(2)
+dist.all_reduce(t)
+assert t.tolist() == [1.0, 1.0]
+out["ds"] = {"address": "127.0.0.1", "port": port, "listening": listening()}
 dist.destroy_process_group()
 print("LISTENERS " + json.dumps(out))
 """

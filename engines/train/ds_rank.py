@@ -121,12 +121,19 @@ def _init_distributed(rank: int, world_size: int, master_addr: str, master_port:
     from deepspeed.accelerator import get_accelerator
     from deepspeed.constants import default_pg_timeout as deepspeed_timeout
 
-    from reflow.engines.weights.group import tcp_store
+    from reflow.engines.weights.group import loopback_address, tcp_store
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), MASTER_ADDR=master_addr,
                       MASTER_PORT=str(master_port),
                       # With nccl, Ray gives each actor one GPU, visible as device 0.
                       LOCAL_RANK="0" if backend == "nccl" else str(rank))
+    loopback_iface = _interface_of(loopback_address(master_addr))
+    if loopback_iface is not None:
+        # gloo (the whole group on CPU; CPU tensors beside nccl) listens where this machine's hostname resolves,
+        # its LAN address on many hosts, unless named an interface. A loopback rendezvous means every rank runs
+        # here: gloo then stays on loopback, for this group and every later one of this process (ZeRO's
+        # subgroups, the weight-update group), whatever GLOO_SOCKET_IFNAME said.
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback_iface
     if get_accelerator().device_name() == "cpu":
         # DeepSpeed's shared-memory all-reduce kernel only serves inference_all_reduce (tensor-parallel
         # inference), never training; marking it incompatible skips its ~40 s JIT build. The probed
@@ -142,6 +149,16 @@ def _init_distributed(rank: int, world_size: int, master_addr: str, master_port:
         store = dist.PrefixStore("default_pg", tcp_store(master_addr, master_port, world_size, rank == 0, timeout))
         dist.init_process_group(group_backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False, verbose=False)
+
+
+def _interface_of(address: str | None) -> str | None:
+    """The name of the network interface holding `address` (e.g. "lo" for 127.0.0.1), None if none does."""
+    if address is None:
+        return None
+    import psutil
+
+    return next((name for name, addrs in psutil.net_if_addrs().items()
+                 if any(a.address.split("%")[0] == address for a in addrs)), None)
 
 
 def _hf_name(name: str) -> str:

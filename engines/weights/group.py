@@ -16,6 +16,7 @@ tensors by element size, largest first, keeps every offset aligned for its dtype
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import socket
 from dataclasses import dataclass
 
@@ -55,6 +56,29 @@ def tcp_store(host: str, port: int, world_size: int, is_master: bool, timeout: d
                          master_listen_fd=fd)
 
 
+def loopback_address(host: str) -> str | None:
+    """The address `host` resolves to first (the one `tcp_store` binds) when it is a loopback one, else None."""
+    try:
+        ip = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, IndexError):
+        return None
+    return ip if ipaddress.ip_address(ip.split("%")[0]).is_loopback else None
+
+
+def gloo_group(store, rank: int, world_size: int, master_address: str, timeout: datetime.timedelta):
+    """A gloo group; it listens on `master_address` too when that is a loopback address (every member then
+    runs on this host). torch's default device listens where this machine's hostname resolves, its LAN
+    address on many hosts, even when the run chose loopback. Any other address keeps torch's choice
+    (GLOO_SOCKET_IFNAME, else the hostname's address), as a multi-node cluster needs."""
+    ip = loopback_address(master_address)
+    if ip is None:
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    opts = dist.ProcessGroupGloo._Options()  # as torch's default: 2 threads per device
+    opts._timeout = timeout
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=ip)]
+    return dist.ProcessGroupGloo(store, rank, world_size, opts)
+
+
 def open_group(master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                backend: str = "gloo", timeout_s: float = GROUP_TIMEOUT_S):
     """Join (rank 0: host) the weight-update group. Blocks until every member has joined."""
@@ -65,7 +89,7 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
     device = "cpu" if backend == "gloo" else "cuda"
     store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, tcp)))
     if backend == "gloo":
-        pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        pg = gloo_group(store, rank, world_size, master_address, timeout)
     else:  # pragma: no cover - needs GPUs
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
