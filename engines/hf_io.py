@@ -74,6 +74,36 @@ def _verify_local(local: Path, files: Files, shown: str) -> None:
         _verify(local / name, name, meta, shown)
 
 
+def copy_verified(path_or_url: str, files: Files, dest: Path) -> Path:
+    """Copy the local folder `path_or_url` into `dest` (a private folder of the caller's), checking that it
+    holds exactly `files` and that each file's bytes have the recorded size and sha256 as they are copied;
+    returns `dest`. Load from `dest`, not from the original: what is loaded is then what was checked.
+    Checking the original in place and loading it afterwards reads every file twice, and a folder others
+    can write to may change between the two reads (a disk weight push's folder: push.publish_weights)."""
+    src = Path(path_or_url.removeprefix("file://")).expanduser().resolve()
+    _check_folder(src, path_or_url)
+    held = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()}
+    if missing := sorted(set(files) - held):
+        raise ChecksumError(f"{path_or_url}: {', '.join(missing)} recorded by its writer but missing")
+    if extra := sorted(held - set(files)):
+        raise ChecksumError(f"{path_or_url}: holds {', '.join(extra)}, which its writer did not record; refusing "
+                            f"to load files nobody recorded")
+    for name, meta in sorted(files.items()):  # every name is one `held` found inside `src`: no '..', no absolute
+        out = dest / name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        h, size = hashlib.sha256(), 0
+        with open(src / name, "rb") as fin, open(out, "xb") as fout:
+            while block := fin.read(1 << 20):
+                h.update(block)
+                fout.write(block)
+                size += len(block)
+        if size != meta.get("bytes", size) or h.hexdigest() != meta["sha256"]:
+            raise ChecksumError(f"{path_or_url}: {name} does not match what its writer recorded ({size} bytes, sha256 "
+                                f"{h.hexdigest()[:12]}…; recorded {meta.get('bytes')} bytes, {meta['sha256'][:12]}…): "
+                                f"it changed after it was written. Refusing to load it")
+    return _check_folder(dest, path_or_url)
+
+
 def content_key(files: Files) -> str:
     """The digest a folder with these files is cached under: sha256 of its sorted (name, sha256) list."""
     h = hashlib.sha256()

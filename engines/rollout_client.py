@@ -147,9 +147,12 @@ class EngineClient:
             "mapping_id": mapping_id, "weight_version": weight_version, "pause_mode": pause_mode})
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
-                                 weight_version: str | None = None) -> dict:
+                                 weight_version: str | None = None, files: dict[str, dict] | None = None) -> dict:
+        """`files` ({name: {"sha256", "bytes"}}: what the folder must hold, exactly): reflow's embedded engine
+        only (/server_info's `reflow_disk_files`); never sent when None, so SGLang sees its own request."""
         return self._call("POST", "/update_weights_from_disk", {
-            "model_path": model_path, "load_format": load_format, "weight_version": weight_version})
+            "model_path": model_path, "load_format": load_format, "weight_version": weight_version,
+            **({"files": files} if files is not None else {})})
 
     def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
                                   group_name: str = "weight_update_group", backend: str = "nccl") -> dict:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,6 +25,9 @@ import pytest
 
 from reflow.infra import ray_head
 from tests.other_user import as_other_user, attempts, needs_root
+from tests.test_engine import fresh_engine as _fresh_engine_fixture
+
+fresh_engine = _fresh_engine_fixture  # test_engine's engine whose weights a test may change, reached with its KEY
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -70,6 +75,11 @@ def _all_refused(found: dict[str, str]) -> None:
     assert not allowed, f"another local user could: {allowed}"
 
 
+def _refused(tries: dict) -> None:
+    """Every attempt, made as another user, fails with PermissionError (and that user could act at all)."""
+    _all_refused(as_other_user(attempts, {"sanity: list /tmp": lambda: os.listdir("/tmp"), **tries}))
+
+
 @needs_root
 @pytest.mark.slow  # a Ray cluster in a separate driver, ~10 s
 def test_local_cluster_of_a_flow_is_closed_to_other_users(tmp_path):
@@ -111,3 +121,100 @@ def test_cluster_up_head_is_closed_to_other_users(tmp_path):
         _all_refused(_ray_tree_attempts(info.temp_dir, str(session.resolve()), info.token_path))
     finally:
         ray_head.down(tmp_path / "cluster")
+
+
+# ---------------------------------------------------------------- point 3: weights on disk
+
+
+def _write(marker: str):
+    def write(out: Path) -> None:
+        (out / "model.safetensors").write_text(marker)
+
+    return write
+
+
+@needs_root
+def test_default_push_folder_cannot_be_made_first_by_another_user():
+    """weight_sync.disk_dir unset: the folder engines load from was /tmp/reflow-weight-push-<pid>, a name
+    another user could create first (and own: then swap the weights the engines load)."""
+    from reflow.engines.weights.push import publish_folder
+
+    squat = Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}"
+
+    def make_it_first() -> None:
+        (squat / "reflow-weight-push").mkdir(parents=True)
+        for d in (squat, squat / "reflow-weight-push"):
+            d.chmod(0o777)
+
+    as_other_user(make_it_first)
+    try:
+        pushed = Path(publish_folder(_write("the trainer's"), None, "1"))
+        weights = pushed / "model.safetensors"
+        _refused({"list the push folder": lambda: os.listdir(pushed),
+                  "read the pushed weights": weights.read_bytes,
+                  "replace the pushed weights": lambda: _replace_with_own(str(weights)),
+                  "move the push folder away": lambda: os.rename(pushed.parent, f"{pushed.parent}-moved"),
+                  "move the version away": lambda: os.rename(pushed, f"{pushed}-moved")})
+        assert weights.read_text() == "the trainer's"
+    finally:
+        shutil.rmtree(squat, ignore_errors=True)
+
+
+def test_default_push_folder_is_private_reused_and_removed_at_exit():
+    """One private folder per process for all its pushes (older versions go as before); gone when it exits."""
+    code = textwrap.dedent("""
+        import json, os
+        from pathlib import Path
+        from reflow.engines.weights.push import publish_folder
+        def write(out): (out / "model.safetensors").write_text("w")
+        a, b = (Path(publish_folder(write, None, v)) for v in ("1", "2"))
+        roots = [p.parent.parent for p in (a, b)]
+        print("RESULT", json.dumps({"roots": [str(r) for r in roots], "mode": oct(roots[0].stat().st_mode & 0o777),
+                                    "a_gone": not a.exists(), "b": b.is_dir()}))
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+    assert line, p.stdout[-2000:] + p.stderr[-3000:]
+    res = json.loads(line.removeprefix("RESULT "))
+    assert res["roots"][0] == res["roots"][1] and res["mode"] == "0o700", res
+    assert res["a_gone"] and res["b"], res
+    assert not Path(res["roots"][0]).exists(), "the default push folder outlived its process"
+
+
+def test_engine_loads_a_disk_push_only_as_the_pusher_wrote_it(fresh_engine, tiny_policy, tmp_path):
+    """Whoever can write weight_sync.disk_dir (a shared folder) swaps the weights between the trainer's
+    write and the engine's load: reflow's engine refuses them, at every push (not only at the pushes
+    verify_every samples), and keeps serving the weights it had."""
+    from reflow.engines.hf_io import load_tokenizer
+    from reflow.engines.rollout_client import EngineClient, EngineError
+    from reflow.engines.weights.push import publish_weights, push_weights
+    from reflow.engines.weights.settings import PushSettings
+    from reflow.rl.demo_policy import build_model, save_policy
+    from tests.test_engine import KEY
+
+    tok = load_tokenizer(str(tiny_policy))
+    new, other = (build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=s) for s in (5, 6))
+    named = [(n, t.detach()) for n, t in new.state_dict().items()]
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    before = c.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", truncate_size=2)
+    settings = PushSettings(mode="disk", verify="full", verify_every=10, disk_dir=str(tmp_path / "shared"))
+
+    pushed = publish_weights(lambda out: save_policy(new, tok, out), settings.disk_dir, "1")
+    save_policy(other, tok, tmp_path / "other")
+    shutil.copy(tmp_path / "other" / "model.safetensors", Path(pushed.path) / "model.safetensors")
+    with pytest.raises(EngineError, match="model.safetensors does not match"):
+        push_weights([c], named, "1", settings, model_path=pushed.path, model_files=pushed.files)
+    assert c.model_info()["weight_version"] != "1"
+    assert c.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", truncate_size=2) == before
+
+    pushed = publish_weights(lambda out: save_policy(new, tok, out), settings.disk_dir, "2")
+    (Path(pushed.path) / "extra.safetensors").write_bytes(b"")  # a file nobody recorded is refused too
+    with pytest.raises(EngineError, match="holds extra.safetensors"):
+        push_weights([c], named, "2", settings, model_path=pushed.path, model_files=pushed.files)
+    (Path(pushed.path) / "extra.safetensors").unlink()
+
+    stats = push_weights([c], named, "2", settings, model_path=pushed.path, model_files=pushed.files)
+    assert stats["disk_files_checked"] == 1 and c.model_info()["weight_version"] == "2"
+    got = c.get_weights_by_name("model.layers.0.self_attn.q_proj.weight", truncate_size=2)
+    assert got == new.model.layers[0].self_attn.q_proj.weight[:2].tolist()
+

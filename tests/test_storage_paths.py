@@ -198,7 +198,7 @@ def test_disk_pushes_go_to_the_configured_endpoint(s3, tiny_policy):
     each through the storage access the config's builders give them."""
     from reflow.engines.embedded.engine import EmbeddedEngine
     from reflow.engines.rollout_client import EngineClient
-    from reflow.engines.weights.push import publish_folder, push_weights
+    from reflow.engines.weights.push import publish_weights, push_weights
 
     cfg = _cfg(s3, "pushes", f"model.path={tiny_policy}", "weight_sync.mode=disk", "weight_sync.verify=full",
                f"weight_sync.disk_dir=s3://{BUCKET}/pushes/run")
@@ -206,16 +206,18 @@ def test_disk_pushes_go_to_the_configured_endpoint(s3, tiny_policy):
     tok = load_tokenizer(str(tiny_policy))
     model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=5)
     named = list(model.state_dict().items())
-    url = publish_folder(lambda out: save_policy(model, tok, out), settings.disk_dir, "5", settings.storage)
+    pushed = publish_weights(lambda out: save_policy(model, tok, out), settings.disk_dir, "5", settings.storage)
+    url = pushed.path
     assert url == f"s3://{BUCKET}/pushes/run/reflow-weight-push/v5" and _fs(s3).exists(f"{url}/model.safetensors")
     engine = EmbeddedEngine(str(tiny_policy), "paths-push", threads=1, storage=storage_access(cfg))
     try:
         engine.ready()
         client = EngineClient(engine.url(), timeout=60, api_key=engine.api_key())
-        stats = push_weights([client], named, "5", settings, model_path=url)
+        stats = push_weights([client], named, "5", settings, model_path=url, model_files=pushed.files)
     finally:
         engine.shutdown()
     assert stats["verified_tensors"] == len(named)
+    assert stats["disk_files_checked"] == 1  # the download checked against the digests of what was uploaded
 
 
 # ---------------------------------------------------------------- point 8: checked against the manifest

@@ -12,15 +12,19 @@ Departure: flush_cache has no prefix cache to drop.
 Extensions (under /reflow/, advertised by /server_info's `reflow_mapped_weights`; never asked of an SGLang
 engine): /reflow/map_weights and /reflow/update_weights_from_mapped, the trainer's weights mapped once and
 copied at each push in one call (reflow.engines.weights.mapped); the second is served on a private Unix
-socket too, for a trainer on the same host (reflow.engines.embedded.local_control).
+socket too, for a trainer on the same host (reflow.engines.embedded.local_control). And a field:
+update_weights_from_disk takes `files`, the sha256 of every file the pusher wrote, and then loads only
+a folder that holds exactly those (advertised as `reflow_disk_files`; reflow.engines.weights.push).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 import time
 import uuid
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import torch
 from fastapi import FastAPI, Request
@@ -40,12 +44,13 @@ from reflow.engines.embedded.local_control import LOCAL_CONTROL, LocalControlSer
 from reflow.engines.embedded.lora import add_routes as lora_routes
 from reflow.engines.embedded.lora import check_lora_path
 from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
-from reflow.engines.hf_io import load_causal_lm
+from reflow.engines.hf_io import copy_verified, load_causal_lm
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, HttpGuard
-from reflow.engines.storage_access import StorageAccess
+from reflow.engines.storage_access import StorageAccess, StorageError, is_local
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import BucketError, load_buckets, load_payload
 from reflow.engines.weights.mapped import CAPABILITY, UNKNOWN_MAPPING
+from reflow.engines.weights.push import DISK_FILES
 
 _DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
 HEALTH_TIMEOUT_S = 20.0
@@ -180,6 +185,7 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
     @app.get("/server_info")
     async def server_info():
         return {**state.info, "dtype": str(state.gen.dtype).removeprefix("torch."), "tp_size": 1, CAPABILITY: True,
+                DISK_FILES: True,
                 "max_running_requests": state.gen.max_batch_size, "context_length": state.gen.context_len,
                 "weight_version": state.gen.weight_version, "internal_states": [state.load()],
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),
@@ -445,15 +451,43 @@ def _destroy_group(state: EngineState, body: dict) -> str:
     return "Succeeded to destroy custom process group."
 
 
+def _declared_files(files: object) -> dict[str, dict] | None:
+    """update_weights_from_disk's `files` (reflow's extension, advertised as DISK_FILES): None, or
+    {name: {"sha256": 64 hex digits, "bytes": int}} for every file the folder must hold."""
+    if files is None:
+        return None
+    if not isinstance(files, dict) or not files:
+        raise ContractError("files must be a non-empty object {name: {\"sha256\", \"bytes\"}} of the folder's files")
+    for name, meta in files.items():
+        digest = meta.get("sha256") if isinstance(meta, dict) else None
+        if (not isinstance(name, str) or not isinstance(digest, str) or len(digest) != 64
+                or any(ch not in "0123456789abcdef" for ch in digest) or type(meta.get("bytes", 0)) is not int):
+            raise ContractError(f"files[{name!r}] must be {{\"sha256\": <64 hex digits>, \"bytes\": <int>}}, "
+                                f"got {_unexpected(meta)}")
+    return files
+
+
+def _load_disk(state: EngineState, path: str, files: dict[str, dict] | None):
+    """The model at `path`; with `files`, only a folder holding exactly those files with those digests: a
+    local one is loaded from a private copy made while checking it (hf_io.copy_verified), a storage URL
+    from the download checked on arrival (hf_io.resolve_checkpoint)."""
+    dtype = _DTYPE_NAMES.get(str(state.gen.dtype), "fp32")
+    if files is None or not is_local(path):
+        return load_causal_lm(path, dtype=dtype, storage=state.storage, files=files)
+    with tempfile.TemporaryDirectory(prefix="reflow-engine-load-") as private:
+        return load_causal_lm(str(copy_verified(path, files, Path(private))), dtype=dtype)
+
+
 def _update_from_disk(state: EngineState, body: dict) -> dict:
     path = body.get("model_path")
     if not isinstance(path, str) or not path:
         raise ContractError("model_path must be a non-empty string (an HF checkpoint folder or URL)")
+    files = _declared_files(body.get("files"))
     if body.get("abort_all_requests"):
         state.abort(abort_all=True, message="Abort by update_weights_from_disk")
     try:
-        model = load_causal_lm(path, dtype=_DTYPE_NAMES.get(str(state.gen.dtype), "fp32"), storage=state.storage)
-    except (OSError, ValueError) as e:
+        model = _load_disk(state, path, files)
+    except (OSError, ValueError, StorageError) as e:  # StorageError: ChecksumError among them
         raise EngineStateError(f"could not load weights from {path!r}: {e}") from e
     with state.writing():
         count = state.gen.load_named_tensors(list(model.state_dict().items()))

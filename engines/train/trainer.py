@@ -384,7 +384,7 @@ class TrainerRank(DeepSpeedRank):
 
         from reflow.engines.rollout_client import EngineClient
         from reflow.engines.weights.buckets import SharedMemoryUnavailable
-        from reflow.engines.weights.push import publish_folder, push_weights
+        from reflow.engines.weights.push import publish_weights, push_weights
 
         clients = [EngineClient(u, api_key=api_key) for u in urls]
         if self.lora is not None:  # adapter-only push, verified against the effective weights
@@ -397,11 +397,12 @@ class TrainerRank(DeepSpeedRank):
         live = direct and self.zero_stage < 3  # the parameters themselves: engines may map them once (map_once)
 
         def push(s: PushSettings) -> dict:
-            path = None
-            if s.mode == "disk":  # HF safetensors the engines reload, as a checkpoint would be saved
-                path = publish_folder(lambda out: self._write_hf(named, out), s.disk_dir, version, s.storage)
-            return push_weights(clients, named, version, s, model_path=path,
-                                master_address=ray.util.get_node_ip_address(), probe=probe, stable=live)
+            disk = None
+            if s.mode == "disk":  # HF safetensors the engines reload (checking the digests), as a checkpoint is saved
+                disk = publish_weights(lambda out: self._write_hf(named, out), s.disk_dir, version, s.storage)
+            return push_weights(clients, named, version, s, model_path=disk.path if disk else None,
+                                model_files=disk.files if disk else None, master_address=ray.util.get_node_ip_address(),
+                                probe=probe, stable=live)
 
         if settings.mode == "tensor" and self._shm_lost is not None:
             return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}

@@ -13,7 +13,9 @@ end session -> continue (`update_window`; the disk mode needs no session in SGLa
 - distributed: init_weights_update_group (this process is rank 0), then per bucket
   update_weights_from_distributed + one broadcast of the flattened buffer (on the CUDA device for
   backend=nccl, `group_device`); group destroyed after.
-- disk: update_weights_from_disk of an HF folder / storage URL the caller wrote.
+- disk: update_weights_from_disk of an HF folder / storage URL the caller wrote (`publish_weights`: in a
+  private folder by default). Engines that advertise DISK_FILES (reflow's embedded engine) get the sha256
+  of every file the pusher wrote with the request and load nothing else, at every push.
 mode=tensor to reflow's embedded engines (weight_sync.map_once) skips the window and the per-push
 handles: each engine maps the trainer's weights once and a push is one call (reflow.engines.weights.mapped).
 try/finally makes sure no engine is left paused or inside a session, whatever fails.
@@ -25,6 +27,7 @@ TP > 1), compares its logprobs of a probe batch with the trainer's; any differen
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import shutil
@@ -43,7 +46,7 @@ from urllib.parse import urlsplit
 import torch
 
 from reflow.engines.rollout_client import EngineClient, EngineError
-from reflow.engines.storage_access import StorageAccess, is_local
+from reflow.engines.storage_access import StorageAccess, is_local, sha256_file
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import BUFFERS, SharedBucket
 from reflow.engines.weights.mapped import MAPPED
@@ -238,51 +241,108 @@ def _destroy_groups(clients: list[EngineClient], name: str) -> list[str]:
     return errors
 
 
-def _send_disk(clients: list[EngineClient], model_path: str, version: str) -> int:
-    """mode=disk: every engine reloads the HF folder (or storage URL) the trainer wrote."""
+DISK_FILES = "reflow_disk_files"  # in an engine's /server_info: update_weights_from_disk takes `files` (below)
+
+
+def _send_disk(clients: list[EngineClient], model_path: str, version: str, files: dict | None = None) -> int:
+    """mode=disk: every engine reloads the HF folder (or storage URL) the trainer wrote. Engines that
+    advertise DISK_FILES get `files` (DiskPush.files) and load the folder only if it holds exactly those
+    files with those digests (what is loaded is what was checked: reflow.engines.hf_io.copy_verified);
+    returns how many engines checked. Others (SGLang) cannot be told: there the folder's privacy
+    (`default_disk_dir`) is what keeps it as written."""
+    checked = [files is not None and bool(c.server_info().get(DISK_FILES)) for c in clients]
     with ThreadPoolExecutor(max_workers=len(clients)) as pool:
-        calls = [pool.submit(c.update_weights_from_disk, model_path, None, version) for c in clients]
+        calls = [pool.submit(c.update_weights_from_disk, model_path, None, version, files if ok else None)
+                 for c, ok in zip(clients, checked)]
         for c, f in zip(clients, calls):
             _check(c, f.result(), f"update_weights_from_disk({model_path!r})")
-    return 0
+    return sum(checked)
 
 
 PUSH_SUBDIR = "reflow-weight-push"  # the only folder of weight_sync.disk_dir that reflow writes into
 PUSH_MARKER = ".reflow-push"  # in every version folder reflow wrote: only those are ever deleted
+_DEFAULT_DIR: list[Path] = []  # this process's default disk_dir, once made
+_DEFAULT_LOCK = threading.Lock()
 
 
-def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str,
-                   storage: StorageAccess | None = None) -> str:
-    """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/reflow-weight-push/v<version>`;
-    returns what engines load. A storage URL (s3://...) gets the folder uploaded through `storage` (the
-    run's endpoint and retries; default: the environment's), one retried upload per file.
+def default_disk_dir() -> Path:
+    """weight_sync.disk_dir when none is set: one folder per process, made at its first disk push by mkdtemp
+    (mode 0700, an unpredictable name, created exclusively) and removed when the process exits. A fixed
+    name (it was /tmp/reflow-weight-push-<pid>) can be made first by another local user, who then owns the
+    folder the engines load weights from and may swap them; and no other user may read the weights either.
+    (A process killed outright leaves it behind: it is private, and in the temp dir.)"""
+    with _DEFAULT_LOCK:
+        if not _DEFAULT_DIR:
+            made = Path(tempfile.mkdtemp(prefix="reflow-weight-push-"))
+            atexit.register(shutil.rmtree, made, True)
+            _DEFAULT_DIR.append(made)
+        return _DEFAULT_DIR[0]
 
-    Locally, earlier versions are removed (one folder's worth of disk), but only folders that carry
-    reflow's marker: anything else in `disk_dir`, or in the subfolder, is never touched, and a
-    version folder reflow did not write is refused rather than overwritten."""
-    root = disk_dir or str(Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}")
+
+@dataclass(frozen=True)
+class DiskPush:
+    """A published version: what engines load (`path`, a folder or storage URL) and what the pusher wrote
+    there, {name: {"sha256", "bytes"}} for every file (reflow.engines.hf_io.Files), for engines to check."""
+
+    path: str
+    files: dict[str, dict]
+
+
+def _written(folder: Path) -> dict[str, dict]:
+    return {p.relative_to(folder).as_posix(): {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def publish_weights(write: Callable[[Path], None], disk_dir: str | None, version: str,
+                    storage: StorageAccess | None = None) -> DiskPush:
+    """mode=disk: have `write(folder)` write HF safetensors as `<disk_dir>/reflow-weight-push/v<version>`
+    (disk_dir unset: `default_disk_dir()`); returns what engines load and the digests of what was written.
+    A storage URL (s3://...) gets the folder uploaded through `storage` (the run's endpoint and retries;
+    default: the environment's), one retried upload per file.
+
+    The folder is written and hashed in a private staging folder (mkdtemp), then moved into place (a
+    rename on one file system, as under the default): the digests are of the bytes written, whoever else
+    may write `disk_dir`, and no half-written version is ever seen there. Version folders keep the staging
+    folder's mode, 0700 (engines run as the trainer's user). Locally, earlier versions are removed (one folder's worth of disk), but only
+    folders that carry reflow's marker: anything else in `disk_dir`, or in the subfolder, is never
+    touched, and a version folder reflow did not write is refused rather than overwritten."""
+    root = disk_dir or str(default_disk_dir())
     name = f"v{version}"
     if not is_local(root):
         with tempfile.TemporaryDirectory(prefix="reflow-push-") as tmp:
             write(Path(tmp))
+            files = _written(Path(tmp))
             url = f"{root.rstrip('/')}/{PUSH_SUBDIR}/{name}"
             (storage or StorageAccess()).put_tree(tmp, url)
-        return url
+        return DiskPush(url, files)
     base = Path(root.removeprefix("file://")).expanduser().resolve() / PUSH_SUBDIR
     target = base / name
-    if target.exists() or target.is_symlink():
-        if not (target / PUSH_MARKER).is_file():
-            raise FileExistsError(f"{target} exists and was not written by reflow: refusing to overwrite it; "
-                                  f"point weight_sync.disk_dir at another folder or move it away")
-        shutil.rmtree(target)  # a retried push of the same version
-    target.mkdir(parents=True)
-    # Marked before writing: a push that fails half-way leaves a folder a retry may replace.
-    (target / PUSH_MARKER).write_text(f"weight push v{version} by pid {os.getpid()}\n")
-    write(target)
+    ours = (target / PUSH_MARKER).is_file()
+    if (target.exists() or target.is_symlink()) and not ours:
+        raise FileExistsError(f"{target} exists and was not written by reflow: refusing to overwrite it; "
+                              f"point weight_sync.disk_dir at another folder or move it away")
+    stage = Path(tempfile.mkdtemp(prefix=f"reflow-push-{name}-", dir=None if disk_dir else root))
+    try:
+        (stage / PUSH_MARKER).write_text(f"weight push v{version} by pid {os.getpid()}\n")  # reflow's to replace
+        write(stage)
+        files = _written(stage)
+        if ours:
+            shutil.rmtree(target)  # a retried push of the same version
+        base.mkdir(parents=True, exist_ok=True)
+        shutil.move(stage, target)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
     for old in base.glob("v*"):  # previous pushes: engines have already reloaded them
         if old != target and not old.is_symlink() and (old / PUSH_MARKER).is_file():
             shutil.rmtree(old, ignore_errors=True)
-    return str(target)
+    return DiskPush(str(target), files)
+
+
+def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str,
+                   storage: StorageAccess | None = None) -> str:
+    """`publish_weights`, the path alone (for engines that take no digests: SGLang's update_weights_from_disk)."""
+    return publish_weights(write, disk_dir, version, storage).path
 
 
 def _free_port() -> int:
@@ -334,14 +394,15 @@ MODES = ("tensor", "distributed", "disk")
 
 def push_weights(clients: list[EngineClient], named_tensors: Named, version: str,
                  settings: PushSettings = DEFAULT_PUSH, *, model_path: str | None = None,
-                 master_address: str = "127.0.0.1", probe: ProbeSource = None,
-                 stable: bool = False) -> dict:
+                 model_files: dict[str, dict] | None = None, master_address: str = "127.0.0.1",
+                 probe: ProbeSource = None, stable: bool = False) -> dict:
     """Push `named_tensors` (HF names) to every engine as `version`, then verify. Returns stats.
 
     settings.mode: "tensor" (buckets in this host's shared memory: engines on this host only),
     "distributed" (a broadcast group with this process as rank 0 at `master_address`, backend
     gloo|nccl) or "disk" (engines reload `model_path`, which the caller has written; SGLang needs
-    no session for it). `probe`: the trainer's logprobs of the probe batch at these weights, for
+    no session for it; `model_files`: DiskPush.files of it, which engines that can check it check at
+    every push, whatever verify_every says: stats' disk_files_checked counts them). `probe`: the trainer's logprobs of the probe batch at these weights, for
     verify=logprobs and for engines whose weights cannot be read back (reflow.engines.weights.verify).
     mode=tensor to engines that advertise it (reflow's embedded engine) with settings.map_once: through
     the mapping each engine keeps (reflow.engines.weights.mapped), one call per engine; `stable`: the
@@ -370,7 +431,7 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
                 buckets, group_reused = _send_distributed(clients, named_tensors, s.bucket_bytes, version,
                                                           master_address, s.backend, device)
             else:
-                buckets = _send_disk(clients, model_path, version)
+                buckets, extra["disk_files_checked"] = 0, _send_disk(clients, model_path, version, model_files)
     seconds = time.perf_counter() - t0
     checked = check_pushed(clients, named_tensors, version, s, probe)
     nbytes = extra.pop("bytes", None)  # the mapped push knows it already (a walk over every tensor otherwise)
