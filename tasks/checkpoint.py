@@ -10,6 +10,7 @@ each task from the config, so the key is never a Prefect parameter or result.
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -328,16 +329,28 @@ def resolve_checkpoint(config: RunConfig, checkpoint: str) -> dict[str, object]:
     return {"url": ck.url, "step": ck.step, "model": ck.store.url(ck.rel("model"))}
 
 
+_MERGED: dict[str, str] = {}  # manifest digest of a LoRA checkpoint -> this process's merged copy
+_MERGED_LOCK = threading.Lock()
+
+
 def _merged(config: RunConfig, ck: ckpt.Checkpoint) -> str:
-    """A local merged copy of a LoRA checkpoint, named by its manifest digest (so made once per checkpoint)."""
+    """A local merged copy of a LoRA checkpoint, made once per checkpoint (by its manifest digest) in this
+    process, in a folder only this user can enter (mkdtemp, 0700), removed when the process exits. A name
+    fixed by the digest (it was /tmp/reflow-merged-<digest>, reused when it existed) could be made first by
+    another local user, whose folder would then be evaluated as the model."""
+    import atexit
+    import shutil
     import tempfile
     from pathlib import Path
 
     from reflow.infra.export import export_merged
 
-    out = Path(tempfile.gettempdir()) / f"reflow-merged-{lineage.manifest_sha256(ck)[:24]}"
-    if not out.is_dir():  # written beside it, then renamed: a crash never leaves a half folder under this name
-        tmp = Path(tempfile.mkdtemp(prefix=out.name + "-", dir=out.parent))
-        export_merged(ck.url, tmp, ck.store, storage=storage_access(config))
-        tmp.rename(out)
-    return str(out)
+    digest = lineage.manifest_sha256(ck)
+    with _MERGED_LOCK:  # two evaluations of one checkpoint at once merge it once
+        out = _MERGED.get(digest)
+        if out is None or not Path(out).is_dir():
+            private = Path(tempfile.mkdtemp(prefix="reflow-merged-"))
+            atexit.register(shutil.rmtree, private, True)
+            export_merged(ck.url, private / "model", ck.store, storage=storage_access(config))
+            out = _MERGED[digest] = str(private / "model")
+    return out

@@ -239,7 +239,7 @@ def test_export_and_evaluate_merge_a_lora_checkpoint(tiny_policy, tmp_path, monk
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))  # where evaluation's merged copy goes
     for which in ("latest", url):
         evaluated = resolve_checkpoint.fn(cfg, which)["model"]
-        assert Path(evaluated).parent == tmp_path
+        assert tmp_path in Path(evaluated).parents  # a private folder in the temp dir
         assert final_weights(Path(evaluated)).keys() == got.keys()
         assert all(torch.equal(final_weights(Path(evaluated))[n], got[n]) for n in got)
     with pytest.raises(SystemExit):  # the folder is not empty now: nothing of it is overwritten
