@@ -7,17 +7,26 @@ engine's own tokenizer and appended as masked tokens (loss mask 0). A tool that 
 `tool_timeout_s` ends the trajectory with `reward_info["tool_error"]` for the reward function to
 score, instead of failing the run. The calculator demo (`calculator_rollout`) is one instance; a
 user's tool loop can call `tool_loop` with its own `call_tool` and stop token.
+
+A tool, sync or async, runs in a worker thread of its own (an async one on that thread's own event
+loop: create its clients inside it), so one that blocks instead of awaiting stalls neither the
+rollout's loop nor its deadline; an answer that comes after the deadline is never used
+(reflow.rl.deadline says what becomes of the abandoned call).
 """
 from __future__ import annotations
 
 import asyncio
+import inspect
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from reflow.engines.rollout_fns import AsyncEngine, RolloutRequest, Trajectory, result_logprobs
 from reflow.rl import tool_task
+from reflow.rl.deadline import Call
 
-ToolCall = Callable[[str], Awaitable[str | None]]  # turn text -> text to append, or None: no call, done
+# turn text -> text to append, or None: no call, done (sync, or async)
+ToolCall = Callable[[str], Awaitable[str | None] | str | None]
 
 
 class _Turns:
@@ -60,7 +69,7 @@ async def tool_loop(request: RolloutRequest, engine: AsyncEngine, call_tool: Too
             t.info["answer"] = text
             return t.result(out["meta_info"]["finish_reason"]["type"])
         try:
-            reply = await asyncio.wait_for(call_tool(text), limits.tool_timeout_s)
+            reply = await _call_tool(call_tool, text, limits.tool_timeout_s)
         except TimeoutError:
             t.info["tool_error"] = f"timeout after {limits.tool_timeout_s}s"
             return t.result("stop")
@@ -77,6 +86,33 @@ async def tool_loop(request: RolloutRequest, engine: AsyncEngine, call_tool: Too
             return t.result("length")
         t.add(reply_ids, reply, None)
     return t.result("length")  # out of turns while still calling tools
+
+
+async def _call_tool(call_tool: ToolCall, text: str, timeout_s: float) -> str | None:
+    """`call_tool(text)` in a worker thread, awaited for at most `timeout_s` (TimeoutError past it)."""
+    def run() -> str | None:
+        try:
+            reply = call_tool(text)
+            return asyncio.run(_awaited(reply)) if inspect.isawaitable(reply) else reply
+        except Exception:
+            raise
+        except BaseException as e:  # SystemExit or KeyboardInterrupt raised by a tool: its failure, not the process's end
+            raise RuntimeError(f"the tool raised {type(e).__name__}: {e}") from e
+
+    t0 = time.monotonic()
+    call = Call(run, "tool call")
+    try:
+        reply = await asyncio.wait_for(asyncio.wrap_future(call.future), timeout_s)
+    except TimeoutError:
+        call.abandon()
+        raise
+    if time.monotonic() - t0 > timeout_s:  # came in as the deadline passed: late all the same
+        raise TimeoutError
+    return reply
+
+
+async def _awaited(reply: Awaitable[str | None]) -> str | None:
+    return await reply
 
 
 async def _calculator(text: str) -> str | None:

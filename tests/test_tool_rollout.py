@@ -5,6 +5,7 @@ the embedded engine does (stop token kept in output_ids); the tokenizer is the d
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -85,6 +86,41 @@ def test_a_slow_tool_times_out():
 
     traj, _ = _run(["(1*2)"], TurnLimits(4, 64, 0.05), rollout)
     assert traj.reward_info["tool_error"] == "timeout after 0.05s" and traj.loss_mask == [1] * 5
+
+
+@pytest.mark.parametrize("kind", ["async, blocking", "sync"])
+def test_a_tool_that_blocks_is_cut_at_its_deadline_and_its_late_answer_dropped(kind):
+    """A tool that blocks instead of awaiting (asyncio.wait_for alone cannot interrupt it: it took 3 s against 0.5 s
+    and its answer was used) runs in a worker thread; sync tools too."""
+    def blocking(text):
+        time.sleep(0.5)
+        return "=999 "
+
+    async def blocking_async(text):
+        return blocking(text)
+
+    async def rollout(req, engine):
+        tool = blocking_async if kind.startswith("async") else blocking
+        return await tool_loop(req, engine, tool, TOK.convert_tokens_to_ids(")"))
+
+    t0 = time.monotonic()
+    traj, engine = _run(["(1*2)", "2<eos>"], TurnLimits(4, 64, 0.05), rollout)
+    assert time.monotonic() - t0 < 0.4
+    assert traj.reward_info["tool_error"] == "timeout after 0.05s" and "999" not in traj.response_text
+    assert traj.loss_mask == [1] * 5 and engine.turns == ["2<eos>"]  # the trajectory ended at the call
+
+    async def quick(text):
+        return "=2 "
+
+    def quick_sync(text):
+        return "=2 "
+
+    for tool in (quick, quick_sync):
+        async def answered(req, engine, tool=tool):
+            return await tool_loop(req, engine, tool, TOK.convert_tokens_to_ids(")"))
+
+        traj, _ = _run(["(1*2)", "2<eos>"], TurnLimits(4, 64, 5.0), answered)
+        assert traj.response_text == "(1*2)=2 2" and "tool_error" not in traj.reward_info
 
 
 def test_calculator_task():
