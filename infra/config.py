@@ -97,7 +97,7 @@ class RewardConfig(_Strict):
     builtin: Literal["exact_match", "math"] = Field("exact_match", description="type=builtin: `exact_match` (stripped response == label) or `math` (final answer equal to the label by math-verify; pip install 'reflow[math]').")
     url: str | None = Field(None, description="type=http: the reward server's endpoint (http:// or https://).")
     token_env: str | None = Field(None, min_length=1, description="type=http: environment variable (on the driver) holding a bearer token sent to the server; the token itself never goes into the config.")
-    timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description="type=http: timeout of one batch request.")
+    timeout_s: float = Field(30.0, gt=0.0, le=3600.0, description="type=http: deadline of one batch request, from its start to the answer's last byte (a server that trickles bytes does not stretch it).")
     retries: int = Field(3, ge=0, le=20, description="type=http: retries of a batch after a timeout, connection error, 429 or 5xx (exponential backoff).")
     backoff_s: float = Field(0.5, ge=0.0, le=60.0, description="type=http: wait before the first retry; doubled for each further one.")
     max_concurrency: int = Field(4, ge=1, le=256, description="type=http: most batch requests in flight at once.")

@@ -5,7 +5,9 @@ Wire contract (one request per batch of at most `batch_size` samples, JSON both 
                             "response_tokens", "response_ids", "reward_info"}, ...]}
   200         {"rewards": [r_0, r_1, ...]}   one per sample, in order; r_i a number or
                                              {"score": number, <metric>: number, ...}
-With a token, requests carry `Authorization: Bearer <token>`. Timeouts, connection errors, 429 and
+With a token, requests carry `Authorization: Bearer <token>`. `timeout_s` is a deadline for the whole
+request, from its start to the answer's last byte (httpx's own timeouts bound each read, so a server
+sending a byte now and then would hold a request for ever). Timeouts, connection errors, 429 and
 5xx answers are retried `retries` times with exponential backoff (backoff_s * 2^attempt); another
 4xx, or a 200 whose body breaks the contract, fails at once with `RewardError` naming the server,
 the batch and what was wrong (repeating a malformed answer would not fix it). At most
@@ -55,7 +57,8 @@ class HttpReward:
         limit = asyncio.Semaphore(self.max_concurrency)
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         starts = range(0, len(samples), self.batch_size)
-        async with httpx.AsyncClient(timeout=httpx.Timeout(self.timeout_s), headers=headers) as client:
+        # no timeouts of httpx's own (each bounds one read): `_batch` gives each request a deadline of timeout_s
+        async with httpx.AsyncClient(timeout=httpx.Timeout(None), headers=headers) as client:
             parts = await asyncio.gather(*(self._batch(client, limit, samples[s:s + self.batch_size], s)
                                            for s in starts))
         return [v for part in parts for v in part]
@@ -70,8 +73,13 @@ class HttpReward:
                 await asyncio.sleep(self.backoff_s * 2 ** (attempt - 1))
             async with limit:
                 try:
-                    r = await client.post(self.url, content=body, headers={"Content-Type": "application/json"})
-                except httpx.TransportError as e:  # timeouts and connection errors: worth another try
+                    r = await asyncio.wait_for(
+                        client.post(self.url, content=body, headers={"Content-Type": "application/json"}),
+                        self.timeout_s)
+                except TimeoutError:  # the deadline of the whole request: worth another try
+                    last = f"no complete answer within {self.timeout_s:g} s (reward.timeout_s)"
+                    continue
+                except httpx.TransportError as e:  # connection errors: worth another try
                     last = f"{type(e).__name__}: {e}"
                     continue
             if r.status_code in _RETRY_STATUS:

@@ -53,6 +53,8 @@ class _Server:
             def _answer(self, samples, failing):
                 if self.path == "/slow":
                     time.sleep(0.2)
+                if self.path == "/trickle":  # a valid answer, one byte every 0.15 s: each read is quick
+                    return self._trickle(json.dumps({"rewards": [1.0] * len(samples)}).encode())
                 if failing and server.fail_with[self.path] == "hang":
                     time.sleep(2.5)
                     return
@@ -66,6 +68,17 @@ class _Server:
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
+
+            def _trickle(self, payload):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                try:
+                    for i in range(len(payload)):
+                        self.wfile.write(payload[i:i + 1])
+                        time.sleep(0.15)
+                except (BrokenPipeError, ConnectionResetError):  # the client gave up: what the test wants
+                    pass
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
@@ -107,8 +120,19 @@ def test_5xx_and_timeouts_are_retried_with_backoff(server, failure):
     server.fail["/ok"] = 3  # one more failure than there are retries
     with pytest.raises(RewardError, match=r"reward server http://127\.0\.0\.1:\d+/ok \(samples 0\.\.2\) failed 3 "
                                           r"times; last: " + ("HTTP 503: overloaded" if failure == 503 else
-                                                              "ReadTimeout")):
+                                                              r"no complete answer within 1 s \(reward\.timeout_s\)")):
         HttpReward(server.url("/ok"), timeout_s=1.0, retries=2, backoff_s=0.01).score(_samples(3))
+
+
+def test_timeout_is_a_deadline_for_the_whole_answer(server):
+    """reward.timeout_s bounds a request from its start to the answer's last byte: a server that sends a byte
+    every 0.15 s never lets one read wait that long (httpx's read timeout), and took 26 s against a 2 s timeout."""
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"/trickle \(samples 0\.\.1\) failed 2 times; last: no complete answer "
+                                          r"within 0\.5 s \(reward\.timeout_s\)"):
+        HttpReward(server.url("/trickle"), timeout_s=0.5, retries=1, backoff_s=0.01).score(_samples(2))
+    assert time.monotonic() - t0 < 2.0  # two attempts of 0.5 s, not 3 s each for the 20 bytes
+    assert len(server.requests) == 2
 
 
 def test_client_errors_and_malformed_answers_fail_at_once(server):
