@@ -20,7 +20,7 @@ from reflow.engines.weights.lora import adapter_name
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.reward_http import HttpReward
-from reflow.rl.rewards import load_reward_fn, score_with_metrics
+from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S, load_reward_fn, score_with_metrics
 from reflow.rl.types import Prompt, RolloutBatch
 
 
@@ -95,10 +95,12 @@ def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int
 
 
 def score(batch: RolloutBatch, reward_fn: str | HttpReward, max_new_tokens: int = 0, overlong_buffer: int = 0,
-          overlong_factor: float = 0.0) -> tuple[RolloutBatch, dict[str, float]]:
+          overlong_factor: float = 0.0,
+          fn_timeout_s: float = DEFAULT_FN_TIMEOUT_S) -> tuple[RolloutBatch, dict[str, float]]:
     """Rewards from the reward function plus DAPO's soft overlong penalty (0 when the buffer is 0).
 
-    `reward_fn` is `module:function`, or a reward server (`reflow.rl.reward_http.HttpReward`).
+    `reward_fn` is `module:function` (each call's deadline: `fn_timeout_s`, reward.fn_timeout_s), or a
+    reward server (`reflow.rl.reward_http.HttpReward`).
     `reward_mean` reports the reward function alone (task accuracy); the batch carries the sum, and
     the stats the means of the extra metrics a scorer returned (`reward/<key>`).
     """
@@ -106,7 +108,7 @@ def score(batch: RolloutBatch, reward_fn: str | HttpReward, max_new_tokens: int 
         rewards, metrics = reward_fn.score(batch.samples())
     else:
         rewards, metrics = score_with_metrics(load_reward_fn(reward_fn), batch.prompt_text, batch.response_text,
-                                              batch.label, batch.samples())
+                                              batch.label, batch.samples(), fn_timeout_s)
     lengths = [len(r) for r in batch.response_ids]
     penalty = [overlong_penalty(n, max_new_tokens, overlong_buffer, overlong_factor) for n in lengths]
     stats = {

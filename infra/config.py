@@ -25,6 +25,7 @@ from pydantic_core import PydanticCustomError
 from reflow.infra.guards import SEGMENT_PATTERN, check_segment, credential_problem, credentials_message
 from reflow.rl.algorithms import SPECS, AlgorithmConfig, GRPOConfig
 from reflow.rl.algorithms.base import StrictModel as _Strict
+from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 
 CREDENTIALS = "credentials_in_url"  # the pydantic error type of a value that embeds credentials
 
@@ -102,6 +103,7 @@ class RewardConfig(_Strict):
     backoff_s: float = Field(0.5, ge=0.0, le=60.0, description="type=http: wait before the first retry; doubled for each further one.")
     max_concurrency: int = Field(4, ge=1, le=256, description="type=http: most batch requests in flight at once.")
     batch_size: int = Field(64, ge=1, le=100000, description="type=http: samples per request.")
+    fn_timeout_s: float = Field(DEFAULT_FN_TIMEOUT_S, gt=0.0, le=86400.0, description="type=function or builtin (and eval sets' reward_fn): deadline of one call of the reward function; past it the run (or `reflow config --check`) fails naming the function and the sample. An async function's calls of one batch start together, so the batch gets this long. A late call is abandoned in its worker thread (stopped if it loops in Python; one blocked in C ends on its own) and its answer never used.")
 
     @model_validator(mode="after")
     def _http_needs_url(self) -> RewardConfig:

@@ -174,7 +174,7 @@ def check_reward_source(cfg: RunConfig, prompt, source: str) -> str:
         raise PreflightError(one_line(e)) from e
     if not isinstance(scorer, HttpReward):
         field = "data.reward_fn" if cfg.reward.type == "function" else "reward.builtin"
-        check_reward(scorer, field, prompt, source)
+        check_reward(scorer, field, prompt, source, cfg.reward.fn_timeout_s)
         return f"{field}: {scorer}"
     try:
         dataclasses.replace(scorer, retries=0).score([_empty_answer(prompt)])
@@ -191,9 +191,9 @@ def _empty_answer(prompt):
     return Sample(prompt.text, "", prompt.label, "stop", len(prompt.input_ids), 0)  # an immediate eos
 
 
-def check_reward(spec: str, field: str, prompt, source: str) -> None:
+def check_reward(spec: str, field: str, prompt, source: str, timeout_s: float) -> None:
     """`spec` imports and returns a finite float for `prompt` with an empty response (a policy can
-    answer with nothing at all, so a reward must handle it)."""
+    answer with nothing at all, so a reward must handle it) within `timeout_s` (reward.fn_timeout_s)."""
     from reflow.rl.rewards import RewardError, compute_rewards, load_reward_fn
 
     try:
@@ -202,7 +202,7 @@ def check_reward(spec: str, field: str, prompt, source: str) -> None:
         raise PreflightError(one_line(e)) from e
     empty = _empty_answer(prompt)
     try:
-        compute_rewards(fn, [prompt.text], [""], [prompt.label], [empty])
+        compute_rewards(fn, [prompt.text], [""], [prompt.label], [empty], timeout_s)
     except RewardError as e:
         raise PreflightError(f"{field}={spec!r} fails on the first row of {source} with an empty response: "
                              f"{one_line(e, 400)}. Make it return a float for any response") from e
@@ -229,7 +229,7 @@ def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: Sto
         raise PreflightError(f"{source} holds no prompts; give {where}.source a file with rows")
     if s.reward_fn or cfg.reward.type == "function":
         field = f"{where}.reward_fn" if s.reward_fn else f"data.reward_fn (used by {where}: {s.name})"
-        check_reward(s.reward_fn or cfg.data.reward_fn, field, prompts[0], source)
+        check_reward(s.reward_fn or cfg.data.reward_fn, field, prompts[0], source, cfg.reward.fn_timeout_s)
     else:  # the run's built-in verifier or reward server, as the eval uses (infra/eval_sets.py)
         check_reward_source(cfg, prompts[0], source)
     return f"eval set {s.name}: {s.source} (first rows valid, reward scores a row)"

@@ -3,13 +3,19 @@ verifier. Both follow the reward contract of `reflow.rl.rewards`: (prompt, respo
 
 `math_answer` uses the `math-verify` package (HuggingFace's verifier: extracts the last LaTeX or
 plain expression of each side and compares them symbolically with sympy); install it with
-`pip install 'reflow[math]'`. Its time limits are SIGALRM-based, so they apply only on the main
-thread (a Ray task's thread is); elsewhere the comparison runs without one.
+`pip install 'reflow[math]'`. Its own time limits are SIGALRM-based, which works on the main thread
+only, and reward functions run in a worker thread (reflow.rl.rewards); so the comparison runs in a
+thread of its own instead (reflow.rl.deadline) and one that takes longer than MATH_LIMIT_S scores 0,
+as math-verify's own limit would have it.
 """
 from __future__ import annotations
 
-import threading
+from concurrent.futures import wait
 from typing import Any
+
+from reflow.rl.deadline import Call
+
+MATH_LIMIT_S = 5.0  # math-verify's own default limit of one parse or comparison
 
 
 def _text(label: Any) -> str:
@@ -28,6 +34,9 @@ def _math_verify():
         raise ModuleNotFoundError(
             "reward.builtin=math needs the math-verify package: pip install 'reflow[math]' "
             "(or pip install math-verify) on every node that scores rollouts", name=e.name) from e
+    for part in ("parser", "grader"):  # its warning that no time limit is set: math_answer sets one (MATH_LIMIT_S)
+        if hasattr(math_verify, part):
+            getattr(math_verify, part).TIMEOUT_WARNING_SHOWN = True
     return math_verify
 
 
@@ -38,12 +47,19 @@ def math_answer(prompt: str, response: str, label: Any) -> float:
     gold = _text(label)
     if "$" not in gold and "\\boxed" not in gold:
         gold = f"${gold}$"
-    limit = 5 if threading.current_thread() is threading.main_thread() else None
-    parsed_gold = mv.parse(gold, parsing_timeout=limit)
+    parsed_gold = mv.parse(gold, parsing_timeout=None)  # a label: bounded by reward.fn_timeout_s, as the data's fault
     if not parsed_gold:
         raise ValueError(f"math-verify could not parse the label {str(label)[:80]!r} as an answer")
-    answer = mv.parse(response, parsing_timeout=limit)
-    return float(bool(answer) and mv.verify(parsed_gold, answer, timeout_seconds=limit))
+
+    def compare() -> float:
+        answer = mv.parse(response, parsing_timeout=None)
+        return float(bool(answer) and mv.verify(parsed_gold, answer, timeout_seconds=None))
+
+    call = Call(compare, "math-verify")
+    if not wait([call.future], MATH_LIMIT_S).done:  # sympy on a pathological answer: scored 0, as math-verify does
+        call.abandon()
+        return 0.0
+    return call.future.result()
 
 
 BUILTINS = {"exact_match": "reflow.rl.verifiers:exact_match", "math": "reflow.rl.verifiers:math_answer"}

@@ -63,19 +63,20 @@ def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold
 
 @ray.remote(num_cpus=0)
 def _eval_set(generation: tuple, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
-              prompt_index: list[int], store: ExperimentStore, out_dir: str) -> dict:
+              prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
     """One set's eval in one Ray task: generate (`generation`: `rollout_stages.generate`'s arguments), then
     score and record. Scoring in a task of its own, chained on the generation's ref, waited 1.4-2.2 s for
     a worker in 3 of 4 evals of a 25M run (Ray's timeline: the generation done, every worker idle or
     generating the next rollout); here it follows the generation in the same worker."""
-    return _score_and_record(ro.generate(*generation), name, reward_fn, threshold, ks, n, prompt_index, store, out_dir)
+    return _score_and_record(ro.generate(*generation), name, reward_fn, threshold, ks, n, prompt_index, store, out_dir,
+                             fn_timeout_s)
 
 
 def _score_and_record(batch: RolloutBatch, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
-                      prompt_index: list[int], store: ExperimentStore, out_dir: str) -> dict:
-    """Score one set's samples, compute its metrics and write its records (inside Ray: the batch
-    never reaches the driver). Returns the summary."""
-    scored, _ = ro.score(batch, reward_fn)
+                      prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
+    """Score one set's samples (a reward function's calls within `fn_timeout_s` each, reward.fn_timeout_s),
+    compute its metrics and write its records (inside Ray: the batch never reaches the driver). Returns the summary."""
+    scored, _ = ro.score(batch, reward_fn, fn_timeout_s=fn_timeout_s)
     df = sample_table(scored, prompt_index, n, threshold)
     metrics = eval_summary(scored.group_index, scored.rewards, df["correct"].tolist(), df["response_len"].tolist(),
                            scored.finish_reason, ks)
@@ -108,7 +109,7 @@ def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: f
     generation = (rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key, r.generate_fn,
                   r.max_concurrent_requests, r.turn_limits(), adapter)
     return _eval_set.remote(generation, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
-                            [p.index for p in es.prompts], rt.store, out_dir)
+                            [p.index for p in es.prompts], rt.store, out_dir, rt.cfg.reward.fn_timeout_s)
 
 
 def launch(rt: Runtime, version: int, out_dir: str) -> PendingEval:

@@ -208,7 +208,7 @@ def score_batch(cfg: RunConfig, batch: BatchRef, log: Logger | None = None) -> B
     if batch.iteration is not None and (cached := _cached(get_runtime(cfg), batch.iteration, "scored", log)) is not None:
         return cached
     score_kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, overlong_buffer=a.overlong_buffer,
-                    overlong_factor=a.overlong_penalty)
+                    overlong_factor=a.overlong_penalty, fn_timeout_s=cfg.reward.fn_timeout_s)
     ref, stats = _score.remote(batch.ref, reward_source(cfg.reward, cfg.data.reward_fn), **score_kw)
     refs = [stats]
     if a.dynamic_sampling:

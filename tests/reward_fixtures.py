@@ -30,3 +30,12 @@ def dict_reward(prompt: str, response: str, label, *, sample) -> dict:
 
 def dict_without_score(prompt: str, response: str, label) -> dict:
     return {"correct": 1.0}
+
+
+def slow_on_late(prompt: str, response: str, label) -> float:
+    """Answers a response "late" after 1 s: past a short reward.fn_timeout_s."""
+    if response == "late":
+        import time
+
+        time.sleep(1.0)
+    return 1.0

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
+import time
 
 import pandas as pd
 import pytest
@@ -94,6 +96,60 @@ def test_async_reward_fn_runs_concurrently():
     with pytest.raises(RewardError, match="sample 0") as e:
         compute_rewards(broken, ["a"], ["1"], ["1"])
     assert isinstance(e.value.__cause__, ValueError)
+
+
+def test_reward_overflowing_a_float_or_raising_system_exit_is_a_reward_error():
+    """10**400 is a number float() cannot hold; SystemExit and KeyboardInterrupt raised by the function are its
+    failure, not the process's end (`reflow config --check` exited 0 with no output on SystemExit(0))."""
+    with pytest.raises(RewardError, match=r"returned int 1000.*too large for a float.*sample 0"):
+        compute_rewards(lambda p, r, lab: 10**400, ["1+1="], ["2"], ["2"])
+    for exc in (SystemExit(0), KeyboardInterrupt()):
+        def leaves(p, r, lab, exc=exc):
+            raise exc
+
+        async def leaves_async(p, r, lab, exc=exc):
+            raise exc
+
+        for fn in (leaves, leaves_async):
+            with pytest.raises(RewardError, match=rf"{fn.__name__} raised {type(exc).__name__}.*sample 0") as e:
+                compute_rewards(fn, ["1+1="], ["2"], ["2"])
+            assert e.value.__cause__ is exc
+
+
+def _threads_named(prefix: str) -> list:
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+@pytest.mark.parametrize("kind", ["sleeps", "loops in Python", "awaits", "blocks its event loop"])
+def test_a_reward_call_past_its_deadline_fails_naming_the_sample(kind):
+    """Each call has timeout_s (reward.fn_timeout_s); a late answer is never used. A sync call runs in a worker
+    thread, which a call looping in Python is stopped in; one blocked in C ends on its own, abandoned."""
+    def slow(p, r, lab):
+        if r == "late":
+            if kind == "sleeps":
+                time.sleep(1.0)
+            else:
+                while True:
+                    pass
+        return 1.0
+
+    async def slow_async(p, r, lab):
+        if r == "late":
+            await asyncio.sleep(30) if kind == "awaits" else time.sleep(1.0)
+        return 1.0
+
+    fn = slow if kind in ("sleeps", "loops in Python") else slow_async
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=rf"{fn.__name__} did not return within 0.2 s on sample 1 \(prompt='b', "
+                                          r"response='late'\); reward.fn_timeout_s"):
+        compute_rewards(fn, ["a", "b", "c"], ["1", "late", "1"], ["1", "1", "1"], timeout_s=0.2)
+    assert time.monotonic() - t0 < 0.9
+    if kind == "loops in Python":
+        deadline = time.monotonic() + 5
+        while _threads_named("reward ") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not _threads_named("reward "), "the looping call was not stopped"
+    assert compute_rewards(fn, ["a"], ["1"], ["1"], timeout_s=0.2) == [1.0]
 
 
 # ---------------------------------------------------------------- data

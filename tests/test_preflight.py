@@ -126,6 +126,10 @@ def test_reward_module_whose_import_fails(capsys, good, tmp_path, monkeypatch):
     code, out, err = check(capsys, good, "data.reward_fn=broken:score")
     assert (code, out) == (2, "") and err.count("\n") == 1, err
     assert err.startswith("reflow: data.reward_fn='broken:score': importing module 'broken' raised SyntaxError: "), err
+    _module(tmp_path, monkeypatch, "script", "import sys\nsys.exit('usage: script.py FILE')\n")  # a script's exit
+    code, out, err = check(capsys, good, "data.reward_fn=script:score")
+    assert_one_line(code, out, err, "reflow: data.reward_fn='script:score': importing module 'script' raised SystemExit: "
+                                    "usage: script.py FILE; fix that module (run `python -c 'import script'` to see where)")
 
 
 def test_reward_function_that_fails_on_a_row(capsys, good, tmp_path, monkeypatch):
@@ -136,6 +140,22 @@ def test_reward_function_that_fails_on_a_row(capsys, good, tmp_path, monkeypatch
                     f"'{tmp_path}/p.jsonl' with an empty response: reward function strict_reward:score raised "
                     f"ValueError: could not convert string to float: '' on sample 0 (prompt='0+1=', response=''). "
                     f"Make it return a float for any response")
+
+
+@pytest.mark.parametrize("body, what", [
+    ("return 10**400", f"returned int 1{'0' * 59}...(+341 chars), too large for a float"),
+    ("raise SystemExit(0)", "raised SystemExit: 0"),
+    ("while True:\n        pass", "did not return within 0.3 s"),
+])
+def test_reward_function_that_overflows_exits_or_hangs(capsys, good, tmp_path, monkeypatch, body, what):
+    """Each is a failure of the reward function: one line, exit 2 (SystemExit(0) ended `--check` with exit 0 and
+    no output, 10**400 with an OverflowError traceback, and a hang hung it)."""
+    name = f"odd_reward_{body.split()[0]}"  # one module per case: an imported module stays imported
+    _module(tmp_path, monkeypatch, name, f"def score(p, r, l):\n    {body}\n")
+    code, out, err = check(capsys, good, f"data.reward_fn={name}:score", "reward.fn_timeout_s=0.3")
+    assert (code, out) == (2, "") and err.count("\n") == 1, (code, out, err)
+    assert err.startswith(f"reflow: data.reward_fn='{name}:score' fails on the first row of data.path="), err
+    assert f"reward function {name}:score {what}" in err and "sample 0 (prompt='0+1=', response='')" in err, err
 
 
 def test_eval_source_without_the_named_column(capsys, good, tmp_path):

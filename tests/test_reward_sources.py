@@ -135,6 +135,16 @@ def test_timeout_is_a_deadline_for_the_whole_answer(server):
     assert len(server.requests) == 2
 
 
+def test_a_reward_function_past_its_deadline_fails_the_scoring():
+    """The run scores with reward.fn_timeout_s (tasks/rollout.py passes it; eval sets too)."""
+    batch = RolloutBatch([0, 0], ["q", "q"], [[1], [1]], ["7", "late"], [[3], [4, 5]], [[-1.0], [-1.0, -2.0]],
+                         ["stop", "stop"], ["7", "7"])
+    t0 = time.monotonic()
+    with pytest.raises(RewardError, match=r"slow_on_late did not return within 0.2 s on sample 1"):
+        ro.score(batch, "tests.reward_fixtures:slow_on_late", fn_timeout_s=0.2)
+    assert time.monotonic() - t0 < 0.9
+
+
 def test_client_errors_and_malformed_answers_fail_at_once(server):
     server.fail["/ok"], server.fail_with["/ok"] = 1, 401
     with pytest.raises(RewardError, match=r"/ok \(samples 0\.\.1\) answered HTTP 401: overloaded \(not retried\)"):
