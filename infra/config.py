@@ -28,6 +28,11 @@ from reflow.rl.algorithms.base import StrictModel as _Strict
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 
 CREDENTIALS = "credentials_in_url"  # the pydantic error type of a value that embeds credentials
+# Upper bounds of counts that size a loop or an allocation: far past any real run, so that a typo such as
+# rollout.max_new_tokens=1e13 fails here instead of in an engine.
+MAX_TOKENS = 1 << 20  # a response, a prompt: longer than any model's context
+MAX_STEPS = 10_000_000  # iterations, optimizer steps, rows of the synthetic task
+MAX_BATCH = 1_000_000  # prompts or samples in one batch or one micro-batch
 
 
 def _segment(name: str) -> str:
@@ -81,10 +86,10 @@ class DataConfig(_Strict):
     label_key: str = Field("label", description="Column holding the ground truth passed to the reward function.")
     reward_fn: str = Field("reflow.rl.demo_task:reward", description="`module:function` scoring (prompt, response, label) -> float, sync or async; a function that also declares a `sample` parameter gets the sample's finish reason and token counts (reflow.rl.types.Sample).")
     seed: int = Field(0, ge=0, description="Seed of the synthetic task and of the prompt shuffle.")
-    num_train: int = Field(5000, ge=1, description="Synthetic task: number of training prompts.")
-    num_eval: int = Field(200, ge=1, description="Synthetic task: number of held-out prompts.")
+    num_train: int = Field(5000, ge=1, le=MAX_STEPS, description="Synthetic task: number of training prompts.")
+    num_eval: int = Field(200, ge=1, le=MAX_STEPS, description="Synthetic task: number of held-out prompts.")
     digits: int = Field(2, ge=1, le=6, description="Synthetic task: digits per operand.")
-    max_prompt_len: int = Field(64, ge=1, description="Prompts longer than this many tokens are rejected with an error.")
+    max_prompt_len: int = Field(64, ge=1, le=MAX_TOKENS, description="Prompts longer than this many tokens are rejected with an error.")
     chat_template: bool = Field(False, description="Prompts are chat messages (a list of {role, content}, or a string = one user message) rendered by the tokenizer's chat template with the generation prompt; the same token ids go to rollout, training and eval.")
     system_prompt: str | None = Field(None, description="chat_template: a system message put first in every prompt that does not start with its own.")
     metadata_keys: list[str] = Field(default_factory=list, description="task=file: columns of data.path, data.eval_path and file eval sets copied into each prompt's metadata, which a rollout function gets (rollout.generate_fn, `RolloutRequest.metadata`); a file without one of them is an error.")
@@ -115,23 +120,23 @@ class RewardConfig(_Strict):
 class RolloutConfig(_Strict):
     backend: Literal["embedded", "sglang"] = Field("embedded", description="Rollout engine: the embedded torch server or SGLang.")
     num_engines: int = Field(1, ge=1, description="Number of rollout engine actors.")
-    prompts_per_iteration: int = Field(32, ge=1, description="Prompts sampled per rollout iteration.")
-    n_samples_per_prompt: int = Field(8, ge=1, description="Responses per prompt (the GRPO group size).")
+    prompts_per_iteration: int = Field(32, ge=1, le=MAX_BATCH, description="Prompts sampled per rollout iteration.")
+    n_samples_per_prompt: int = Field(8, ge=1, le=MAX_BATCH, description="Responses per prompt (the GRPO group size).")
     temperature: float = Field(1.0, ge=0.0, description="Sampling temperature; 0 means greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 keeps every token.")
-    max_new_tokens: int = Field(8, ge=1, description="Maximum response length in tokens.")
+    max_new_tokens: int = Field(8, ge=1, le=MAX_TOKENS, description="Maximum response length in tokens.")
     skip_special_tokens: bool = Field(True, description="Drop special tokens (eos, pad, ...) when decoding the response text the reward function sees (SGLang's sampling param of this name; eval sets too).")
     no_stop_trim: bool = Field(False, description="Keep the stop token that ended a response at the end of its text (SGLang's sampling param; shows in the text only with skip_special_tokens=false when the stop token is special, like eos). Either way a reward function with a `sample` parameter gets the finish reason.")
     seeded_sampling: bool = Field(True, description="Give every sample its own sampling_seed derived from (seed, iteration, sample), so rollouts are reproducible and a resumed run samples what the uninterrupted one would.")
-    max_batch_size: int = Field(256, ge=1, description="Largest batch an engine decodes at once.")
+    max_batch_size: int = Field(256, ge=1, le=MAX_BATCH, description="Largest batch an engine decodes at once.")
     engine_threads: int = Field(1, ge=1, description="torch threads of each engine process.")
     request_timeout_s: float = Field(600.0, gt=0, description="HTTP timeout of one generate request.")
     node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each engine asks for, e.g. {reflow_engine_node: 0.01}: engines then run only on nodes started with them (`ray start --resources`); empty: any node. docs/scale-out.md.")
     generate_fn: str = Field("reflow.engines.rollout_fns:single_turn", min_length=3, description="`module:function`, an `async def (request, engine) -> Trajectory` rolling out one sample (multi-turn, tools: reflow.engines.rollout_fns); the default single-turn one is served as batched requests.")
     max_concurrent_requests: int = Field(256, ge=1, description="A custom generate_fn: most /generate requests in flight at once over all engines.")
     max_turns: int = Field(4, ge=1, le=100, description="A multi-turn generate_fn: most policy turns per trajectory (each turn's own limit is max_new_tokens).")
-    max_response_tokens: int | None = Field(None, ge=1, description="A multi-turn generate_fn: most tokens after the prompt (policy and tool tokens together); default max_turns * max_new_tokens.")
+    max_response_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="A multi-turn generate_fn: most tokens after the prompt (policy and tool tokens together); default max_turns * max_new_tokens.")
     tool_timeout_s: float = Field(10.0, gt=0.0, le=3600.0, description="A multi-turn generate_fn: a tool call running longer ends the trajectory (reward info `tool_error`), not the run.")
 
     def turn_limits(self) -> Any:
@@ -155,8 +160,8 @@ class CriticConfig(_Strict):
 
     path: str | None = Field(None, description="HF checkpoint folder or URL the critic's backbone starts from; default model.path.")
     lr: float = Field(1e-3, gt=0.0, description="Critic learning rate (constant).")
-    warmup_iterations: int = Field(0, ge=0, description="The critic trains alone for this many first iterations; the policy is not updated.")
-    micro_batch_size: int | None = Field(None, ge=1, description="Samples per critic forward/backward on one rank; default trainer.micro_batch_size.")
+    warmup_iterations: int = Field(0, ge=0, le=MAX_STEPS, description="The critic trains alone for this many first iterations; the policy is not updated.")
+    micro_batch_size: int | None = Field(None, ge=1, le=MAX_BATCH, description="Samples per critic forward/backward on one rank; default trainer.micro_batch_size.")
 
 
 class LoraConfig(_Strict):
@@ -174,14 +179,14 @@ class TrainerConfig(_Strict):
     tf32: bool = Field(False, description="On NVIDIA GPUs, float32 matrix products in the trainer ranks and the embedded engines run on TF32 tensor cores (inputs rounded to a 10-bit mantissa, float32 sums, range and everything between the products: torch.set_float32_matmul_precision('high')), for precision=fp32 (every product) and bf16-mixed (the products autocast leaves in float32, and fp32_lm_head's). No effect on CPU or with precision=bf16. torch's default is off.")
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
     lr_schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Learning-rate decay after warm-up.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up optimizer steps.")
+    warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up optimizer steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
-    micro_batch_size: int = Field(64, ge=1, description="Samples per forward/backward on one rank.")
-    minibatches_per_iteration: int = Field(1, ge=1, description="Optimizer steps per iteration (the batch is split into this many mini-batches).")
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Samples per forward/backward on one rank.")
+    minibatches_per_iteration: int = Field(1, ge=1, le=MAX_BATCH, description="Optimizer steps per iteration (the batch is split into this many mini-batches).")
     threads_per_rank: int = Field(1, ge=1, description="torch threads per trainer rank.")
     node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each trainer (and critic) rank asks for, e.g. {reflow_trainer_node: 0.01}: ranks then run only on nodes started with them; empty: any node. Rank 0's node hosts the process group's rendezvous. docs/scale-out.md.")
-    total_steps_hint: int | None = Field(None, ge=1, description="Steps for decaying schedules; defaults to num_iterations * minibatches_per_iteration.")
+    total_steps_hint: int | None = Field(None, ge=1, le=MAX_STEPS, description="Steps for decaying schedules; defaults to num_iterations * minibatches_per_iteration.")
     compile: AutoOnOff = Field("auto", description="torch.compile each decoder layer (static shapes; micro-batch lengths padded to 4 buckets per octave). auto: on when the trainer runs on CUDA, off on CPU. The compile_graphs metric counts what was compiled.")
     compile_warmup: AutoOnOff = Field("off", description="With compiled layers: compile the trainer's graphs ahead in a process of its own while the run starts (a one-layer model of the same config on the first iteration's shapes), so the first step finds them in inductor's on-disk caches instead of compiling. auto: where the trainer compiles on this machine's NVIDIA GPU; on: also with trainer.compile=on on CPU (14.5 s -> 2.0 s in bench/compile_cache_probe.py); off (default): never. On an H200 the first step took 3.2-3.4 s with 5 graphs from the caches against 8.8-14 s of compiling in earlier runs, but the loop did not start sooner in those runs (bench/RESULTS.md 27): off until one lease compares both. `train`/`demo` commands only.")
     cudnn_attention: bool = Field(True, description="Let torch's attention use cuDNN's kernels (torch's first choice on Hopper; false: flash/memory-efficient kernels only). Measured on the H200 (bench/RESULTS.md 26, bench/gpu.py --variants cudnn vs default, one process each): no difference beyond the ~20 % spread between processes, at the GPU demo's shape or Qwen2.5-0.5B's.")
@@ -228,7 +233,7 @@ class StorageConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    save_interval: int | None = Field(None, ge=1, description="Save every this many completed iterations; a checkpoint is always saved after the last iteration.")
+    save_interval: int | None = Field(None, ge=1, le=MAX_STEPS, description="Save every this many completed iterations; a checkpoint is always saved after the last iteration.")
     save_every_minutes: float | None = Field(10.0, gt=0.0, description="Also save when this many minutes have passed since the run's start or its last save (checked after each iteration), so a crash loses at most about this much work; null: only save_interval, the sentinel and the last iteration.")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept; older ones are deleted (never the one `latest` points to).")
     sentinel: str | None = Field(None, description="Path or URL of a file whose appearance requests a checkpoint after the current iteration; it is removed after the save.")
@@ -261,10 +266,10 @@ class EvalSetConfig(_Strict):
     label_key: str | None = Field(None, description="Column holding the ground truth; default data.label_key.")
     reward_fn: str | None = Field(None, description="`module:function` scoring (prompt, response, label[, *, sample]) like data.reward_fn; default data.reward_fn.")
     correct_threshold: float = Field(1.0, description="A sample counts as correct (for pass@k) when its reward is >= this.")
-    n_samples: int | None = Field(None, ge=1, description="Samples per prompt; default rollout.n_samples_per_prompt, or 1 when greedy.")
+    n_samples: int | None = Field(None, ge=1, le=MAX_BATCH, description="Samples per prompt; default rollout.n_samples_per_prompt, or 1 when greedy.")
     temperature: float | None = Field(None, ge=0.0, description="Sampling temperature; default rollout.temperature; 0 = greedy.")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus sampling mass; default rollout.top_p (1 when greedy).")
-    max_new_tokens: int | None = Field(None, ge=1, description="Maximum response length; default rollout.max_new_tokens.")
+    max_new_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description="Maximum response length; default rollout.max_new_tokens.")
     k: list[int] = Field([1], min_length=1, description="Report pass@k for each k (unbiased estimator; each k <= samples per prompt).")
     max_prompts: int | None = Field(None, ge=1, description="Evaluate only the first this many prompts of the set.")
 
@@ -282,7 +287,7 @@ class EvalConfig(_Strict):
 
     sets: list[EvalSetConfig] = Field(default_factory=lambda: [EvalSetConfig(temperature=0.0)], description="Named eval sets; default: greedy accuracy on the task's held-out split.")
     before_train: bool = Field(True, description="Evaluate the initial policy before training (fresh runs only).")
-    interval: int | None = Field(None, ge=1, description="Evaluate every this many iterations; the last iteration is always evaluated.")
+    interval: int | None = Field(None, ge=1, le=MAX_STEPS, description="Evaluate every this many iterations; the last iteration is always evaluated.")
     blocking: bool = Field(True, description="false: an eval's generation overlaps the next iteration (the next weight push waits for it) and its scoring and records finish in the background; the run waits for every eval before it ends.")
 
     @model_validator(mode="after")
@@ -321,9 +326,9 @@ class RunConfig(_Strict):
 
     experiment: PathSegment = Field("demo", description="Experiment name: storage prefix and Ray namespace.")
     seed: int = Field(0, ge=0, description="Global seed.")
-    num_iterations: int = Field(20, ge=0, description="Total rollout iterations of the run (a target: a resumed run stops when this many iterations are done in total, not this many more).")
+    num_iterations: int = Field(20, ge=0, le=MAX_STEPS, description="Total rollout iterations of the run (a target: a resumed run stops when this many iterations are done in total, not this many more).")
     resume: str = Field("auto", min_length=1, description="`auto`: continue from the latest committed checkpoint of the experiment (if any); `never`: start fresh (refused if the experiment already has checkpoints); or a checkpoint URL.")
-    debug_exit_after: int | None = Field(None, ge=1, description="Stop after this many iterations of this invocation (debugging).")
+    debug_exit_after: int | None = Field(None, ge=1, le=MAX_STEPS, description="Stop after this many iterations of this invocation (debugging).")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
@@ -506,7 +511,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} does not exist (see configs/ for examples)")
         try:
-            data = yaml.safe_load(p.read_text()) or {}
+            data = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                              f"save it as UTF-8") from None
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r} is not valid YAML: {e}") from None
         if not isinstance(data, dict):

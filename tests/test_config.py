@@ -39,6 +39,31 @@ def test_bad_values_name_the_field(override, field):
     assert field in str(e.value)
 
 
+@pytest.mark.parametrize("override, field, message", [
+    ("trainer.lr=1e999", "trainer.lr", "Input should be a finite number"),
+    ("trainer.lr=.nan", "trainer.lr", "Input should be a finite number"),
+    ("rollout.temperature=.inf", "rollout.temperature", "Input should be a finite number"),
+    ("algorithm.tis_cap=inf", "algorithm.tis_cap", "Input should be a finite number"),
+    (f"num_iterations={10**29}", "num_iterations", "Input should be less than or equal to 10000000"),
+    ("rollout.max_new_tokens=1.0e+13", "rollout.max_new_tokens", "Input should be less than or equal to 1048576"),
+    ("eval.sets=[{name: a, max_new_tokens: 10000000000000}]", "eval.sets.0.max_new_tokens",
+     "Input should be less than or equal to 1048576"),
+])
+def test_non_finite_numbers_and_absurd_counts_are_refused(override, field, message):
+    """lr=inf passed and failed in training with three tracebacks; 1e29 iterations and 1e13 tokens passed too."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override])
+    assert f"  {field}: {message}" in str(e.value), str(e.value)
+
+
+def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes("experiment: d\u00e9mo\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=rf"^config file '{bad}' is not UTF-8 text \(invalid continuation byte at "
+                                          rf"byte 13\); save it as UTF-8$"):
+        load_config(bad)
+
+
 def test_bare_on_off_mean_the_words():
     """YAML reads `on`/`off` as booleans: `trainer.compile=on` was refused ("got True") before; a checkpoint's
     config.yaml from before compile_warmup took auto/on/off holds `compile_warmup: false`."""
