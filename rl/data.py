@@ -40,8 +40,10 @@ def read_local(path: str) -> bytes:
     return Path(path.removeprefix("file://")).expanduser().read_bytes()
 
 
-def _parse_jsonl(data: bytes, path: str):
-    """One JSON object per line (blank lines skipped); a bad line is named by its 1-based number."""
+def _parse_jsonl(data: bytes, path: str, label_key: str | None = None, label_field: str = "data.label_key"):
+    """One JSON object per line (blank lines skipped); a bad line is named by its 1-based number. A label
+    (`label_key`) written as NaN or Infinity (Python's json writes them; they are not JSON) is refused:
+    read, it would become a missing label (None) without a word."""
     import json
 
     import pandas as pd
@@ -60,11 +62,15 @@ def _parse_jsonl(data: bytes, path: str):
             raise ValueError(f"{path!r} line {lineno} is not valid JSON ({e.msg}): {line.strip()[:120]!r}") from None
         if not isinstance(obj, dict):
             raise ValueError(f"{path!r} line {lineno} is a JSON {type(obj).__name__}, not an object")
+        label = obj.get(label_key) if label_key is not None else None
+        if isinstance(label, float) and not math.isfinite(label):
+            raise ValueError(f"{path!r} line {lineno}: the label (column {label_key!r}, {label_field}) is "
+                             f"{json.dumps(label)}, not a value; write null for a row without a label")
         records.append(obj)
     return pd.DataFrame.from_records(records)
 
 
-def _read_table(path: str, section: str = "data", read: Reader = read_local):
+def _read_table(path: str, section: str = "data", read: Reader = read_local, label_key: str | None = None):
     import io
 
     import pandas as pd
@@ -77,7 +83,7 @@ def _read_table(path: str, section: str = "data", read: Reader = read_local):
         except (ValueError, OSError) as e:  # pyarrow's errors name a buffer, not the file
             raise ValueError(f"{section} file {path!r} is not a readable parquet file ({str(e)[:200]})") from None
     if name.endswith((".jsonl", ".json")):
-        return _parse_jsonl(read(path), path)
+        return _parse_jsonl(read(path), path, label_key, f"{section}.label_key")
     raise ValueError(f"{section} file {path!r}: unknown file type; expected .jsonl, .json (lines) or .parquet")
 
 
@@ -94,9 +100,9 @@ def read_rows(path: str, prompt_key: str, label_key: str, section: str = "data",
               read: Reader = read_local, metadata_keys: Sequence[str] = ()) -> list[dict]:
     """All rows of a jsonl/parquet file as {"prompt", "label"} dicts, plus {"metadata": {column:
     value}} of the `metadata_keys` columns when any are named; a row whose prompt cell is empty
-    keeps no "prompt" key (reported by `tokenize_prompts`), a missing label or metadata cell becomes
+    keeps no "prompt" key (reported by `tokenize_prompts`), a missing (null) label or metadata cell becomes
     None. `section` names the config section in errors (e.g. "eval.sets.1"); `read` fetches the file."""
-    df = _read_table(path, section, read)
+    df = _read_table(path, section, read, label_key)
     for key, field, holds in ((prompt_key, f"{section}.prompt_key", "prompt text"),
                               (label_key, f"{section}.label_key", "ground truth")):
         if key not in df.columns:

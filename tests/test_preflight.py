@@ -158,6 +158,16 @@ def test_reward_function_that_overflows_exits_or_hangs(capsys, good, tmp_path, m
     assert f"reward function {name}:score {what}" in err and "sample 0 (prompt='0+1=', response='')" in err, err
 
 
+def test_nan_labels_are_refused_naming_the_line(capsys, good, tmp_path):
+    """A NaN (or Infinity) label is not JSON and no ground truth; a missing one (null) stays allowed."""
+    rows = [{"q": f"{i}+1=", "a": str(i + 1)} for i in range(12)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "p.jsonl").write_text(text + '{"q": "x", "a": NaN}\n{"q": "y", "a": null}\n')
+    code, out, err = check(capsys, good)
+    assert_one_line(code, out, err, f"reflow: '{tmp_path}/p.jsonl' line 13: the label (column 'a', data.label_key) "
+                                    f"is NaN, not a value; write null for a row without a label")
+
+
 def test_eval_source_without_the_named_column(capsys, good, tmp_path):
     code, out, err = check(capsys, good, f"eval.sets=[{{name: extra, source: {tmp_path}/p.jsonl, label_key: answer}}]")
     assert_one_line(code, out, err,
