@@ -1,8 +1,8 @@
 """`reflow` command line: bootstrap the demo policy, train, run the demo, check a config.
 
 A user error (a bad config, a missing file or column, a reward function that does not import or
-score, unreachable storage, a Prefect server that does not start) ends the command with one
-`reflow: ...` line naming the field or file and the fix, and exit code 2; `--debug` raises it
+score, before or during the run, unreachable storage, a Prefect server that does not start) ends the command
+with one `reflow: ...` line naming the field or file and the fix, and exit code 2; `--debug` raises it
 instead, with its traceback. `train` and `demo` run the preflight (infra/preflight.py) before Ray
 starts and before any flow runs (Prefect's temporary server, where one is used, starts meanwhile and is
 stopped when the preflight fails); `config --check` runs it alone."""
@@ -603,6 +603,15 @@ def main(argv: list[str] | None = None) -> None:
         if getattr(args, "debug", False):
             raise
         print(f"reflow: {e}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    except Exception as e:
+        from reflow.rl.rewards import reward_failure
+
+        # A reward that fails during the run (NaN on real responses, say) is the user's to fix, like a bad input:
+        # its one line (the terminal left out the flow runs' tracebacks of it: infra/console.py).
+        if (failure := reward_failure(e)) is None or getattr(args, "debug", False):
+            raise
+        print(f"reflow: {failure}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
 
 

@@ -183,7 +183,18 @@ def _logs_above_bar():
     consoles = [h for h in root.handlers if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr, sys.stdout)]
     with logging_redirect_tqdm(loggers=[root]):
         root.handlers[-1].setLevel(min((h.level for h in consoles), default=logging.WARNING))
+        if quiet():
+            root.handlers[-1].addFilter(_no_reward_failures)
         yield
+
+
+def _no_reward_failures(record: logging.LogRecord) -> bool:
+    """Quiet terminal: leave out the records of a reward that failed during the run (the iteration's flow run
+    and the train flow run each log it with its traceback, ~80 lines each); the command ends with its one
+    line (flows/cli.py), and the UI's logs keep the records."""
+    from reflow.rl.rewards import reward_failure
+
+    return not (record.exc_info and reward_failure(record.exc_info[1]) is not None)
 
 
 def quiet() -> bool:

@@ -91,6 +91,20 @@ def _import(spec: str, mod_name: str, field: str):
                          f"fix that module (run `python -c 'import {mod_name}'` to see where)") from e
 
 
+def reward_failure(error: BaseException | None) -> RewardError | None:
+    """The RewardError behind `error`, however it came: raised, chained, or as Ray hands over a task's
+    error (RayTaskError(RewardError), whose text holds the remote traceback and whose `cause` is the
+    error itself); None when there is none."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        cause = getattr(error, "cause", None)
+        if isinstance(error, RewardError) and not isinstance(cause, BaseException):
+            return error
+        error = cause if isinstance(cause, BaseException) else error.__cause__
+    return None
+
+
 def _check_value(who: str, i: int, prompt: str, response: str, value: Any, what: str = "") -> float:
     bad = None
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

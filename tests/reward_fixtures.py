@@ -39,3 +39,8 @@ def slow_on_late(prompt: str, response: str, label) -> float:
 
         time.sleep(1.0)
     return 1.0
+
+
+def nan_on_answers(prompt: str, response: str, label) -> float:
+    """A finite reward for the empty response the preflight scores, NaN for every real one."""
+    return float("nan") if response else 0.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -89,3 +90,18 @@ def test_a_temporary_server_that_does_not_start_ends_with_one_line(tiny_policy, 
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"), err[-3000:]
     assert "export PREFECT_API_URL=" in err
 
+
+def test_a_reward_that_fails_during_the_run_ends_it_with_one_line(server_env, tiny_policy, tmp_path):
+    """NaN only on real responses: the preflight's empty response scores 0, so the run starts, and its first
+    scoring fails. That ended in 229 lines (the same traceback logged by the iteration's flow run, by the train
+    flow run, then raised); now one `reflow:` line naming the function, the sample and the value, exit 2. The
+    UI's logs keep the tracebacks."""
+    cfg = write_config(tmp_path / "nan.yaml", tiny_policy, f"file://{tmp_path}/runs", "nan-reward", num_iterations=1,
+                       **{"data.reward_fn": "tests.reward_fixtures:nan_on_answers"})
+    rc, out, err = _reflow(["train", "-c", str(cfg)], server_env, tmp_path)
+    assert rc == 2 and "{" not in out, (rc, out, err[-3000:])  # no summary: the run failed
+    assert "Traceback" not in err, err[-3000:]
+    lines = [line for line in err.splitlines() if line.strip() and not line.startswith("train:")]
+    assert re.fullmatch(r"reflow: reward function tests\.reward_fixtures:nan_on_answers returned nan, expected a finite "
+                        r"float for sample \d+ \(prompt='[^']*', response='[^']+'\)", lines[-1]), err[-3000:]
+    assert len(lines) <= 3, lines  # the server line, the new experiment's signing-key warning, the error
