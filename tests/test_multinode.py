@@ -1,16 +1,24 @@
 """Engines and trainer ranks on different Ray nodes (issue 23; docs/scale-out.md).
 
-The slow test builds a two-node cluster on this machine from two separate `ray start` processes with
-token auth: a head offering `reflow_engine_node` and a worker offering `reflow_trainer_node`. Ray's
-`ray start --address` refuses to add a node while the loopback-only switch is on, and without it Ray
-swaps 127.0.0.1 for the machine's own address, so both nodes use this machine's address (what a real
-cluster does), guarded by the token. The quick tests check the pieces without Ray.
+The slow test builds a two-node cluster from two hosts of its own: two network namespaces joined by a
+veth pair (`reflow-test-<pid>-<tag>-a` and `-b`, addresses .1 and .2 of a private 10.x.y.0/24 that no
+route of this machine covers), so its nodes have non-loopback addresses (`ray start --address` refuses a
+node on loopback) while every packet stays inside what the test made (tests may talk to loopback or to
+namespaces they create, never to this machine's own address). Host A runs the head (`reflow cluster up
+--host <A> --resources '{"reflow_engine_node": 1}'`, token auth), a Prefect server on A's own loopback and
+the `reflow` commands; host B a second `ray start --address` offering `reflow_trainer_node`. It needs root
+(`ip netns add`) and is skipped, saying why, where namespaces cannot be made. The quick tests check the
+pieces without Ray.
 """
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
-import socket
+import re
+import secrets
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -22,7 +30,7 @@ from reflow.engines.ray_nodes import label, offering, unplaced_message
 from reflow.infra import ray_head
 from reflow.infra.config import ConfigError, load_config
 from reflow.infra.placement import bundles, layout_problem
-from tests.ckpt_fixtures import REFLOW, REPO, free_port, reap, run_train, write_config
+from tests.ckpt_fixtures import REFLOW, REPO, reap, write_config
 
 ENGINE_RES, TRAINER_RES = "reflow_engine_node", "reflow_trainer_node"
 
@@ -93,17 +101,108 @@ def test_cluster_status_text_names_each_actors_node_and_up_takes_resources():
             _resources_arg(bad)
 
 
-# ---------------------------------------------------------------- slow: a two-node cluster
+# ---------------------------------------------------------------- slow: a two-node cluster in namespaces of its own
 
 
-def machine_ip() -> str:
-    """The address Ray gives a node here (the route out; no packet is sent)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+IFACE = "reflow0"  # both ends of the veth pair carry this name, each in its own namespace
+PREFECT_PORT = 4200  # in namespace A's own loopback, so no other server can hold it
+
+
+def ip_cmd(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def private_subnet() -> ipaddress.IPv4Network:
+    """A /24 in 10.100.0.0-10.199.255.0 that no route or address of this machine's own namespace covers
+    (picked by pid, so parallel runs differ): the test's addresses never name anything outside it."""
+    routes = json.loads(ip_cmd("-4", "-j", "route", "show", "table", "all").stdout or "[]")
+    taken = [ipaddress.ip_network(r["dst"], strict=False) for r in routes if r.get("dst", "default") != "default"]
+    start = os.getpid() % 25000
+    for i in range(25000):
+        k = (start + i) % 25000
+        net = ipaddress.ip_network(f"10.{100 + k // 250}.{k % 250}.0/24")
+        if not any(net.overlaps(t) for t in taken):
+            return net
+    raise AssertionError("no /24 in 10.100.0.0-10.199.249.0 is free of this machine's routes")
+
+
+class TwoHosts:
+    """Two network namespaces joined by one veth pair: host A (`<name>-a`, `.ip_a`) and host B (`<name>-b`,
+    `.ip_b`). Each has its loopback and the veth end, no other interface and no default route, so a process
+    started in them (`ip netns exec`) reaches the other host and its own loopback, nothing else. The
+    filesystem and process table are shared (file:// storage, a token file, killing by PID work as usual)."""
+
+    def __init__(self) -> None:
+        tag = f"{os.getpid()}-{secrets.token_hex(2)}"  # unique per test run
+        self.a, self.b = f"reflow-test-{tag}-a", f"reflow-test-{tag}-b"
+        net = private_subnet()
+        self.ip_a, self.ip_b, self.prefix = str(net[1]), str(net[2]), net.prefixlen
+        self.made: list[str] = []
+
+    def create(self) -> TwoHosts:
+        for ns in (self.a, self.b):
+            ip_cmd("netns", "add", ns)
+            self.made.append(ns)
+        ip_cmd("link", "add", IFACE, "netns", self.a, "type", "veth", "peer", "name", IFACE, "netns", self.b)
+        for ns, addr in ((self.a, self.ip_a), (self.b, self.ip_b)):
+            ip_cmd("-n", ns, "link", "set", "lo", "up")
+            ip_cmd("-n", ns, "addr", "add", f"{addr}/{self.prefix}", "dev", IFACE)
+            ip_cmd("-n", ns, "link", "set", IFACE, "up")
+        return self
+
+    @staticmethod
+    def run_in(ns: str) -> list[str]:
+        return ["ip", "netns", "exec", ns]
+
+    @staticmethod
+    def kill_all(ns: str) -> None:
+        """SIGKILL every process in `ns`: a machine that vanished."""
+        for _ in range(20):  # a dying parent may still start a child: until none is left
+            pids = [int(p) for p in ip_cmd("netns", "pids", ns, check=False).stdout.split()]
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
+    def remove(self) -> None:
+        for ns in self.made:
+            self.kill_all(ns)
+            ip_cmd("netns", "del", ns, check=False)  # takes the veth pair with it
+        self.made.clear()
+
+
+def remove_stale_namespaces() -> None:
+    """Namespaces a killed earlier test run (its finally never ran) left behind: its pid is gone."""
+    for ns in ip_cmd("netns", "list", check=False).stdout.split():
+        if (m := re.fullmatch(r"reflow-test-(\d+)-[0-9a-f]{4}-[ab]", ns)) and not Path(f"/proc/{m[1]}").exists():
+            TwoHosts.kill_all(ns)
+            ip_cmd("netns", "del", ns, check=False)
+
+
+@pytest.fixture
+def two_hosts():
+    """A TwoHosts made for this test and removed afterwards (its processes killed first); skipped where this
+    machine cannot make network namespaces (not root, no `ip`, or no permission, e.g. in a container)."""
+    if os.geteuid() != 0:
+        pytest.skip("the two-node test makes network namespaces of its own (ip netns add): that needs root")
+    if shutil.which("ip") is None:
+        pytest.skip("the two-node test makes network namespaces with `ip netns` (iproute2), not installed here")
+    remove_stale_namespaces()
+    hosts = None
+    try:
         try:
-            s.connect(("8.8.8.8", 80))
-            return s.getsockname()[0]
-        except OSError:
-            return "127.0.0.1"
+            hosts = TwoHosts()  # picks the subnet (`ip route`)
+            hosts.create()
+        except subprocess.CalledProcessError as e:
+            pytest.skip(f"cannot make network namespaces here ({' '.join(e.cmd)}: {e.stderr.strip()})")
+        yield hosts
+    finally:
+        if hosts is not None:
+            hosts.remove()
 
 
 # The GCS declares a node dead after health checks fail; Ray's defaults take ~30 s, these ~2 s.
@@ -111,32 +210,161 @@ FAST_HEALTH = {"RAY_health_check_initial_delay_ms": "1000", "RAY_health_check_pe
                "RAY_health_check_timeout_ms": "500", "RAY_health_check_failure_threshold": "3"}
 
 
-class Worker:
-    """A second Ray node (`ray start --address --block` in its own session), killed hard by `kill`."""
+def node_env(hosts: TwoHosts) -> dict[str, str]:
+    """This process's environment without Ray's variables (e.g. an earlier test's loopback switch), for Ray
+    processes of the two hosts. gloo (the weight-update group) takes the address the hostname resolves to,
+    loopback here, which the other host cannot reach: GLOO_SOCKET_IFNAME names the veth end instead."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "REFLOW_FAULT_"))}
+    return {**env, "RAY_USAGE_STATS_ENABLED": "0", "GLOO_SOCKET_IFNAME": IFACE}
 
-    def __init__(self, head: ray_head.HeadInfo, log: Path):
-        self.head, self.log, self.proc = head, log, None
+
+STARTED = b"Ray runtime started."  # what `ray start` logs once its node has registered with the GCS
+NODE_ATTEMPTS = 3
+
+
+def tail(log: Path, n: int = 3000) -> str:
+    return log.read_text(errors="replace")[-n:] if log.is_file() else f"({log} is missing)"
+
+
+def node_up(log: Path, offset: int, alive, what: str, timeout_s: float = 120) -> bool:
+    """Whether `ray start` (logging to `log` from byte `offset`) brought its node up (True) or ended first
+    (False, the caller starts it again). Its raylet gives the node's agents 15 s to write their ports (Ray's
+    own limit, not a setting) and aborts after; on a loaded 2-core machine their imports took longer."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if log.is_file() and STARTED in log.read_bytes()[offset:]:
+            return True
+        if not alive():
+            print(f"{what} ended while starting; starting it again: {tail(log, 300)}")
+            return False
+        time.sleep(0.2)
+    raise AssertionError(f"{what}: not up within {timeout_s:.0f}s: {tail(log)}")
+
+
+def start_head(hosts: TwoHosts, state: Path, env: dict[str, str]) -> ray_head.HeadInfo:
+    """`reflow cluster up` on host A, with the engine resource; started again (what it left killed) when its
+    node ends while starting."""
+    log, what = state / "head.log", f"the head node on {hosts.a}"
+    for _ in range(NODE_ATTEMPTS):
+        offset = log.stat().st_size if log.is_file() else 0  # `up` appends to its log
+        up = in_a(hosts, [REFLOW, "cluster", "up", "--state-dir", str(state), "--host", hosts.ip_a, "--num-cpus", "4",
+                          "--resources", json.dumps({ENGINE_RES: 1})], env, timeout=120)
+        head = ray_head.read_head(state)
+        assert up.returncode == 0 and head is not None, up.stdout + up.stderr
+        if node_up(log, offset, lambda: ray_head.read_head(state) is not None, what):
+            return head
+        hosts.kill_all(hosts.a)
+    raise AssertionError(f"{what} ended while starting, {NODE_ATTEMPTS} times: {tail(log)}")
+
+
+class Worker:
+    """The second Ray node, host B: `ray start --address --block` in its own session; `kill` ends every
+    process of host B (no goodbye to the GCS). Each start logs to a file of its own (`worker-<n>.log`)."""
+
+    def __init__(self, hosts: TwoHosts, head: ray_head.HeadInfo, logs: Path):
+        self.hosts, self.head, self.logs, self.proc, self.starts = hosts, head, logs, None, 0
+
+    @property
+    def log(self) -> Path:
+        return self.logs / f"worker-{self.starts}.log"
 
     def start(self) -> Worker:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update({k: v for k, v in self.head.env().items() if k != "RAY_ADDRESS"}, RAY_USAGE_STATS_ENABLED="0")
-        cmd = [str(Path(sys.executable).with_name("ray")), "start", f"--address={self.head.address}", "--block",
-               "--num-cpus=2", f"--resources={json.dumps({TRAINER_RES: 1})}", "--disable-usage-stats",
-               f"--dashboard-agent-listen-port={free_port()}"]  # the head's agent holds Ray's default port
-        with open(self.log, "ab") as out:
+        self.starts += 1
+        env = {**node_env(self.hosts), **{k: v for k, v in self.head.env().items() if k != "RAY_ADDRESS"}}
+        cmd = [*self.hosts.run_in(self.hosts.b), str(Path(sys.executable).with_name("ray")), "start",
+               f"--address={self.head.address}", f"--node-ip-address={self.hosts.ip_b}", "--block",
+               "--num-cpus=2", f"--resources={json.dumps({TRAINER_RES: 1})}", "--disable-usage-stats"]
+        with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         return self
 
+    def wait_started(self) -> Worker:
+        """Until the node is up; started again (what it left killed) when it ends while starting."""
+        what = f"the worker node on {self.hosts.b}"
+        for attempt in range(1, NODE_ATTEMPTS + 1):
+            if node_up(self.log, 0, lambda: self.proc is not None and self.proc.poll() is None, what):
+                return self
+            if attempt < NODE_ATTEMPTS:
+                self.kill()
+                self.start()
+        raise AssertionError(f"{what} ended while starting, {NODE_ATTEMPTS} times: {tail(self.log)}")
+
     def kill(self) -> None:
-        """SIGKILL the node's process group (raylet, agents): a machine that vanished, no goodbye to the GCS."""
+        """SIGKILL the node (raylet, agents, the trainer's worker process): a machine that vanished."""
         if self.proc is not None:
             reap(self.proc)
             self.proc = None
+        self.hosts.kill_all(self.hosts.b)
 
 
-def status(env: dict[str, str]) -> dict:
-    out = subprocess.run([REFLOW, "cluster", "status", "--json"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=60)
+def in_a(hosts: TwoHosts, args: list[str], env: dict[str, str], log: Path | None = None, **kw):
+    """`args` run on host A: a finished CompletedProcess, or (with `log`) a started Popen in its own
+    session writing to `log` (its `.log_path`); end it with `reap`."""
+    cmd = [*hosts.run_in(hosts.a), *args]
+    if log is None:
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, **kw)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    proc.log_path = log
+    return proc
+
+
+def train(hosts: TwoHosts, config: Path, env: dict[str, str]) -> subprocess.Popen:
+    """`reflow train` on host A in its own session, as tests.ckpt_fixtures.run_train starts it (output in
+    `<config>.log`, `.log_path`); end it with `reap`."""
+    return in_a(hosts, [REFLOW, "train", "--verbose", "-c", str(config)], env, log=config.with_suffix(".log"))
+
+
+def wait_for_prefect(hosts: TwoHosts, server: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until the Prefect server on host A's loopback answers /api/health (asked from host A)."""
+    poll = ("import sys, time, urllib.request\n"
+            f"deadline = time.monotonic() + {timeout_s}\n"
+            "while time.monotonic() < deadline:\n"
+            "    try:\n"
+            f"        urllib.request.urlopen('http://127.0.0.1:{PREFECT_PORT}/api/health', timeout=2); sys.exit(0)\n"
+            "    except OSError:\n"
+            "        time.sleep(0.3)\n"
+            "sys.exit(1)\n")
+    out = in_a(hosts, [sys.executable, "-c", poll], {"PATH": os.environ.get("PATH", "")}, timeout=timeout_s + 30)
+    assert out.returncode == 0 and server.poll() is None, \
+        f"the Prefect server on host A did not come up: {server.log_path.read_text()[-2000:]}"
+
+
+@pytest.fixture
+def two_nodes(two_hosts, tmp_path):
+    """(hosts, head, worker node, env for `reflow` on host A). Host A runs the Ray head (with the engine
+    resource), a Prefect server on its own loopback (a driver there cannot reach the session's server) and
+    the runs' drivers; host B the worker node (the trainer resource), started but not waited for. Everything
+    is SIGKILLed afterwards."""
+    hosts = two_hosts
+    state = tmp_path / "cluster"
+    base = {**node_env(hosts), "PYTHONPATH": str(REPO)}
+    prefect_env = {k: v for k, v in base.items() if not k.startswith("PREFECT_")}
+    prefect_env.update(PREFECT_HOME=str(tmp_path / "prefect_home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                       PREFECT_SERVER_UI_API_URL=f"http://127.0.0.1:{PREFECT_PORT}/api")
+    server = worker = None
+    try:
+        # The head first, alone (its agents must start within 15 s: node_up). Its GCS reads FAST_HEALTH from
+        # the environment `reflow cluster up` gives it.
+        head = start_head(hosts, state, {**base, **FAST_HEALTH})
+        server = in_a(hosts, [str(Path(sys.executable).with_name("prefect")), "server", "start", "--host",
+                              "127.0.0.1", "--port", str(PREFECT_PORT), "--no-ui", "--no-services", "--analytics-off"],
+                      prefect_env, log=tmp_path / "prefect.log")
+        worker = Worker(hosts, head, tmp_path).start()  # the test waits for it while its first run starts
+        wait_for_prefect(hosts, server)
+        env = {**prefect_env, **head.env(), "REFLOW_CLUSTER_DIR": str(state),
+               "PREFECT_API_URL": f"http://127.0.0.1:{PREFECT_PORT}/api"}
+        yield hosts, head, worker, env
+    finally:  # no `reflow cluster down` (a graceful stop, seconds): every process of the hosts is killed
+        if worker is not None:
+            worker.kill()
+        hosts.kill_all(hosts.a)
+        if server is not None:
+            reap(server)
+
+
+def status(hosts: TwoHosts, env: dict[str, str]) -> dict:
+    out = in_a(hosts, [REFLOW, "cluster", "status", "--json"], env, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     return json.loads(out.stdout)
 
@@ -150,52 +378,28 @@ def wait_for(what: str, check, timeout_s: float, every_s: float = 0.5):
     raise AssertionError(f"{what}: not within {timeout_s:.0f}s")
 
 
-@pytest.fixture
-def two_nodes(tmp_path, monkeypatch):
-    """(head, worker node, env for `reflow` subprocesses); the head and every node stopped afterwards."""
-    ip = machine_ip()
-    if ip.startswith("127."):
-        pytest.skip("this machine has no address but loopback, where `ray start --address` cannot add a node")
-    for k in [k for k in os.environ if k.startswith("RAY_")]:  # e.g. an earlier test's loopback switch
-        monkeypatch.delenv(k)
-    for k, v in FAST_HEALTH.items():  # read by the head's GCS, which `up` starts with this environment
-        monkeypatch.setenv(k, v)
-    state = tmp_path / "cluster"
-    head, _ = ray_head.up(state, port=free_port(), num_cpus=4, host=ip, resources={ENGINE_RES: 1})
-    worker = Worker(head, tmp_path / "worker.log")
-    try:
-        worker.start()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("REFLOW_FAULT_")}
-        env.update(head.env(), REFLOW_CLUSTER_DIR=str(state), PYTHONPATH=str(REPO))
-        yield head, worker, env
-    finally:
-        worker.kill()
-        ray_head.down(state)
-
-
 def latest(root: Path) -> int | None:
     f = root / "checkpoints" / "latest"
     return int(f.read_text().strip().rpartition("_")[2]) if f.is_file() else None
 
 
 @pytest.mark.slow
-def test_engines_and_trainers_on_two_nodes_lose_a_node_then_resume(two_nodes, prefect_server, tiny_policy, tmp_path):
-    from prefect.settings import PREFECT_API_URL
-
-    head, worker, env = two_nodes
-    env.update(PREFECT_API_URL=PREFECT_API_URL.value(), PREFECT_HOME=os.environ["PREFECT_HOME"])
+def test_engines_and_trainers_on_two_nodes_lose_a_node_then_resume(two_nodes, tiny_policy, tmp_path):
+    hosts, head, worker, env = two_nodes
     root = tmp_path / "runs" / "twonode"
     layout = {"rollout.node_resources": {ENGINE_RES: 0.01}, "trainer.node_resources": {TRAINER_RES: 0.01},
               "weight_sync.mode": "distributed", "weight_sync.verify": "full", "cluster.bind_host": "0.0.0.0",
               "cluster.placement_timeout_s": 20.0, "fault_tolerance.max_trainer_recoveries": 1}
     cfg = write_config(tmp_path / "run1.yaml", tiny_policy, f"file://{tmp_path}/runs", "twonode", num_iterations=200,
                        **layout)
-    run = run_train(cfg, env, background=True)
+    run = train(hosts, cfg, env)
     try:
-        wait_for("a committed checkpoint", lambda: latest(root), 180)  # the worker node joined meanwhile
-        st = status(env)  # Ray's node and actor tables, as `reflow cluster status` shows them
+        worker.wait_started()  # while the run starts (its trainer rank waits cluster.placement_timeout_s for it)
+        wait_for("a committed checkpoint", lambda: latest(root), 180)
+        st = status(hosts, env)  # Ray's node and actor tables, as `reflow cluster status` shows them
         where = {next(iter(n["custom_resources"])): n["node"] for n in st["nodes"] if n["alive"]}
         assert where.keys() == {ENGINE_RES, TRAINER_RES} and where[ENGINE_RES] != where[TRAINER_RES], st["nodes"]
+        assert where[ENGINE_RES].endswith(f"@{hosts.ip_a}") and where[TRAINER_RES].endswith(f"@{hosts.ip_b}"), where
         actors = {row["actor"]: row["node"] for row in st["actors"]}
         assert actors["engine-0"] == where[ENGINE_RES] and actors["policy-trainer-0"] == where[TRAINER_RES], actors
         metrics = json.loads((root / "iterations" / "000000" / "metrics.json").read_text())
@@ -218,10 +422,16 @@ def test_engines_and_trainers_on_two_nodes_lose_a_node_then_resume(two_nodes, pr
     assert failed_after < 90, f"the run took {failed_after:.0f}s to fail after its trainer node died"
     path = "recovery, not placed" if "was not placed on any node" in final else "actor died"
     step = latest(root)
-    worker.start()  # the node comes back (the next run's trainer rank waits for it); that run resumes
+    worker.start()  # the node comes back while the next run starts; that run resumes
     cfg2 = write_config(tmp_path / "run2.yaml", tiny_policy, f"file://{tmp_path}/runs", "twonode",
                         num_iterations=step + 1, **layout)
-    rc, out = run_train(cfg2, env, timeout=240)
+    run = train(hosts, cfg2, env)
+    try:
+        worker.wait_started()
+        rc = run.wait(timeout=240)
+    finally:
+        reap(run)
+    out = run.log_path.read_text()
     assert rc == 0, out[-4000:]
     assert f"iter_{step:06d}: {step} iterations done" in out, out[-4000:]  # resumed from it
     assert latest(root) == step + 1, out[-4000:]
