@@ -233,7 +233,7 @@ def _listed_files(ck: Checkpoint, manifest: bytes) -> dict:
             raise CheckpointInvalid(str(e)) from None
         if not ck.store.exists(ck.rel(rel)):
             raise CheckpointInvalid(f"{ck.url}: {rel} is listed in the manifest but missing")
-        if ck.store.size(ck.rel(rel)) != meta["bytes"]:
+        if ck.store.size(ck.rel(rel)) != meta.get("bytes"):
             raise CheckpointInvalid(f"{ck.url}: {rel} has the wrong size")
     return files
 
