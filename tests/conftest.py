@@ -94,10 +94,8 @@ def ray_cluster():
     """A real local Ray cluster shared by the whole test session."""
     import ray
 
-    from reflow.infra.ray_head import worker_pool_config
-
     from reflow.infra.ray_connect import _closed_local_cluster
-    from reflow.infra.ray_head import private_temp_dir
+    from reflow.infra.ray_head import private_temp_dir, worker_pool_config
 
     # Closed as a run's own cluster is (infra/ray_connect.py): loopback only (else Ray's processes listen on, and
     # talk to each other over, the machine's interface address, which tests must not send to), token auth, and a
