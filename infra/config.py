@@ -22,7 +22,15 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from reflow.infra.guards import SEGMENT_PATTERN, check_segment, credential_problem, credentials_message
+from reflow.infra.guards import (
+    CREDENTIAL_CHAIN,
+    SEGMENT_PATTERN,
+    TOKEN_ENV,
+    check_segment,
+    credential_problem,
+    credentials_message,
+    secret_name,
+)
 from reflow.rl.algorithms import SPECS, AlgorithmConfig, GRPOConfig
 from reflow.rl.algorithms.base import StrictModel as _Strict
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
@@ -113,7 +121,8 @@ class RewardConfig(_Strict):
     @model_validator(mode="after")
     def _http_needs_url(self) -> RewardConfig:
         if self.type == "http" and not (self.url or "").startswith(("http://", "https://")):
-            raise ValueError(f"reward.type=http needs reward.url, an http:// or https:// URL (got {self.url!r})")
+            raise ValueError(f"reward.type=http needs reward.url, an http:// or https:// URL "
+                             f"(got {_shown(repr(self.url))})")
         return self
 
 
@@ -475,10 +484,13 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def _echo(error: Any) -> str:
-    """` (got <input>)` for an error's message; nothing for a section, and never a value with credentials
-    (an unknown key or a wrongly typed value may hold a URL too)."""
-    if "input" not in error or isinstance(error["input"], dict):
+    """` (got <input>)` for an error's message; nothing for a section or an unknown key (a secret put under a
+    key reflow does not have, `storage.aws_secret_access_key=...`, would be printed), `(got <redacted>)` under
+    a key named like a credential (`reward.token_env`), and never a value with credentials in it."""
+    if "input" not in error or isinstance(error["input"], dict) or error["type"] == "extra_forbidden":
         return ""
+    if any(secret_name(str(part)) for part in error["loc"]):
+        return " (got <redacted>)"
     return f" (got {_shown(repr(error['input']))})"
 
 
@@ -498,7 +510,10 @@ def format_errors(err: ValidationError, source: str, strip: int = 0) -> str:
             lines.append(f"  {e['msg']}")
             continue
         loc = ".".join(parts) or "<root>"
-        lines.append(f"  {loc}: {e['msg']}{_echo(e)}")
+        hint = (f"; credentials never go in the config (it is saved in storage and in flow-run parameters): "
+                f"for storage, {CREDENTIAL_CHAIN}; for a reward server, {TOKEN_ENV}"
+                if e["type"] == "extra_forbidden" and parts and secret_name(parts[-1]) else "")
+        lines.append(f"  {loc}: {e['msg']}{_echo(e)}{hint}")
     return "\n".join(lines)
 
 
