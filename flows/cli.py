@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from reflow.infra import console
+from reflow.infra import console, signing
 
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 TOOLS_DEMO_CONFIG = DEMO_CONFIG.with_name("demo-tools.yaml")  # `reflow demo --task tools`
@@ -590,6 +590,9 @@ def _ray_env_for(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # The checkpoint-signing key stays in this process's memory, out of the environment Prefect's temporary
+    # server, Ray's processes and every other child would inherit (infra/signing.py).
+    signing.hold_env_key()
     args = build_parser().parse_args(argv)
     _ray_env_for(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

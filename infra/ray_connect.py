@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ray
 
-from reflow.infra import console
+from reflow.infra import console, signing
 from reflow.infra.ray_head import private_temp_dir, ray_env, read_head, use_ray_env, worker_pool_config, write_token
 
 log = logging.getLogger("reflow.ray")
@@ -55,6 +55,7 @@ def connect(address: str | None, num_cpus: int | None, namespace: str, logging_l
 
 
 def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None) -> str:
+    signing.hold_env_key()  # a local cluster's processes inherit this environment: the signing key stays here
     level = console.ray_logging_level() if logging_level is None else logging_level
     address = address or os.environ.get("RAY_ADDRESS")
     if address:

@@ -10,7 +10,8 @@ before any rank fetches a file (infra/checkpoint.py `check`) and hands the ranks
 
 The key, first match wins:
   1. `checkpoint.signing_key_secret`: the name of a Prefect Secret block (loaded only when named);
-  2. the environment variable REFLOW_CHECKPOINT_KEY;
+  2. the environment variable REFLOW_CHECKPOINT_KEY, read by the driver and then removed from its
+     environment (`hold_env_key`), so that Ray's processes and other children never inherit it;
   3. this machine's key for the experiment, generated on its first save: <keys dir>/<experiment>.key
      (mode 0600; <keys dir> is $REFLOW_KEYS_DIR, else <Prefect home>/reflow-keys).
 The key is the text itself (at least 32 characters), so a key file's content works as
@@ -140,6 +141,22 @@ class Keyring:
         return "; ".join(held) or f"none: {KEY_ENV} is not set and {self.directory} holds no key files"
 
 
+# $REFLOW_CHECKPOINT_KEY as this process found it, once `hold_env_key` took it out of the environment.
+_HELD: list[str] = []
+
+
+def hold_env_key() -> None:
+    """Move $REFLOW_CHECKPOINT_KEY from this process's environment into this module's memory, where `keyring`
+    still finds it. Called by the driver before it starts children (the CLI first thing; `ray_connect.connect`
+    before Ray starts): a local Ray cluster's processes, engines and trainer ranks included, Prefect's temporary
+    server and any subprocess inherit the driver's environment, and none of them needs the key (the driver
+    verifies checkpoints and hands the ranks the verified digests: infra/checkpoint.py). Repeated calls keep
+    the first key unless the variable is set again (then the new one)."""
+    value = os.environ.pop(KEY_ENV, None)
+    if value:
+        _HELD[:] = [value]
+
+
 def keyring(experiment: str, secret_block: str | None = None, trust_unsigned: bool = False) -> Keyring:
     """The keys for `experiment`: a Prefect Secret block when one is named, else $REFLOW_CHECKPOINT_KEY,
     else this machine's generated key (see the module docstring)."""
@@ -147,9 +164,9 @@ def keyring(experiment: str, secret_block: str | None = None, trust_unsigned: bo
     if secret_block:
         source = f"Prefect Secret block {secret_block!r} (checkpoint.signing_key_secret)"
         configured = _usable(_secret_value(secret_block, source), source)
-    elif os.environ.get(KEY_ENV):
+    elif os.environ.get(KEY_ENV) or _HELD:
         source = f"${KEY_ENV}"
-        configured = _usable(os.environ[KEY_ENV], source)
+        configured = _usable(os.environ.get(KEY_ENV) or _HELD[0], source)
     return Keyring(experiment, keys_dir(), configured, source, trust_unsigned)
 
 
