@@ -87,7 +87,9 @@ def terminal(verbose: bool, preflight: Callable[[], object] | None = None,
 
 
 def _sigterm_exit(signum, frame) -> None:
-    raise SystemExit(128 + signum)
+    from reflow.rl.deadline import Terminated  # a SystemExit that user-code guards let through (rl/rewards.py)
+
+    raise Terminated(128 + signum)
 
 
 def _exit_on_sigterm():

@@ -19,6 +19,11 @@ from typing import Generic, TypeVar
 T = TypeVar("T")
 
 
+class Terminated(SystemExit):
+    """The process was asked to stop (infra/console turns SIGTERM into this) while user code ran in the main
+    thread, e.g. a reward module's import: never taken for that code's own failure (which SystemExit is)."""
+
+
 class Abandoned(BaseException):
     """Raised in a call whose caller stopped waiting for it (a BaseException, so that a user's
     `except Exception` does not swallow it)."""

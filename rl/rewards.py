@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, wait
 from typing import TYPE_CHECKING, Any
 
-from reflow.rl.deadline import Call
+from reflow.rl.deadline import Call, Terminated
 
 if TYPE_CHECKING:  # annotations only: loading a reward function imports no torch
     from reflow.rl.types import Sample
@@ -85,6 +85,8 @@ def _import(spec: str, mod_name: str, field: str):
                              f"installed; install it where rollouts are scored") from e
         raise ValueError(f"{field}={spec!r}: module {mod_name!r} not found ({e}); "
                          f"is it on PYTHONPATH of every process that scores rollouts?") from e
+    except Terminated:  # SIGTERM arrived while the module imported: the command stops, the module did not fail
+        raise
     except (Exception, SystemExit) as e:  # deliberate: any failure inside the user's module becomes one message
         first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
         raise ValueError(f"{field}={spec!r}: importing module {mod_name!r} raised {type(e).__name__}: {first}; "
