@@ -62,14 +62,20 @@ def _verify(path: Path, name: str, meta: dict, shown: str) -> None:
                             f"load it; restore the file or use another checkpoint")
 
 
-def _verify_local(local: Path, files: Files, shown: str) -> None:
-    """Every file of `files` in `local` as recorded, and nothing else there (anything else would be loaded unchecked)."""
+def _holds_exactly(local: Path, files: Files, shown: str, record: str) -> None:
+    """ChecksumError unless the folder `local` holds every file of `files` and nothing else (anything else would
+    be loaded unchecked). `record`: what listed them ("its manifest"), for the message."""
     held = {p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file()}
     if missing := sorted(set(files) - held):
-        raise ChecksumError(f"checkpoint {shown}: {', '.join(missing)} listed in its manifest but missing")
+        raise ChecksumError(f"{shown}: {', '.join(missing)} listed in {record} but missing")
     if extra := sorted(held - set(files)):
-        raise ChecksumError(f"checkpoint {shown}: holds {', '.join(extra)}, which its manifest does not list; "
-                            f"refusing to load files nobody recorded. Remove them or use another checkpoint")
+        raise ChecksumError(f"{shown}: holds {', '.join(extra)}, which {record} does not list; refusing to load "
+                            f"files nobody recorded. Remove them or use another checkpoint")
+
+
+def _verify_local(local: Path, files: Files, shown: str) -> None:
+    """Every file of `files` in `local` as recorded, and nothing else there."""
+    _holds_exactly(local, files, f"checkpoint {shown}", "its manifest")
     for name, meta in sorted(files.items()):
         _verify(local / name, name, meta, shown)
 
@@ -82,13 +88,8 @@ def copy_verified(path_or_url: str, files: Files, dest: Path) -> Path:
     can write to may change between the two reads (a disk weight push's folder: push.publish_weights)."""
     src = Path(path_or_url.removeprefix("file://")).expanduser().resolve()
     _check_folder(src, path_or_url)
-    held = {p.relative_to(src).as_posix() for p in src.rglob("*") if p.is_file()}
-    if missing := sorted(set(files) - held):
-        raise ChecksumError(f"{path_or_url}: {', '.join(missing)} recorded by its writer but missing")
-    if extra := sorted(held - set(files)):
-        raise ChecksumError(f"{path_or_url}: holds {', '.join(extra)}, which its writer did not record; refusing "
-                            f"to load files nobody recorded")
-    for name, meta in sorted(files.items()):  # every name is one `held` found inside `src`: no '..', no absolute
+    _holds_exactly(src, files, path_or_url, "what its writer recorded")
+    for name, meta in sorted(files.items()):  # every name is one found inside `src`: no '..', no absolute
         out = dest / name
         out.parent.mkdir(parents=True, exist_ok=True)
         h, size = hashlib.sha256(), 0

@@ -224,22 +224,14 @@ def test_engine_loads_a_disk_push_only_as_the_pusher_wrote_it(fresh_engine, tiny
 def test_merged_copy_of_a_lora_checkpoint_is_never_one_another_user_made(tiny_policy, tmp_path):
     """Evaluating a LoRA checkpoint merges it into a local folder; that folder was /tmp/reflow-merged-<digest>,
     reused when it existed: another user who made it first had their folder evaluated as the model."""
-    from reflow.engines.train import lora as train_lora
     from reflow.infra import checkpoint as ckpt
     from reflow.infra import lineage
     from reflow.infra.config import load_config
-    from reflow.infra.storage import ExperimentStore
     from reflow.tasks.checkpoint import resolve_checkpoint
     from tests.ckpt_fixtures import final_weights
-    from tests.test_lora import SETTINGS, _peft_model
+    from tests.test_lora import lora_checkpoint
 
-    model = _peft_model(tiny_policy, 4)
-    adapter, _ = train_lora.split([(n, p.detach()) for n, p in model.named_parameters()], SETTINGS)
-    train_lora.write_adapter(adapter, SETTINGS, str(tiny_policy), tmp_path / "adapter")
-    store = ExperimentStore.open(f"file://{tmp_path}/runs", "lora")
-    ck = ckpt.at_step(store, 1)
-    files = {f"adapter/{f.name}": store.put_file(f, ck.rel(f"adapter/{f.name}")) for f in (tmp_path / "adapter").iterdir()}
-    url = ckpt.commit(ck, files, ckpt.state_for(1, 4, 0, 1), "x: 1\n")
+    model, store, url = lora_checkpoint(tiny_policy, tmp_path)
     cfg = load_config(None, ["experiment=lora", f"storage.root=file://{tmp_path}/runs"])
 
     squat = Path(tempfile.gettempdir()) / f"reflow-merged-{lineage.manifest_sha256(ckpt.from_url(url, store))[:24]}"

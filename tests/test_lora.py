@@ -214,15 +214,11 @@ def test_lora_config_refusals():
         load_config(None, ["trainer.lora.rank=8", "trainer.lora.dropout=0.1"])
 
 
-def test_export_and_evaluate_merge_a_lora_checkpoint(tiny_policy, tmp_path, monkeypatch):
-    """A committed checkpoint holding adapter/ (as a LoRA run saves it): `reflow export-merged` writes
-    peft's merge of it, and the eval flow's checkpoint resolution evaluates that same merge."""
-    from reflow.flows.cli import main
+def lora_checkpoint(tiny_policy, tmp_path):
+    """(peft model, its store, the URL of a committed step-1 checkpoint holding its adapter/ as a LoRA run saves
+    it) in experiment 'lora' under `tmp_path`/runs."""
     from reflow.infra import checkpoint as ckpt
-    from reflow.infra.config import load_config
     from reflow.infra.storage import ExperimentStore
-    from reflow.tasks.checkpoint import resolve_checkpoint
-    from tests.ckpt_fixtures import final_weights
 
     model = _peft_model(tiny_policy, 4)
     adapter, _ = train_lora.split([(n, p.detach()) for n, p in model.named_parameters()], SETTINGS)
@@ -230,7 +226,18 @@ def test_export_and_evaluate_merge_a_lora_checkpoint(tiny_policy, tmp_path, monk
     store = ExperimentStore.open(f"file://{tmp_path}/runs", "lora")
     ck = ckpt.at_step(store, 1)
     files = {f"adapter/{f.name}": store.put_file(f, ck.rel(f"adapter/{f.name}")) for f in (tmp_path / "adapter").iterdir()}
-    url = ckpt.commit(ck, files, ckpt.state_for(1, 4, 0, 1), "x: 1\n")
+    return model, store, ckpt.commit(ck, files, ckpt.state_for(1, 4, 0, 1), "x: 1\n")
+
+
+def test_export_and_evaluate_merge_a_lora_checkpoint(tiny_policy, tmp_path, monkeypatch):
+    """A committed checkpoint holding adapter/ (as a LoRA run saves it): `reflow export-merged` writes
+    peft's merge of it, and the eval flow's checkpoint resolution evaluates that same merge."""
+    from reflow.flows.cli import main
+    from reflow.infra.config import load_config
+    from reflow.tasks.checkpoint import resolve_checkpoint
+    from tests.ckpt_fixtures import final_weights
+
+    model, _, url = lora_checkpoint(tiny_policy, tmp_path)
     main(["export-merged", url, str(tmp_path / "merged")])
     expected = model.merge_and_unload().state_dict()
     got = final_weights(tmp_path / "merged")
