@@ -8,7 +8,10 @@
 # then tests/test_resume.py (`reflow train` subprocesses killed and resumed, each with a Ray cluster of its
 # own; its session Prefect server is that process's own). On 2 cores a quarter of the CPU stood idle with
 # everything in one process (/proc/stat over a whole run), and with the deployments alone beside the rest
-# the idle share dropped to 3-14 % while they ran and went back to ~30 % after. Their output follows the
+# the idle share dropped to 3-14 % while they ran and went back to ~30 % after. Clean clone, session 29: the
+# rest 1651 s, these two 717 s (.ci/run 29m54s in all). The rest on two pytest-xdist workers (whole modules
+# each) beside these: .ci/run 26m20s, but these two took 24 min instead of 12 (load up to 30), and a test that
+# looks for Ray daemons left on the machine counted the other worker's: not taken. Their output follows the
 # main run's; the exit status is the main run's or, if that passed, the other's. With pytest args (one
 # module, -k, ...) everything runs in one process, as before.
 set -uo pipefail
