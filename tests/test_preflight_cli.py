@@ -11,7 +11,12 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.ckpt_fixtures import REFLOW, REPO, write_config
+
+# `reflow` subprocesses, two of them with Prefect's temporary server: 52 s of the quick tier's 170 s (issue 52)
+pytestmark = pytest.mark.slow
 
 
 def _reflow(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
