@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from reflow.engines.weights.push import PUSH_SUBDIR, publish_folder
+from reflow.engines.weights.push import PUSH_SUBDIR, publish_weights
 
 
 def _write(marker: str):
@@ -28,8 +28,8 @@ def _user_folder(root: Path) -> dict[str, str]:
 
 def test_pushes_leave_everything_they_did_not_write(tmp_path):
     files = _user_folder(tmp_path)
-    first = Path(publish_folder(_write("one"), str(tmp_path), "1"))
-    second = Path(publish_folder(_write("two"), f"file://{tmp_path}", "2"))
+    first = Path(publish_weights(_write("one"), str(tmp_path), "1").path)
+    second = Path(publish_weights(_write("two"), f"file://{tmp_path}", "2").path)
     assert first.parent == second.parent == tmp_path / PUSH_SUBDIR
     assert not first.exists() and (second / "model.safetensors").read_text() == "two"  # its own old version went
     for rel, text in files.items():
@@ -41,7 +41,7 @@ def test_a_folder_reflow_did_not_write_is_never_overwritten(tmp_path):
     stranger.mkdir(parents=True)
     (stranger / "data.bin").write_text("not reflow's")
     with pytest.raises(FileExistsError, match="was not written by reflow"):
-        publish_folder(_write("three"), str(tmp_path), "3")
+        publish_weights(_write("three"), str(tmp_path), "3")
     assert (stranger / "data.bin").read_text() == "not reflow's"
-    publish_folder(_write("four"), str(tmp_path), "4")  # a later push cleans up only its own versions
+    publish_weights(_write("four"), str(tmp_path), "4")  # a later push cleans up only its own versions
     assert (stranger / "data.bin").read_text() == "not reflow's"

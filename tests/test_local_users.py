@@ -138,7 +138,7 @@ def _write(marker: str):
 def test_default_push_folder_cannot_be_made_first_by_another_user():
     """weight_sync.disk_dir unset: the folder engines load from was /tmp/reflow-weight-push-<pid>, a name
     another user could create first (and own: then swap the weights the engines load)."""
-    from reflow.engines.weights.push import publish_folder
+    from reflow.engines.weights.push import publish_weights
 
     squat = Path(tempfile.gettempdir()) / f"reflow-weight-push-{os.getpid()}"
 
@@ -149,7 +149,7 @@ def test_default_push_folder_cannot_be_made_first_by_another_user():
 
     as_other_user(make_it_first)
     try:
-        pushed = Path(publish_folder(_write("the trainer's"), None, "1"))
+        pushed = Path(publish_weights(_write("the trainer's"), None, "1").path)
         weights = pushed / "model.safetensors"
         _refused({"list the push folder": lambda: os.listdir(pushed),
                   "read the pushed weights": weights.read_bytes,
@@ -166,9 +166,9 @@ def test_default_push_folder_is_private_reused_and_removed_at_exit():
     code = textwrap.dedent("""
         import json, os
         from pathlib import Path
-        from reflow.engines.weights.push import publish_folder
+        from reflow.engines.weights.push import publish_weights
         def write(out): (out / "model.safetensors").write_text("w")
-        a, b = (Path(publish_folder(write, None, v)) for v in ("1", "2"))
+        a, b = (Path(publish_weights(write, None, v).path) for v in ("1", "2"))
         roots = [p.parent.parent for p in (a, b)]
         print("RESULT", json.dumps({"roots": [str(r) for r in roots], "mode": oct(roots[0].stat().st_mode & 0o777),
                                     "a_gone": not a.exists(), "b": b.is_dir()}))

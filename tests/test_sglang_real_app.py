@@ -317,13 +317,13 @@ def test_distributed_push(backend, receivers):
 def test_disk_push(backend, tmp_path):
     """mode=disk: every engine reloads the HF folder the trainer wrote (SGLang: its DefaultModelLoader
     over the stand-in model's load_weights), without a session."""
-    from reflow.engines.weights.push import publish_folder
+    from reflow.engines.weights.push import publish_weights
     from reflow.rl.demo_policy import save_policy
 
     clients = backend.clients(2)
     model, tok, named = pushed(backend.arch, seed=50)
     version = f"disk-{time.time_ns()}"
-    path = publish_folder(lambda out: save_policy(model, tok, out), str(tmp_path), version)
+    path = publish_weights(lambda out: save_policy(model, tok, out), str(tmp_path), version).path
     stats = push_weights(clients, named, version, PushSettings(mode="disk", verify="full"), model_path=path,
                          probe=probe_of(model))
     assert stats["mode"] == "disk" and stats["verify_method"] == VERIFY_METHOD[backend.name, backend.arch]

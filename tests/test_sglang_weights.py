@@ -186,14 +186,14 @@ def test_trainer_group_meets_sglangs_own_group_construction():
 
 def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
     """mode=disk with weight_sync.disk_dir in object storage: the trainer side uploads a versioned HF
-    folder (publish_folder), the engines download and load it; moto's S3 server on loopback.
+    folder (publish_weights), the engines download and load it; moto's S3 server on loopback.
     A custom endpoint reaches both sides through AWS_ENDPOINT_URL_S3 (forwarded to Ray workers)."""
     import socket
 
     import s3fs
     from moto.server import ThreadedMotoServer
 
-    from reflow.engines.weights.push import publish_folder
+    from reflow.engines.weights.push import publish_weights
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -208,7 +208,7 @@ def test_disk_mode_through_s3(clients, tok, tmp_path, monkeypatch):
         s3fs.S3FileSystem.clear_instance_cache()  # an earlier test's cached client may name another endpoint
         s3fs.S3FileSystem(skip_instance_cache=True).mkdir("pushes")
         model, named = _new_named(tok, 14)
-        url = publish_folder(lambda out: save_policy(model, tok, out), "s3://pushes/run1", "7")
+        url = publish_weights(lambda out: save_policy(model, tok, out), "s3://pushes/run1", "7").path
         assert url == "s3://pushes/run1/reflow-weight-push/v7"
         stats = push_weights(clients, named, "disk-s3-v7", PushSettings(bucket_bytes=16 << 10, verify="full", mode="disk"),
                              model_path=url)

@@ -339,12 +339,6 @@ def publish_weights(write: Callable[[Path], None], disk_dir: str | None, version
     return DiskPush(str(target), files)
 
 
-def publish_folder(write: Callable[[Path], None], disk_dir: str | None, version: str,
-                   storage: StorageAccess | None = None) -> str:
-    """`publish_weights`, the path alone (for engines that take no digests: SGLang's update_weights_from_disk)."""
-    return publish_weights(write, disk_dir, version, storage).path
-
-
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
