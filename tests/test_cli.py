@@ -10,6 +10,7 @@ import pytest
 
 from reflow.flows.cli import DEMO_CONFIG, _demo_policy, build_parser, main
 from reflow.infra.config import load_config
+from tests.streams import without_ray_lines
 
 
 def test_bootstrap_writes_where_the_demo_config_looks():
@@ -35,6 +36,7 @@ def test_runs_show_with_nothing_to_show_ends_with_one_line(capsys, tmp_path, exp
     with pytest.raises(SystemExit) as e:
         main(["runs", "show", "--storage", str(tmp_path), "--experiment", experiment])
     out, err = capsys.readouterr()
+    err = without_ray_lines(err)
     assert (e.value.code, out) == (2, "")
     assert err == "reflow: " + line.format(root=tmp_path) + "\n", err
 

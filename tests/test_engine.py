@@ -457,14 +457,29 @@ def test_info_aliases_and_update_weight_version(fresh_engine, tok):
 
 @pytest.mark.parametrize("abort_all", [True, False])
 def test_update_weight_version_aborts_running_requests_by_default(fresh_engine, abort_all):
-    c, result = EngineClient(fresh_engine.url(), api_key=KEY), {}
-    worker = threading.Thread(target=lambda: result.update(out=c.generate(
-        input_ids=[[5, 6]] * 128, sampling_params={"max_new_tokens": 100, "ignore_eos": True})))
-    worker.start()
-    deadline = time.monotonic() + 10
-    while c._call("GET", "/v1/loads")["loads"][0]["num_running_reqs"] == 0:
-        assert time.monotonic() < deadline
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    running = lambda: c._call("GET", "/v1/loads")["loads"][0]["num_running_reqs"]  # noqa: E731
+    # The batch must still be running when the relabel arrives: decoding is parked in place once it runs (a
+    # quick engine on a loaded CI machine finished all 128 between the poll and the relabel, stop 59). A batch
+    # that finished before the pause took effect is no evidence either way, and is sent again.
+    result = {}
+    for _ in range(5):
+        result.clear()
+        worker = threading.Thread(target=lambda: result.update(out=c.generate(
+            input_ids=[[5, 6]] * 128, sampling_params={"max_new_tokens": 100, "ignore_eos": True})))
+        worker.start()
+        deadline = time.monotonic() + 10
+        while running() == 0 and worker.is_alive():
+            assert time.monotonic() < deadline
+        c.pause_generation("in_place")
+        if running():
+            break
+        c.continue_generation()
+        worker.join(30)
+    else:
+        pytest.fail("five batches of 128 x 100 tokens each finished before an in-place pause took effect")
     c.update_weight_version("relabelled", abort_all_requests=abort_all)
+    c.continue_generation()
     worker.join(30)
     reasons = {o["meta_info"]["finish_reason"]["type"] for o in result["out"]}
     assert reasons == ({"abort"} if abort_all else {"length"})

@@ -14,6 +14,7 @@ import pytest
 
 from reflow.flows.cli import main
 from tests.ckpt_fixtures import free_port, s3_with_bucket, write_config
+from tests.streams import without_ray_lines
 
 
 def check(capsys, cfg: Path, *overrides: str) -> tuple[int, str, str]:
@@ -24,7 +25,7 @@ def check(capsys, cfg: Path, *overrides: str) -> tuple[int, str, str]:
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
     out, err = capsys.readouterr()
-    return code, out, err
+    return code, out, without_ray_lines(err)
 
 
 def assert_one_line(code: int, out: str, err: str, line: str) -> None:
