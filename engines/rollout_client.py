@@ -204,6 +204,23 @@ class EngineClient:
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
         self._call("POST", "/resume_memory_occupation", {"tags": tags})
 
+    def take_over(self, memory_tags: Sequence[str]) -> list[str]:
+        """Bring an engine an earlier client left (a flow run killed mid-push, a lost trainer node) back to what a
+        fresh one is: generating, no weight-update session open, every tag in `memory_tags` held. Each step is its
+        own request; a 400 (the engine is already so: "no weight-update session is open", "not released") skips
+        it. Returns the steps that changed something."""
+        done = []
+        for step, call in (("end_weight_update", self.end_weight_update),
+                           *((f"resume {t}", lambda t=t: self.resume_memory_occupation([t])) for t in memory_tags)):
+            try:
+                call()
+                done.append(step)
+            except EngineError as e:
+                if e.status != 400:
+                    raise
+        self.continue_generation()  # last: what was parked decodes on weights and memory that are back
+        return done
+
 
 def _shards(count: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges, sizes differing by at most one, empty ones dropped."""

@@ -27,6 +27,7 @@ from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.gc_freeze import freeze_actor, freeze_long_lived
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
 from reflow.engines.http_serve import new_api_key
+from reflow.engines.rollout_client import EngineClient
 from reflow.engines.sglang.launcher import SGLangEngine, sglang_dtype
 from reflow.engines.sglang.router import Router, SGLangRouter, sglang_router_available
 from reflow.engines.storage_access import StorageAccess
@@ -169,6 +170,21 @@ def _check_engines(cfg: RunConfig, namespace: str, engines: list[Any], api_key: 
             engines[i] = _engine_actor(cfg, namespace, i, detached, api_key, pg)
             _wait_engines_placed(cfg, engines, [i])
     return engines
+
+
+def _take_over(cfg: RunConfig, engines: list[Any], urls: list[str], api_key: str, before_ids: dict[str, str]) -> None:
+    """Engines an earlier flow run left on a long-lived cluster are brought back to what a fresh one is: that run may
+    have died mid-push (paused, a weight-update session open) or, colocated, mid-train (memory released), and an
+    engine in that state never passes the readiness check's health generate."""
+    tags = list(cfg.cluster.release_tags) if cfg.cluster.colocate else []  # a split layout never releases memory
+    for i, (engine, url) in enumerate(zip(engines, urls)):
+        if before_ids.get(f"engine-{i}") == actors.actor_id(engine):
+            client = EngineClient(url, api_key=api_key)
+            try:
+                done = client.take_over(tags)
+            finally:
+                client.close()
+            log.info("engine-%d (reused): generation continued%s", i, "".join(f", {d}" for d in done))
 
 
 def _start_router(cfg: RunConfig, namespace: str, urls: list[str], api_key: str) -> tuple[Any, list[str]]:
@@ -354,6 +370,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     engines = _check_engines(cfg, namespace, engines, api_key, persistent, pg)
     urls = ray.get([e.url.remote() for e in engines])
     placement.check_layout(cfg.weight_sync, engines, urls, trainers.actors[0])  # before the first push
+    _take_over(cfg, engines, urls, api_key, before_ids)
     ray.get([e.ready.remote() for e in engines])
     if cfg.cluster.gc_freeze and not (cfg.cluster.colocate and cfg.cluster.hand_over):
         # Ready and set up: what each holds now leaves the collector's sight (a full collection walked it, 0.26-0.32 s

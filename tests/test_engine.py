@@ -455,6 +455,23 @@ def test_info_aliases_and_update_weight_version(fresh_engine, tok):
     assert c.model_info()["weight_version"] == "v7"  # a refused body changes nothing
 
 
+def test_take_over_brings_back_an_engine_left_paused_mid_update_and_released(fresh_engine):
+    """What a flow run killed mid-train in colocated mode leaves (infra/runtime._take_over): generation paused, a
+    weight update open, every memory tag released. Once taken over it generates; a second take-over changes nothing."""
+    c = EngineClient(fresh_engine.url(), api_key=KEY)
+    c.pause_generation("abort")
+    c.begin_weight_update()
+    c.release_memory_occupation(["weights", "kv_cache", "cuda_graph"])
+    assert httpx.get(fresh_engine.url() + "/health_generate", headers=AUTH).status_code == 503
+    tags = ["weights", "kv_cache", "cuda_graph"]
+    assert c.take_over(tags) == ["end_weight_update", "resume weights", "resume kv_cache", "resume cuda_graph"]
+    out = c.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert len(out["output_ids"]) == 2
+    assert c.take_over(tags) == []  # already fresh: each step's 400 ("not released", "no session") skips it
+    c.begin_weight_update()  # the session really was closed (a second begin would be refused)
+    c.end_weight_update()
+
+
 @pytest.mark.parametrize("abort_all", [True, False])
 def test_update_weight_version_aborts_running_requests_by_default(fresh_engine, abort_all):
     c = EngineClient(fresh_engine.url(), api_key=KEY)
