@@ -210,10 +210,11 @@ class EngineClient:
         own request; a 400 (the engine is already so: "no weight-update session is open", "not released") skips
         it. Returns the steps that changed something."""
         done = []
-        for step, call in (("end_weight_update", self.end_weight_update),
-                           *((f"resume {t}", lambda t=t: self.resume_memory_occupation([t])) for t in memory_tags)):
+        steps: list[tuple[str, str, dict[str, Any]]] = [("end_weight_update", "/end_weight_update", {})]
+        steps += [(f"resume {t}", "/resume_memory_occupation", {"tags": [t]}) for t in memory_tags]
+        for step, endpoint, body in steps:
             try:
-                call()
+                self._call("POST", endpoint, body)
                 done.append(step)
             except EngineError as e:
                 if e.status != 400:
