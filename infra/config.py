@@ -191,7 +191,8 @@ class TrainerConfig(_Strict):
     warmup_steps: int = Field(0, ge=0, le=MAX_STEPS, description="Linear warm-up optimizer steps.")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     grad_clip: float = Field(1.0, gt=0.0, description="Global gradient-norm clip.")
-    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Samples per forward/backward on one rank.")
+    micro_batch_size: int = Field(64, ge=1, le=MAX_BATCH, description="Samples per forward/backward on one rank (right-padded to the longest among them), unless max_tokens_per_micro_batch is set.")
+    max_tokens_per_micro_batch: int | None = Field(None, ge=2, le=MAX_TOKENS, description="Sequence packing: each forward/backward of the policy is one row of at most this many tokens holding whole samples end to end (attention never crosses a sample; position ids restart per sample), samples spread over the ranks by tokens; micro_batch_size is then unused. Must hold the longest sample: data.max_prompt_len + rollout.max_new_tokens. None (default): micro_batch_size samples, padded. The pad_fraction metric says how much of the forward was padding either way.")
     minibatches_per_iteration: int = Field(1, ge=1, le=MAX_BATCH, description="Optimizer steps per iteration (the batch is split into this many mini-batches).")
     threads_per_rank: int = Field(1, ge=1, description="torch threads per trainer rank.")
     node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each trainer (and critic) rank asks for, e.g. {reflow_trainer_node: 0.01}: ranks then run only on nodes started with them; empty: any node. Rank 0's node hosts the process group's rendezvous. docs/scale-out.md.")
@@ -434,6 +435,15 @@ class RunConfig(_Strict):
             raise ValueError("trainer.lora.rank > 0 pushes adapter tensors (load_lora_adapter_from_tensors), which "
                              "reflow implements for weight_sync.mode=tensor only (either rollout.backend): set it, "
                              "or trainer.lora.rank=0")
+        return self
+
+    @model_validator(mode="after")
+    def _check_token_budget(self) -> RunConfig:
+        budget, longest = self.trainer.max_tokens_per_micro_batch, self.data.max_prompt_len + self.rollout.max_new_tokens
+        if budget is not None and budget < longest:
+            raise ValueError(f"trainer.max_tokens_per_micro_batch={budget} cannot hold the longest sample, "
+                             f"data.max_prompt_len + rollout.max_new_tokens = {self.data.max_prompt_len} + "
+                             f"{self.rollout.max_new_tokens} = {longest} tokens: raise it to at least {longest}")
         return self
 
     @model_validator(mode="after")

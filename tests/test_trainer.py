@@ -46,15 +46,15 @@ def _train_kw(pad_id: int, minibatches: int = 1, kl_in_reward: float = 0.0, **lo
     return dict(minibatches=minibatches, pad_id=pad_id, loss=LossSettings(**loss), algorithm=algorithm)
 
 
-def _batch(policy, advantages=ADVANTAGES) -> RolloutBatch:
+def _batch(policy, advantages=ADVANTAGES, problems=PROBLEMS) -> RolloutBatch:
     tok = load_tokenizer(str(policy))
     ids = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompts, responses = zip(*PROBLEMS)
+    prompts, responses = zip(*problems)
     return RolloutBatch(
-        group_index=[i // 2 for i in range(len(PROBLEMS))], prompt_text=list(prompts),
+        group_index=[i // 2 for i in range(len(problems))], prompt_text=list(prompts),
         prompt_ids=[ids(p) for p in prompts], response_text=list(responses),
         response_ids=[ids(r) for r in responses], rollout_logprobs=[[0.0] * len(ids(r)) for r in responses],
-        finish_reason=["stop"] * len(PROBLEMS), label=[None] * len(PROBLEMS), advantages=list(advantages))
+        finish_reason=["stop"] * len(problems), label=[None] * len(problems), advantages=list(advantages))
 
 
 def _reference(policy, named, batch, kl_coef=0.0, entropy_coef=0.0, agg="token-mean", autocast=False,
@@ -87,10 +87,10 @@ def _create(prefix, num_ranks, policy, ref_model_path=None, **kw) -> TrainerGrou
                                settings=RankSettings(**(RANK_KW | kw)), ref_model_path=ref_model_path)
 
 
-def _one_iteration(group, policy, **train_over):
+def _one_iteration(group, policy, batch=None, **train_over):
     """Train one iteration; check it against the reference and the ranks against each other."""
     named = ray.get(group.named_weights()[0])
-    batch, ref_loss, ref_norm = _reference(policy, named, _batch(policy), train_over.get("kl_coef", 0.0),
+    batch, ref_loss, ref_norm = _reference(policy, named, batch or _batch(policy), train_over.get("kl_coef", 0.0),
                                            train_over.get("entropy_coef", 0.0))
     before = ray.get(group.weights_checksum())
     pad = load_tokenizer(str(policy)).pad_token_id
@@ -142,6 +142,30 @@ def test_two_ranks_one_iteration(ray_cluster, tiny_policy, stage):
 def test_zero3_one_iteration_with_reference_model(zero3, tiny_policy):
     m = _one_iteration(zero3, tiny_policy, kl_coef=0.1, kl_estimator="low_var_kl")
     assert m["kl"] == pytest.approx(0.0, abs=1e-6)  # policy == reference before the first step
+
+
+def test_zero3_packed_micro_batches_with_an_empty_one_match_the_reference(ray_cluster, tiny_policy):
+    """Packed (trainer.max_tokens_per_micro_batch): samples of 12, 5, 5 and 3 tokens over two ranks in 12-token
+    rows: rank 0 holds the 12-token sample, rank 1 needs two rows, so rank 0 runs an empty micro-batch to keep
+    ZeRO-3's collective passes matched. Loss, gradient norm and old log-probs equal the padded single-process
+    reference's; the reference model's KL is 0 before the step."""
+    from reflow.engines.train import packing
+
+    problems = [("1+1=", "12345678"), ("1+1=", "2"), ("2+2=", "4"), ("9=", "1")]
+    batch = _batch(tiny_policy, advantages=[1.0, -0.5, 0.7, -1.0], problems=problems)
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    assert lengths == [12, 5, 5, 3]
+    assert [] in packing.plan(lengths, 1, 2, 12).micros[0][0]  # the empty micro-batch this test is about
+    group = _create("z3pack", 2, tiny_policy, zero_stage=3, ref_model_path=str(tiny_policy),
+                    max_tokens_per_micro_batch=12)
+    try:
+        m = _one_iteration(group, tiny_policy, batch=batch, kl_coef=0.1, kl_estimator="low_var_kl", entropy_coef=0.01)
+        assert m["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert m["logprob_mismatch_max"] < 1e-5
+        # rows are exactly their samples (no compiled buckets); the empty micro-batch's two-token pass is the padding
+        assert m["pad_fraction"] == pytest.approx(2 / (sum(lengths) + 2))
+    finally:
+        group.kill()
 
 
 def test_nan_loss_raises_and_leaves_weights_untouched(zero3, tiny_policy):
@@ -207,6 +231,27 @@ def test_micro_batch_accumulation_matches_one_micro_batch(ray_cluster, tiny_poli
     finally:
         small.kill()
         whole.kill()
+
+
+def test_packed_micro_batches_train_like_padded_ones(ray_cluster, tiny_policy):
+    """Two optimizer steps (seq-mean-token-mean, an entropy bonus) on 16-token packed rows and on padded
+    micro-batches of 4: the same losses, gradient norms and weights; packing pads less."""
+    pad = load_tokenizer(str(tiny_policy)).pad_token_id
+    padded = _create("pad4", 1, tiny_policy, zero_stage=0, micro_batch_size=4)
+    packed = _create("pack16", 1, tiny_policy, zero_stage=0, max_tokens_per_micro_batch=16)
+    try:
+        kw = _train_kw(pad, minibatches=2, loss_agg="seq-mean-token-mean", entropy_coef=0.01)
+        batch = ray.put(_batch(tiny_policy))
+        m_pad, m_pack = ray.get([padded.train_iteration(batch, **kw)[0], packed.train_iteration(batch, **kw)[0]])
+        for key in ("loss", "pg_loss", "entropy", "grad_norm", "response_tokens"):
+            assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-5), key
+        assert m_pack["pad_fraction"] == 0.0 < m_pad["pad_fraction"]
+        w_pad, w_pack = ray.get([padded.named_weights()[0], packed.named_weights()[0]])
+        for (name, a), (_, b) in zip(w_pad, w_pack):
+            torch.testing.assert_close(b, a, msg=name)
+    finally:
+        padded.kill()
+        packed.kill()
 
 
 def test_bf16_zero2_two_ranks(ray_cluster, tiny_policy):

@@ -95,29 +95,33 @@ def test_old_logprobs_from_the_training_forward_equal_a_separate_pass(ray_cluste
 
 @pytest.mark.slow
 def test_compiled_layers_train_like_eager_layers_and_bound_their_shapes(ray_cluster, tiny_policy):
-    """compile=on (aot_eager) against eager on the same batch: equal metrics and weights after two
-    iterations; the second iteration, with lengths in buckets already seen, compiles nothing new."""
+    """compile=on (aot_eager) against eager on the same batch, padded and packed (16-token rows padded to a length
+    bucket, the bucket's tail a segment of its own): equal metrics and weights after two iterations; the second
+    iteration, with lengths in buckets already seen, compiles nothing new."""
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
     batch = _batch(tiny_policy)
     out = {}
-    for mode in ("off", "on"):
-        g = _create(f"compile-{mode}", 1, tiny_policy, compile=mode, compile_backend="aot_eager")
+    for name, mode, extra in (("off", "off", {}), ("on", "on", {}), ("packed", "on", {"max_tokens_per_micro_batch": 16})):
+        g = _create(f"compile-{name}", 1, tiny_policy, compile=mode, compile_backend="aot_eager", **extra)
         try:
             ms = [ray.get(g.train_iteration(batch, **_train_kw(pad, entropy_coef=0.01)))[0] for _ in range(2)]
-            out[mode] = (ms, _weights(g))
+            out[name] = (ms, _weights(g))
         finally:
             g.kill()
-    (eager, w_eager), (compiled, w_compiled) = out["off"], out["on"]
-    for a, b in zip(eager, compiled):
-        for k in ("loss", "pg_loss", "entropy", "grad_norm", "ratio_mean", "logprob_mismatch"):
-            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), k
-    # AdamW divides by sqrt(v): a gradient entry near 0 whose last bits differ (padded shapes take
-    # other reduction orders) moves by up to a few % of lr = 1e-3 after two steps.
-    _close(w_compiled, w_eager, rtol=1e-5, atol=5e-5)
+    eager, w_eager = out["off"]
+    for name in ("on", "packed"):
+        compiled, w_compiled = out[name]
+        for a, b in zip(eager, compiled):
+            for k in ("loss", "pg_loss", "entropy", "grad_norm", "ratio_mean", "logprob_mismatch"):
+                assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-6), (name, k)
+        # AdamW divides by sqrt(v): a gradient entry near 0 whose last bits differ (padded shapes take
+        # other reduction orders) moves by up to a few % of lr = 1e-3 after two steps.
+        _close(w_compiled, w_eager, rtol=1e-5, atol=5e-5)
+        first, second = compiled[0]["compile_graphs"], compiled[1]["compile_graphs"]
+        assert 1 <= first <= 4 and second == first, (name, first, second)  # <= (rows, bucket) pairs + masks
+        assert all(math.isfinite(v) for v in compiled[1].values())
     assert eager[1]["compile_graphs"] == 0.0
-    first, second = compiled[0]["compile_graphs"], compiled[1]["compile_graphs"]
-    assert 1 <= first <= 4 and second == first, (first, second)  # <= (rows, bucket) pairs + masks
-    assert all(math.isfinite(v) for v in compiled[1].values())
+    assert out["packed"][0][0]["pad_fraction"] < out["on"][0][0]["pad_fraction"]
 
 
 @pytest.mark.slow

@@ -40,6 +40,9 @@ class RankSettings:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     micro_batch_size: int = 64
+    # policy only: micro-batches of at most this many tokens, samples packed end to end (engines/train/packing.py);
+    # None: micro_batch_size samples a micro-batch, right-padded
+    max_tokens_per_micro_batch: int | None = None
     threads: int = 1  # torch threads of the rank's process
     seed: int = 0
     backend: Literal["gloo", "nccl"] = "gloo"  # torch.distributed backend of the ranks' group

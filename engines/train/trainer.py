@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from reflow.engines.hf_io import fp32_lm_head, load_causal_lm, load_tokenizer
-from reflow.engines.train import lora
+from reflow.engines.train import lora, packing
 from reflow.engines.train.compiled import (
     compile_cache_hits,
     compile_layers,
@@ -72,7 +72,7 @@ log = logging.getLogger("reflow.trainer")
 
 # Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
 _SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tis_capped",
-             "tokens", "mismatch_sum", "mismatch_tokens")
+             "tokens", "mismatch_sum", "mismatch_tokens", "forward_tokens", "sample_tokens")
 _MAX_KEYS = ("ratio_max", "neg_ratio_min", "logprob_mismatch_max", "tis_weight_max", "step_time_s",
              "old_logprob_time_s")
 
@@ -117,6 +117,8 @@ class TrainerRank(DeepSpeedRank):
         lr_multiplier(0, s.lr_schedule, s.warmup_steps, s.total_steps)  # fail fast on a bad schedule name
         self.zero_stage, self.model_path, self.storage = s.zero_stage, model_path, s.storage
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
+        self.max_tokens = s.max_tokens_per_micro_batch  # packed token-budget micro-batches (packing.py); None: padded
+        self._plan: packing.PackPlan | None = None  # this iteration's packing, when packed
         self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
         self._ipc_lost: str | None = None  # why GPU tensor pushes stage through host memory (no CUDA IPC)
         self.probes_made = 0  # logprob probes computed for pushes (_logprob_probe; tests read it)
@@ -176,8 +178,7 @@ class TrainerRank(DeepSpeedRank):
         self._old_logprobs(shard, loss.temperature, policy=not reuse, ref=need_ref, acc=acc)
         finished = finish(shard, algorithm, dist.all_reduce) if finish is not None else {}
         acc["old_logprob_time_s"] = time.perf_counter() - t0
-        m = shard["input_ids"].shape[0] // minibatches
-        minis = [{k: v[i * m:(i + 1) * m] for k, v in shard.items()} for i in range(minibatches)]
+        minis = [{k: v[s:e] for k, v in shard.items()} for s, e in self._mini_slices(shard, minibatches)]
         units = torch.stack([_units(mb["loss_mask"], loss.loss_agg) for mb in minis]).double()  # [minibatches]
         dist.all_reduce(units)
         grad_norms, lrs = [], []
@@ -205,8 +206,15 @@ class TrainerRank(DeepSpeedRank):
         bad = [i for i in range(n) if len(batch.rollout_logprobs[i]) != len(batch.response_ids[i])]
         if bad:
             raise ValueError(f"samples {bad[:5]}: rollout_logprobs and response_ids differ in length")
-        tensors = to_train_tensors(batch.select(list(range(self.rank, n, W))), pad_id)
-        if self._round_up is not None:  # room for every micro-batch's bucket (see compiled.py)
+        self._plan, self._pad_id = None, pad_id
+        if self.max_tokens is not None:  # every rank plans the same packing from the whole batch
+            lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+            self._plan = packing.plan(lengths, minibatches, W, self.max_tokens)
+            mine = self._plan.rank_samples(self.rank)
+        else:
+            mine = list(range(self.rank, n, W))
+        tensors = to_train_tensors(batch.select(mine), pad_id)
+        if self._round_up is not None and self._plan is None:  # room for every micro-batch's bucket (see compiled.py)
             tensors = _pad_length(tensors, self._round_up(tensors["input_ids"].shape[1]), pad_id)
         # Host-side [B] facts, so cutting micro-batches needs no device sync: lengths, and the first
         # position whose logits score a response token (the LM head is skipped before it).
@@ -241,19 +249,17 @@ class TrainerRank(DeepSpeedRank):
         mismatch stats in acc); without it the training forward supplies them (`_micro_loss`)."""
         old = torch.zeros_like(shard["loss_mask"])  # [B, T-1]
         refs = torch.zeros_like(old)  # [B, T-1]
-        for s, e in self._micro_slices(old.shape[0]) if policy or ref else ():
-            first, mb = self._scored(_rows(shard, s, e, self._round_up))
-            labels = mb["labels"]  # [b, L-1-first]
-            L1 = first + labels.shape[1]
+        for s, e in self._all_micro_ranges(old.shape[0]) if policy or ref else ():
+            mb = self._micro(shard, s, e)
             if policy:
                 with self._training_graph():
-                    logits = self._logits(self.engine, mb, first)  # [b, L-1-first, V]
-                old[s:e, first:L1] = token_logprobs(logits, labels, temperature)
-            if ref:
+                    first, lp, _ = self._token_logprobs(self.engine, mb, temperature)  # [b, W]
+                old[s:e, first:first + lp.shape[1]] = lp
+            if ref and e > s:
                 with torch.autocast(self.engine.device.type, torch.bfloat16, enabled=self.precision == "bf16-mixed"):
                     # the reference model scores as the policy does (DeepSpeed's engine enters the policy's autocast)
-                    logits = self._logits(self.ref_model, mb, first)
-                refs[s:e, first:L1] = token_logprobs(logits, labels, temperature)
+                    first, lp, _ = self._token_logprobs(self.ref_model, mb, temperature)
+                refs[s:e, first:first + lp.shape[1]] = lp
         shard["ref_logprobs"] = refs
         if policy:
             shard["old_logprobs"] = old
@@ -292,18 +298,100 @@ class TrainerRank(DeepSpeedRank):
     def _train_minibatch(self, mb: dict, units_global: float, k: int, n_minis: int, loss: LossSettings,
                          acc: dict) -> float:
         """Accumulate gradients over the micro-batches of mini-batch k, then one step. Returns grad norm."""
-        micros = [_rows(mb, s, e, self._round_up) for s, e in self._micro_slices(mb["input_ids"].shape[0])]
+        micros = [self._micro(mb, s, e) for s, e in self._micro_ranges(k, mb["input_ids"].shape[0])]
         return self._accumulate_and_step(micros, lambda m: self._micro_loss(m, units_global, loss, acc), k, n_minis)
+
+    # ---------------------------------------------------------------- micro-batches: padded or packed
+
+    def _mini_slices(self, shard: dict, minibatches: int) -> list[tuple[int, int]]:
+        """This rank's rows of each mini-batch, contiguous in the shard (packed: as many as the plan gave it)."""
+        if self._plan is None:
+            m = shard["input_ids"].shape[0] // minibatches
+            return [(i * m, (i + 1) * m) for i in range(minibatches)]
+        sizes = [sum(len(micro) for micro in mini[self.rank]) for mini in self._plan.micros]
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return list(zip([0] + ends[:-1], ends))
+
+    def _micro_ranges(self, k: int, rows: int) -> list[tuple[int, int]]:
+        """Micro-batches of mini-batch k as row ranges of it: micro_batch_size rows each, or the plan's (packed;
+        an empty range is a micro-batch this rank runs only to keep the collective passes matched)."""
+        if self._plan is None:
+            return self._micro_slices(rows)
+        sizes = [len(micro) for micro in self._plan.micros[k][self.rank]]
+        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
+        return list(zip([0] + ends[:-1], ends))
+
+    def _all_micro_ranges(self, rows: int) -> list[tuple[int, int]]:
+        """Every micro-batch of the shard, mini-batch after mini-batch, as row ranges of the whole shard."""
+        if self._plan is None:
+            return self._micro_slices(rows)
+        out, base = [], 0
+        for k in range(len(self._plan.micros)):
+            ranges = self._micro_ranges(k, rows)
+            out += [(base + s, base + e) for s, e in ranges]
+            base += ranges[-1][1] if ranges else 0
+        return out
+
+    def _micro(self, t: dict[str, torch.Tensor], s: int, e: int) -> dict[str, torch.Tensor]:
+        """Rows [s, e): padded, cut to their longest sequence (or its bucket); packed, as they are (packing.pack
+        lays them end to end at the forward)."""
+        if self._plan is None:
+            return _rows(t, s, e, self._round_up)
+        return {k: v[s:e] for k, v in t.items()}
+
+    def _forward_tokens(self, mb: dict[str, torch.Tensor]) -> float:
+        """Tokens the training forward of this micro-batch runs on, padding included (pad_fraction's denominator)."""
+        if self._plan is None:
+            return float(mb["input_ids"].numel())  # rows x their longest (or its bucket)
+        n = int(mb["seq_len"].sum())
+        if n == 0:
+            return 2.0
+        return float(self._round_up(n) if self._round_up is not None else n)
+
+    def _token_logprobs(self, model, mb: dict[str, torch.Tensor], temperature: float, entropy: bool = False
+                        ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+        """(first, log-probs [b, W], entropy [b, W] or None) of a micro-batch: column j is position first + j of
+        the [b, L-1] layout (position t scores token t+1). Padded: one forward of the rows, the LM head from the
+        first scored position on (`first` > 0). Packed: one forward of the rows end to end, the LM head on scored
+        positions only, scattered back (`first` = 0). An empty packed micro-batch runs a two-token forward (its
+        collective passes) and scores nothing."""
+        if self._plan is None:
+            first, cut = self._scored(mb)
+            logits = self._logits(model, cut, first)  # [b, L-1-first, V]
+            lp, ent = logprobs_and_entropy(logits, cut["labels"], temperature, entropy=entropy)
+            return first, lp, ent
+        device = mb["input_ids"].device
+        rows = mb["input_ids"].shape[0]
+        if rows == 0:
+            ids = torch.full((1, 2), self._pad_id, dtype=torch.long, device=device)
+            out = model(input_ids=ids, position_ids=torch.arange(2, device=device)[None], use_cache=False,
+                        logits_to_keep=torch.zeros(1, dtype=torch.long, device=device))
+            zero = out.logits.sum() * 0.0  # [] keeps the graph (and ZeRO's hooks) of the empty pass
+            empty = zero.reshape(1, 1)[:0, :0].float()  # [0, 0]
+            return 0, empty, (empty if entropy else None)
+        seq_len = mb["seq_len"].tolist()
+        n = sum(seq_len)
+        pk = packing.pack(mb["input_ids"], seq_len, mb["scored_from"].tolist(), self._pad_id,
+                          length=self._round_up(n) if self._round_up is not None else None)
+        out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, logits_to_keep=pk.keep)
+        lp, ent = logprobs_and_entropy(out.logits, pk.labels, temperature, entropy=entropy)  # [1, K]
+        width = max(seq_len) - 1
+        return 0, pk.scatter(lp, rows, width), (pk.scatter(ent, rows, width) if ent is not None else None)
 
     def _micro_loss(self, mb: dict, units_global: float, hp: LossSettings, acc: dict) -> torch.Tensor:
         """pg + kl_coef * kl - entropy_coef * entropy of one micro-batch, scaled for the global mean."""
         agg, norm_len = hp.loss_agg, hp.loss_norm_len
-        first, mb = self._scored(mb)
-        logits = self._logits(self.engine, mb, first)  # [b, L-1-first, V]
-        labels, mask = mb["labels"], mb["loss_mask"]  # [b, L-1-first]
         # One pass over the logits for both; the entropy is a metric unless there is a bonus.
-        logp, ent_tok = logprobs_and_entropy(logits, labels, hp.temperature, entropy=True)  # [b, L-1] each
+        first, logp, ent_tok = self._token_logprobs(self.engine, mb, hp.temperature, entropy=True)  # [b, W] each
         assert ent_tok is not None
+        acc["forward_tokens"] = acc["forward_tokens"] + self._forward_tokens(mb)
+        acc["sample_tokens"] = acc["sample_tokens"] + float(mb["seq_len"].sum())
+        if mb["input_ids"].shape[0] == 0:  # an empty packed micro-batch: its pass only, nothing to learn or count
+            return logp.sum() * 0.0
+        W = logp.shape[1]
+        mb = {k: v[:, first:first + W] if v.dim() == 2 and k not in ("input_ids", "attention_mask") else v
+              for k, v in mb.items()}
+        mask = mb["loss_mask"]  # [b, W]
         old = mb.get("old_logprobs")  # [b, L-1]; absent: this forward's own (train_iteration's reuse)
         if old is None:
             old = logp.detach()
@@ -360,6 +448,8 @@ class TrainerRank(DeepSpeedRank):
             "logprob_mismatch": s["mismatch_sum"] / max(s["mismatch_tokens"], 1.0),
             "logprob_mismatch_max": m["logprob_mismatch_max"], "response_tokens": s["tokens"],
             "step_time_s": m["step_time_s"], "old_logprob_time_s": m["old_logprob_time_s"],
+            # share of the training forwards' tokens that were padding (packing keeps it near 0)
+            "pad_fraction": 1.0 - s["sample_tokens"] / s["forward_tokens"] if s["forward_tokens"] else 0.0,
         }
 
     # ---------------------------------------------------------------- weights
