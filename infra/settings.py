@@ -58,7 +58,9 @@ def policy_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
         zero_stage=t.zero_stage, precision=t.precision, fp32_lm_head=t.fp32_lm_head, tf32=t.tf32, lr=t.lr, lr_schedule=t.lr_schedule,
         warmup_steps=t.warmup_steps, total_steps=total_steps(cfg), weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed,
-        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, compile=t.compile, cudnn_attention=t.cudnn_attention, old_logprob_pass=t.old_logprob_pass,
+        max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, compile=t.compile,
+        activation_checkpointing=t.activation_checkpointing, max_micro_batch_tokens=t.max_tokens_per_micro_batch or
+        t.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), cudnn_attention=t.cudnn_attention, old_logprob_pass=t.old_logprob_pass,
         grad_accum_dtype=t.grad_accum_dtype,
         immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg),
         lora=LoraSettings(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules)) if t.lora.rank else None)

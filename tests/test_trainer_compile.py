@@ -95,13 +95,14 @@ def test_old_logprobs_from_the_training_forward_equal_a_separate_pass(ray_cluste
 
 @pytest.mark.slow
 def test_compiled_layers_train_like_eager_layers_and_bound_their_shapes(ray_cluster, tiny_policy):
-    """compile=on (aot_eager) against eager on the same batch, padded and packed (16-token rows padded to a length
-    bucket, the bucket's tail a segment of its own): equal metrics and weights after two iterations; the second
+    """compile=on (aot_eager) against eager on the same batch, padded, and packed (16-token rows padded to a length
+    bucket, the bucket's tail a segment of its own) with activation checkpointing (the recompute replays the
+    compiled layers): equal metrics and weights after two iterations; the second
     iteration, with lengths in buckets already seen, compiles nothing new."""
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
     batch = _batch(tiny_policy)
     out = {}
-    for name, mode, extra in (("off", "off", {}), ("on", "on", {}), ("packed", "on", {"max_tokens_per_micro_batch": 16})):
+    for name, mode, extra in (("off", "off", {}), ("on", "on", {}), ("packed", "on", {"max_tokens_per_micro_batch": 16, "activation_checkpointing": "on"})):
         g = _create(f"compile-{name}", 1, tiny_policy, compile=mode, compile_backend="aot_eager", **extra)
         try:
             ms = [ray.get(g.train_iteration(batch, **_train_kw(pad, entropy_coef=0.01)))[0] for _ in range(2)]
@@ -122,6 +123,7 @@ def test_compiled_layers_train_like_eager_layers_and_bound_their_shapes(ray_clus
         assert all(math.isfinite(v) for v in compiled[1].values())
     assert eager[1]["compile_graphs"] == 0.0
     assert out["packed"][0][0]["pad_fraction"] < out["on"][0][0]["pad_fraction"]
+    assert [out[n][0][0]["activation_checkpointing"] for n in ("off", "on", "packed")] == [0.0, 0.0, 1.0]  # auto: off on CPU
 
 
 @pytest.mark.slow

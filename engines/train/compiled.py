@@ -74,6 +74,39 @@ def compile_layers(model: torch.nn.Module, backend: str = "inductor") -> int:
     return len(layers)
 
 
+def checkpoint_layers(model: torch.nn.Module) -> int:
+    """Activation checkpointing: each decoder layer keeps only its input for backward and runs its forward again
+    there (torch.utils.checkpoint, non-reentrant). Wraps whatever forward the layer has, a compiled one included
+    (call after compile_layers: the recompute replays the compiled graph). Under no_grad the layer runs plainly.
+    HF's own switch (gradient_checkpointing_enable) acts only in train mode, and the ranks keep their model in
+    eval mode (no dropout: the old-logprob pass and the update must score the same function). Returns how many."""
+    from torch.utils.checkpoint import checkpoint
+
+    layers = decoder_layers(model)
+    for layer in layers:
+        def forward(*args, _inner=layer.forward, **kwargs):
+            if torch.is_grad_enabled():
+                return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            return _inner(*args, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
+
+
+def activation_bytes(config, tokens: int, bytes_per_value: int) -> int:
+    """A rough size of what one forward over `tokens` tokens keeps for backward without checkpointing, for a
+    Llama-shaped HF config: per token and layer about 8 hidden-size vectors (norm inputs and outputs, attention
+    input, output and projection input, residuals) + 2 key/value projections + 4 MLP-width vectors (gate, up, the
+    activation and its product), plus the LM head's logits of every position (an upper bound: only scored ones
+    run). Used to decide trainer.activation_checkpointing=auto, not to promise a peak."""
+    h = int(config.hidden_size)
+    inter = int(getattr(config, "intermediate_size", 4 * h))
+    heads = int(config.num_attention_heads)
+    kv = int(getattr(config, "num_key_value_heads", heads) or heads) * (h // heads)
+    per_layer = 8 * h + 2 * kv + 4 * inter
+    return tokens * (int(config.num_hidden_layers) * per_layer + int(config.vocab_size)) * bytes_per_value
+
+
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far."""
     from torch._dynamo.utils import counters

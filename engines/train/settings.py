@@ -43,6 +43,10 @@ class RankSettings:
     # policy only: micro-batches of at most this many tokens, samples packed end to end (engines/train/packing.py);
     # None: micro_batch_size samples a micro-batch, right-padded
     max_tokens_per_micro_batch: int | None = None
+    # decoder layers recompute their forward in backward (compiled.checkpoint_layers); auto: when one micro-batch's
+    # activations (compiled.activation_bytes at max_micro_batch_tokens) would take over half of the rank's GPU
+    activation_checkpointing: Literal["auto", "on", "off"] = "auto"
+    max_micro_batch_tokens: int = 0  # the most tokens one micro-batch can hold (0: unknown; auto then stays off)
     threads: int = 1  # torch threads of the rank's process
     seed: int = 0
     backend: Literal["gloo", "nccl"] = "gloo"  # torch.distributed backend of the ranks' group

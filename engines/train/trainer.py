@@ -45,6 +45,8 @@ from torch.profiler import record_function
 from reflow.engines.hf_io import fp32_lm_head, load_causal_lm, load_tokenizer
 from reflow.engines.train import lora, packing
 from reflow.engines.train.compiled import (
+    activation_bytes,
+    checkpoint_layers,
     compile_cache_hits,
     compile_layers,
     compiled_graphs,
@@ -139,11 +141,27 @@ class TrainerRank(DeepSpeedRank):
         if use_compile(s.compile, self.engine.device, s.zero_stage):
             compile_layers(self.engine.module, s.compile_backend)
             self._round_up = length_bucket
+        self.activation_checkpointing = self._wants_checkpointing(model, s)
+        if self.activation_checkpointing:  # after compiling: the recompute replays the compiled layers
+            checkpoint_layers(self.engine.module)
         self.ref_model = None
         if ref_model_path is not None:
             self.ref_model = load(ref_model_path).to(self.engine.device)
             self.ref_model.eval().requires_grad_(False)
         self.init_time_s = time.perf_counter() - t0
+
+    def _wants_checkpointing(self, model, s: RankSettings) -> bool:
+        """trainer.activation_checkpointing: on, off, or auto: on when one micro-batch's activations (a rough
+        estimate at the most tokens a micro-batch can hold) would take over half of this rank's GPU memory."""
+        if s.activation_checkpointing != "auto":
+            return s.activation_checkpointing == "on"
+        if self.engine.device.type != "cuda" or not s.max_micro_batch_tokens:
+            return False
+        need = activation_bytes(model.config, s.max_micro_batch_tokens, 2 if s.precision == "bf16" else 4)
+        have = torch.cuda.get_device_properties(self.engine.device).total_memory
+        log.info("activations of a %d-token micro-batch: ~%.1f GiB of %.1f GiB: checkpointing %s",
+                 s.max_micro_batch_tokens, need / 2**30, have / 2**30, "on" if need > have / 2 else "off")
+        return need > have / 2
 
     # ---------------------------------------------------------------- training
 
@@ -190,6 +208,7 @@ class TrainerRank(DeepSpeedRank):
             out = self._reduce_metrics(acc, minibatches)
         out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)),
                    old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()),
+                   activation_checkpointing=float(self.activation_checkpointing),
                    compile_cache_hits=float(compile_cache_hits()), compile_warmup_wait_s=warm_wait, **finished)
         return out
 
