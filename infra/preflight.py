@@ -56,6 +56,8 @@ def preflight(cfg: RunConfig) -> list[str]:
     if line := check_tracking(cfg):
         done.append(line)
     done.append(check_storage(cfg))
+    if line := check_disk(cfg, access):
+        done.append(line)
     if line := check_resume(cfg):
         done.append(line)
     return done
@@ -261,6 +263,67 @@ def check_storage(cfg: RunConfig) -> str:
         hint = "" if "storage.root" in str(e) else f" (set by {', '.join(where)})"
         raise PreflightError(f"{one_line(e)}{hint}") from e
     return f"storage: {store.url()} (writable)"
+
+
+# A checkpoint holds the HF weights as saved plus DeepSpeed's optimizer state: an fp32 copy of every parameter and
+# Adam's two moments (the tiny test policy's: 90 kB of weights and 292 kB of optimizer state for 22.5k parameters).
+OPTIMIZER_BYTES_PER_PARAM = 12
+
+
+def model_bytes(folder: str) -> tuple[int, int]:
+    """(parameters, bytes of the weights as stored) of an HF folder's safetensors files, from their headers."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    params = stored = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        stored += f.stat().st_size
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                n = 1
+                for d in st.get_slice(key).get_shape():
+                    n *= int(d)
+                params += n
+    return params, stored
+
+
+def checkpoint_bytes(cfg: RunConfig, params: int) -> int:
+    """What one full checkpoint of this run takes: the policy's weights as the trainer saves them (fp32 unless
+    trainer.precision=bf16) and its optimizer state, and the same again for a critic (taken as large as the policy)."""
+    weights = params * (2 if cfg.trainer.precision == "bf16" else 4)
+    one = weights + params * OPTIMIZER_BYTES_PER_PARAM
+    return one * (2 if cfg.algorithm.spec.needs_critic else 1)
+
+
+def check_disk(cfg: RunConfig, access: StorageAccess) -> str | None:
+    """On a file:// root: room for checkpoint.keep_last checkpoints and the one being written (a 1.5B policy's is
+    ~25 GB). A 3B run once learned only at its final save that the disk was full (issue 54). None elsewhere (a
+    bucket has no free-space figure) and with LoRA (adapters only)."""
+    import shutil
+    from pathlib import Path
+
+    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
+    if not store.is_local or cfg.trainer.lora.rank:
+        return None
+    params, _ = model_bytes(str(_model_location(cfg, "model.path", cfg.model.path, access)))
+    one = checkpoint_bytes(cfg, params)
+    folder = Path(store._path("checkpoints"))
+    kept = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file()) if folder.exists() else 0
+    need = (cfg.checkpoint.keep_last + 1) * one - kept  # what is there now is replaced as the run saves
+    root = Path(store._path())
+    while not root.exists():
+        root = root.parent
+    free = shutil.disk_usage(root).free
+    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**27 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+    if need > free:
+        raise PreflightError(
+            f"storage.root={cfg.storage.root!r} has {gib(free)} free, but checkpoint.keep_last={cfg.checkpoint.keep_last} "
+            f"checkpoints and the one being written need ~{gib(need + kept)} ({gib(one)} each: {params:,} parameters, "
+            f"weights and optimizer state{', policy and critic' if cfg.algorithm.spec.needs_critic else ''})"
+            + (f", {gib(kept)} of it there already" if kept else "")
+            + "; free space there, lower checkpoint.keep_last, or point storage.root at a larger disk or a bucket")
+    return f"disk: {gib(free)} free for ~{gib(need + kept)} of checkpoints ({cfg.checkpoint.keep_last} kept + 1)"
 
 
 def check_resume(cfg: RunConfig) -> str | None:

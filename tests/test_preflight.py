@@ -254,3 +254,38 @@ def test_debug_raises_with_the_traceback(good, tmp_path):
 
     with pytest.raises(PreflightError, match="data.path="):
         main(["config", "-c", str(good), "--check", "--debug", f"data.path={tmp_path}/missing.jsonl"])
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs of this test's own (root, as CI runs): the tiny policy's checkpoints (~0.4 MB each) fit 4 times."""
+    import subprocess
+
+    mnt = tmp_path / "small-disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a small tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
+    yield mnt
+    subprocess.run(["umount", str(mnt)], check=True)
+
+
+def test_checkpoints_that_cannot_fit_the_disk_stop_the_run(capsys, good, small_disk):
+    from reflow.infra.config import load_config
+    from reflow.infra.preflight import checkpoint_bytes, model_bytes
+
+    code, out, err = check(capsys, good, f"storage.root=file://{small_disk}", "checkpoint.keep_last=3")
+    assert code == 0, err
+    assert "disk: 2.0 MiB free for ~" in err and "(3 kept + 1)" in err, err
+    code, out, err = check(capsys, good, f"storage.root=file://{small_disk}", "checkpoint.keep_last=9")
+    assert (code, out) == (2, "")
+    line = err.strip()
+    assert "\n" not in line and line.startswith(f"reflow: storage.root='file://{small_disk}' has 2.0 MiB free, "), err
+    assert "checkpoint.keep_last=9 checkpoints and the one being written need ~" in line, line
+    assert "lower checkpoint.keep_last, or point storage.root at a larger disk or a bucket" in line, line
+    assert list(small_disk.iterdir()) == []  # nothing written
+    # The estimate against a real checkpoint of the tiny policy (weights 90 kB, optimizer state 292 kB: 382 kB):
+    cfg = load_config(str(good), [])
+    params, _ = model_bytes(cfg.model.path)
+    assert 0.9 * 382_000 < checkpoint_bytes(cfg, params) < 1.1 * 382_000, (params, checkpoint_bytes(cfg, params))
