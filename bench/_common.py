@@ -6,6 +6,7 @@ server), grouped by what the process is. It has to be read before those processe
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import platform
 import resource
@@ -14,7 +15,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
+# The checkout's top-level reflow/ holds only the package's __init__ (its layers are folders beside it, mapped by
+# pyproject.toml): first on sys.path, it shadowed the installed package, and `python3 bench/gpu.py` on the GPU
+# machine failed with "No module named 'reflow.rl'" (issue 54). Only where no reflow is installed is the root added.
+if importlib.util.find_spec("reflow") is None and str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 BENCH_ENV = {"TOKENIZERS_PARALLELISM": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
