@@ -58,6 +58,8 @@ def preflight(cfg: RunConfig) -> list[str]:
     done.append(check_storage(cfg))
     if line := check_disk(cfg, access):
         done.append(line)
+    if line := check_gpu_memory(cfg, access):
+        done.append(line)
     if line := check_resume(cfg):
         done.append(line)
     return done
@@ -315,15 +317,65 @@ def check_disk(cfg: RunConfig, access: StorageAccess) -> str | None:
     while not root.exists():
         root = root.parent
     free = shutil.disk_usage(root).free
-    gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**27 else f"{b / 2**20:.1f} MiB"  # noqa: E731
     if need > free:
         raise PreflightError(
-            f"storage.root={cfg.storage.root!r} has {gib(free)} free, but checkpoint.keep_last={cfg.checkpoint.keep_last} "
-            f"checkpoints and the one being written need ~{gib(need + kept)} ({gib(one)} each: {params:,} parameters, "
+            f"storage.root={cfg.storage.root!r} has {_gib(free)} free, but checkpoint.keep_last={cfg.checkpoint.keep_last} "
+            f"checkpoints and the one being written need ~{_gib(need + kept)} ({_gib(one)} each: {params:,} parameters, "
             f"weights and optimizer state{', policy and critic' if cfg.algorithm.spec.needs_critic else ''})"
-            + (f", {gib(kept)} of it there already" if kept else "")
+            + (f", {_gib(kept)} of it there already" if kept else "")
             + "; free space there, lower checkpoint.keep_last, or point storage.root at a larger disk or a bucket")
-    return f"disk: {gib(free)} free for ~{gib(need + kept)} of checkpoints ({cfg.checkpoint.keep_last} kept + 1)"
+    return f"disk: {_gib(free)} free for ~{_gib(need + kept)} of checkpoints ({cfg.checkpoint.keep_last} kept + 1)"
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB" if b >= 2**27 else f"{b / 2**20:.1f} MiB"
+
+
+def check_gpu_memory(cfg: RunConfig, access: StorageAccess) -> str | None:
+    """A trainer rank's estimated GPU peak (engines/train/memory.py) against cluster.gpu_memory_gib, or the memory of
+    the GPU this process sees; None where neither is known or the run is on CPU (cluster.gpus=off)."""
+    from transformers import AutoConfig
+
+    from reflow.engines.train.memory import activation_bytes, rank_memory
+
+    gpu = cfg.cluster.gpu_memory_gib * 2**30 if cfg.cluster.gpu_memory_gib else None
+    if gpu is None and cfg.cluster.gpus != "off":
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                gpu = torch.cuda.get_device_properties(0).total_memory
+        except Exception:  # deliberate: no usable GPU here is "unknown", not a failed check
+            gpu = None
+    if gpu is None or cfg.cluster.gpus == "off":
+        return None
+    local = str(_model_location(cfg, "model.path", cfg.model.path, access))
+    params, _ = model_bytes(local)
+    model_cfg = AutoConfig.from_pretrained(local)
+    t = cfg.trainer
+    tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
+    low = 2 if t.precision == "bf16" else 4
+    checkpointing = t.activation_checkpointing == "on" or (
+        t.activation_checkpointing == "auto" and activation_bytes(model_cfg, tokens, low) > gpu / 2)  # as the rank decides
+    est = rank_memory(model_cfg, params, precision=t.precision, zero_stage=t.zero_stage, world=t.num_ranks,
+                      tokens=tokens, checkpointing=checkpointing)
+    engine, beside = 0, ""
+    if cfg.cluster.colocate and not cfg.cluster.hand_over:  # the engine keeps its memory while the trainer trains
+        engine = int(cfg.rollout.mem_fraction_static * gpu) if cfg.rollout.backend == "sglang" else params * low
+        beside = f", a colocated engine {_gib(engine)}"
+    need = est.total + engine
+    parts = (f"weights {_gib(est.weights)}, gradients {_gib(est.gradients)}, optimizer state {_gib(est.optimizer)}, "
+             f"activations of a {tokens}-token micro-batch {_gib(est.activations)}"
+             f"{' (checkpointed)' if checkpointing else ''}{beside}")
+    if need > gpu:
+        fix = ("lower trainer.max_tokens_per_micro_batch" if t.max_tokens_per_micro_batch else
+               "lower trainer.micro_batch_size (or set trainer.max_tokens_per_micro_batch)")
+        more = [] if checkpointing else ["set trainer.activation_checkpointing=on"]
+        more += [] if t.zero_stage == 3 else ["raise trainer.zero_stage"]
+        raise PreflightError(f"a trainer rank needs ~{_gib(need)} of a {_gib(gpu)} GPU ({parts}): {fix}, "
+                             + ", ".join(more + ["or add trainer.num_ranks"])
+                             + ("" if cfg.cluster.gpu_memory_gib else " (cluster.gpu_memory_gib overrides the size)"))
+    return f"gpu memory: a trainer rank ~{_gib(need)} of {_gib(gpu)} ({parts})"
 
 
 def check_resume(cfg: RunConfig) -> str | None:

@@ -289,3 +289,29 @@ def test_checkpoints_that_cannot_fit_the_disk_stop_the_run(capsys, good, small_d
     cfg = load_config(str(good), [])
     params, _ = model_bytes(cfg.model.path)
     assert 0.9 * 382_000 < checkpoint_bytes(cfg, params) < 1.1 * 382_000, (params, checkpoint_bytes(cfg, params))
+
+
+def test_a_trainer_rank_that_cannot_fit_the_configured_gpu_stops_the_run(capsys, good):
+    """cluster.gpu_memory_gib against the estimate (engines/train/memory.py) of the tiny policy's rank."""
+    code, out, err = check(capsys, good, "cluster.gpu_memory_gib=80")
+    assert code == 0, err
+    assert "gpu memory: a trainer rank ~" in err and "of 80.00 GiB (weights " in err, err
+    code, out, err = check(capsys, good, "cluster.gpu_memory_gib=0.0001", "trainer.micro_batch_size=64",
+                           "trainer.activation_checkpointing=off", "data.max_prompt_len=60", "rollout.max_new_tokens=4")
+    assert (code, out) == (2, "")
+    line = err.strip()
+    assert "\n" not in line and line.startswith("reflow: a trainer rank needs ~"), err
+    for part in ("of a 0.1 MiB GPU (weights 0.1 MiB, gradients 0.1 MiB, optimizer state 0.2 MiB, activations of a "
+                 "4096-token micro-batch ", "lower trainer.micro_batch_size (or set trainer.max_tokens_per_micro_batch), "
+                 "set trainer.activation_checkpointing=on, raise trainer.zero_stage, or add trainer.num_ranks"):
+        assert part in line, line
+    # auto: the rank would checkpoint at this size (the estimate is over half the GPU), so the preflight counts it so
+    code, out, err = check(capsys, good, "cluster.gpu_memory_gib=0.0001")
+    assert code == 2 and "(checkpointed)" in err and "activation_checkpointing=on" not in err, err
+    # Checkpointing and ZeRO-3 are already what it would advise: only the micro-batch and the ranks are named.
+    code, out, err = check(capsys, good, "cluster.gpu_memory_gib=0.0001", "trainer.activation_checkpointing=on",
+                           "trainer.zero_stage=3", "trainer.max_tokens_per_micro_batch=200")
+    assert "(checkpointed)" in err and err.strip().endswith(
+        "lower trainer.max_tokens_per_micro_batch, or add trainer.num_ranks"), err
+    code, out, err = check(capsys, good, "cluster.gpu_memory_gib=0.0001", "cluster.gpus=off")
+    assert code == 0 and "gpu memory" not in err, err  # a CPU run has no GPU to fit

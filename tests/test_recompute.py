@@ -6,7 +6,8 @@ from types import SimpleNamespace
 
 import torch
 
-from reflow.engines.train.compiled import activation_bytes, checkpoint_layers, decoder_layers
+from reflow.engines.train.compiled import checkpoint_layers, decoder_layers
+from reflow.engines.train.memory import activation_bytes
 from reflow.rl.losses import token_logprobs
 
 
@@ -51,3 +52,18 @@ def test_activation_estimate_of_a_qwen25_7b_shape():
     assert per_token == 2 * (28 * (8 * 3584 + 2 * 512 + 4 * 18944) + 152064)
     assert 16_384 * per_token > 141e9 / 2  # a 16k-token micro-batch on a 141 GB H200: auto turns it on
     assert 2_048 * per_token < 141e9 / 2
+
+
+def test_rank_memory_shards_by_zero_stage_and_checkpointing_keeps_layer_inputs():
+    from reflow.engines.train.memory import rank_memory
+
+    qwen7b = SimpleNamespace(hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+                             num_hidden_layers=28, vocab_size=152064)
+    p = 7_615_616_512
+    kw = dict(precision="bf16", world=8, tokens=8192)
+    z1, z3 = (rank_memory(qwen7b, p, zero_stage=z, checkpointing=False, **kw) for z in (1, 3))
+    assert (z1.weights, z1.gradients, z1.optimizer) == (2 * p, 2 * p, 12 * p // 8)
+    assert (z3.weights, z3.gradients, z3.optimizer) == (2 * p // 8, 2 * p // 8, 12 * p // 8)
+    ck = rank_memory(qwen7b, p, zero_stage=3, checkpointing=True, **kw)
+    assert ck.activations < z3.activations / 5  # layer inputs + one layer + the logits, against every layer's
+    assert rank_memory(qwen7b, p, zero_stage=0, world=1, tokens=1, precision="fp32", checkpointing=False).optimizer == 8 * p

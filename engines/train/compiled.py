@@ -93,20 +93,6 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def activation_bytes(config, tokens: int, bytes_per_value: int) -> int:
-    """A rough size of what one forward over `tokens` tokens keeps for backward without checkpointing, for a
-    Llama-shaped HF config: per token and layer about 8 hidden-size vectors (norm inputs and outputs, attention
-    input, output and projection input, residuals) + 2 key/value projections + 4 MLP-width vectors (gate, up, the
-    activation and its product), plus the LM head's logits of every position (an upper bound: only scored ones
-    run). Used to decide trainer.activation_checkpointing=auto, not to promise a peak."""
-    h = int(config.hidden_size)
-    inter = int(getattr(config, "intermediate_size", 4 * h))
-    heads = int(config.num_attention_heads)
-    kv = int(getattr(config, "num_key_value_heads", heads) or heads) * (h // heads)
-    per_layer = 8 * h + 2 * kv + 4 * inter
-    return tokens * (int(config.num_hidden_layers) * per_layer + int(config.vocab_size)) * bytes_per_value
-
-
 def compiled_graphs() -> int:
     """Graphs dynamo has compiled in this process so far."""
     from torch._dynamo.utils import counters

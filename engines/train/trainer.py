@@ -45,7 +45,6 @@ from torch.profiler import record_function
 from reflow.engines.hf_io import fp32_lm_head, load_causal_lm, load_tokenizer
 from reflow.engines.train import lora, packing
 from reflow.engines.train.compiled import (
-    activation_bytes,
     checkpoint_layers,
     compile_cache_hits,
     compile_layers,
@@ -55,6 +54,7 @@ from reflow.engines.train.compiled import (
     wait_for_warmup,
 )
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
+from reflow.engines.train.memory import activation_bytes
 from reflow.engines.train.settings import RankSettings, weights_precision
 from reflow.engines.weights.settings import PushSettings
 from reflow.engines.weights.verify import verify_due
