@@ -11,6 +11,8 @@ layers on CUDA, old log-probs from the training forward). Variants:
 
 - `packed`: trainer.max_tokens_per_micro_batch=`--budget` (engines/train/packing.py), activation checkpointing auto;
 - `padded`: micro-batches of `--micro` samples right-padded to their longest, as before packing;
+- `packed-mixed`, `packed-tf32`: `packed` under trainer.precision=bf16-mixed, and fp32 with tf32 matmuls (the
+  GPU demo's setting; activation checkpointing auto may turn on: fp32 activations are twice bf16's);
 - `plain-packed`: the plain way on the very rows `packed` builds (reflow's packing plan and layout, nothing else of
   reflow): HF model in bf16 with SDPA, compiled decoder layers, cross-entropy on the scored positions only, fused
   AdamW on the bf16 weights, one backward per row, one step.
@@ -45,6 +47,8 @@ QWEN15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2)
 VARIANTS = ("packed", "padded", "plain-packed")
+# Precision (issue 54 point 4), packed as `packed`: bf16-mixed (fp32 weights, bf16 autocast) and fp32 with TF32 matmuls
+PRECISIONS = {"packed-mixed": {"precision": "bf16-mixed"}, "packed-tf32": {"precision": "fp32", "tf32": True}}
 
 
 def _sync() -> None:
@@ -117,7 +121,7 @@ def _timed(step, steps: int) -> tuple[float, float, object]:
     return warm, (time.perf_counter() - t0) / steps, last
 
 
-def run_trainer(folder: Path, args, packed: bool) -> dict:
+def run_trainer(folder: Path, args, packed: bool, name: str = "") -> dict:
     import dataclasses
 
     from transformers import AutoConfig
@@ -131,7 +135,7 @@ def run_trainer(folder: Path, args, packed: bool) -> dict:
                      backend="nccl" if cuda else "gloo", compile="auto",
                      max_micro_batch_tokens=args.budget if packed else args.micro * (args.prompt + args.max_response))
     if packed:
-        s = dataclasses.replace(s, max_tokens_per_micro_batch=args.budget)
+        s = dataclasses.replace(s, max_tokens_per_micro_batch=args.budget, **PRECISIONS.get(name, {}))
     trainer = TrainerRank(0, 1, "127.0.0.1", _free_port(), str(folder), s)
     cfg = AutoConfig.from_pretrained(folder)
     b = batch(args, cfg.vocab_size)
@@ -148,7 +152,7 @@ def run_trainer(folder: Path, args, packed: bool) -> dict:
             longest = max(p + r for p, r in chunk)
             seqs += [(longest, longest - min(p for p, _ in chunk)) for _ in chunk]
     fl = executed_flops(cfg, seqs, forwards)
-    return {"variant": "packed" if packed else "padded", "s": sec, "warmup_s": warm,
+    return {"variant": name or ("packed" if packed else "padded"), "precision": s.precision, "tf32": s.tf32, "s": sec, "warmup_s": warm,
             "tok_s": sum(p + r for p, r in lengths(args)) / sec, "tflops": fl / sec / 1e12,
             "mfu_executed": fl / sec / PEAK_BF16[args.device], "peak_gib": _peak_gib(),
             "pad_fraction": m["pad_fraction"], "forwards": forwards,
@@ -207,7 +211,8 @@ def one(args) -> None:
 
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     folder = Path(args.folder)
-    row = run_plain(folder, args) if args.variant == "plain-packed" else run_trainer(folder, args, args.variant == "packed")
+    name = args.variant
+    row = run_plain(folder, args) if name == "plain-packed" else run_trainer(folder, args, name != "padded", name)
     print("ROW " + json.dumps(row), flush=True)
 
 

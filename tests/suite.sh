@@ -20,7 +20,11 @@ cd "$(dirname "$0")/.."
 if [ $# -gt 0 ]; then
   exec "$py" -m pytest -q --durations=60 tests "$@"
 fi
-beside=(tests/test_deployments.py tests/test_resume.py)
+# Beside: tests that start their own servers, clusters and `reflow` subprocesses (none uses the session's Ray cluster),
+# so the two processes overlap one's waiting with the other's computing.
+beside=(tests/test_deployments.py tests/test_resume.py tests/test_multinode.py tests/test_terminal.py
+        tests/test_storage_paths.py tests/test_preflight_cli.py tests/test_cluster_security.py tests/test_local_users.py
+        tests/test_bench_smoke.py tests/test_ui_browser.py)
 log=$(mktemp -t reflow-beside-XXXXXX.log)
 "$py" -m pytest -q --durations=15 "${beside[@]}" > "$log" 2>&1 &
 pid=$!

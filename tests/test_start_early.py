@@ -17,16 +17,19 @@ from tests.ckpt_fixtures import REPO, reap, write_config
 pytestmark = pytest.mark.slow
 
 
-def _ray_daemons() -> set[int]:
-    """PIDs of Ray's per-cluster daemons on this machine (the test session's own cluster has its set)."""
+def _ray_daemons(session: int) -> set[int]:
+    """PIDs of Ray's per-cluster daemons in process session `session`: a driver's local cluster keeps its session id
+    (the CLI runs in a session of its own), so another test's or pytest process's clusters are not counted (a run of
+    the suite beside this one has its own)."""
     out = set()
     for p in psutil.process_iter(["name", "cmdline"]):
         try:
             cmd = " ".join(p.info["cmdline"] or [])
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            if (p.info["name"] in ("raylet", "gcs_server") or "gcs_server" in cmd.split(" ")[0]) \
+                    and os.getsid(p.pid) == session:
+                out.add(p.pid)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             continue
-        if p.info["name"] in ("raylet", "gcs_server") or "gcs_server" in cmd.split(" ")[0]:
-            out.add(p.pid)
     return out
 
 
@@ -45,23 +48,23 @@ _BEGAN = ("import time\nfrom reflow.infra import runtime\n"
 
 
 def _run_script(script: str, args: list[str], env: dict[str, str], timeout: float, stderr=subprocess.PIPE,
-                daemons_before: set[int] | None = None):
+                no_daemons_left: bool = False):
     """`python -c script args...` in its own session; (returncode, stdout, stderr), what it left reaped. With
-    `daemons_before`, no Ray daemon may outlive it: checked before the reaping (which would kill them)."""
+    `no_daemons_left`, no Ray daemon of its session may outlive it: checked before the reaping (which kills them)."""
     proc = subprocess.Popen([sys.executable, "-c", script, *args], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=stderr, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
-        if daemons_before is not None:
-            _no_daemons_left(daemons_before)
+        if no_daemons_left:
+            _no_daemons_left(proc.pid)
     finally:
         reap(proc)  # what a run that timed out left (Ray's helpers)
     return proc.returncode, out, err
 
 
-def _no_daemons_left(before: set[int]) -> None:
+def _no_daemons_left(session: int) -> None:
     deadline = time.monotonic() + 20  # Ray's daemons end on their own once the driver stopped the cluster
-    while (left := _ray_daemons() - before) and time.monotonic() < deadline:
+    while (left := _ray_daemons(session)) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"Ray daemons left running after the failed preflight: {left}"
 
@@ -71,17 +74,14 @@ def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_po
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-bad",
                        **{"data.task": "file", "data.path": str(tmp_path / "p.jsonl"), "data.prompt_key": "q",
                           "data.label_key": "answer", "data.num_eval": 4, "cluster.start_early": True})
-    before = _ray_daemons()
     env = _cli_env(tmp_path)
     # the CLI in a process that goes on afterwards (a notebook, a wrapper): the cluster must be stopped by then
     script = ("import sys, ray\nfrom reflow.flows.cli import main\ncode = None\ntry:\n    main(sys.argv[1:])\n"
               "except SystemExit as e:\n    code = e.code\nprint(f'RESULT {code} {ray.is_initialized()}')\n")
-    r = subprocess.run([sys.executable, "-c", script, "train", "-c", str(cfg)], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=180)
-    assert r.stdout == "RESULT 2 False\n", (r.returncode, r.stdout, r.stderr[-3000:])
-    assert r.stderr.count("\n") == 1 and "data.label_key" in r.stderr, r.stderr[-3000:]
+    code, out, err = _run_script(script, ["train", "-c", str(cfg)], env, timeout=180, no_daemons_left=True)
+    assert out == "RESULT 2 False\n", (code, out, err[-3000:])
+    assert err.count("\n") == 1 and "data.label_key" in err, err[-3000:]
     assert not (tmp_path / "runs").exists()
-    _no_daemons_left(before)
 
 
 def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path, tiny_policy):
@@ -90,7 +90,6 @@ def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path,
     starts a new local cluster on any call made without one: the build's next call must fail instead)."""
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-late",
                        **{"num_iterations": 2, "cluster.start_early": True})
-    before = _ray_daemons()
     script = (_BEGAN + "import sys, ray\nimport reflow.flows.cli as cli\n"
               "from reflow.infra.preflight import PreflightError\n"
               "def failing(cfg):\n    ok = began(cfg)\n"
@@ -101,7 +100,7 @@ def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path,
               "time.sleep(15)\n"  # the build thread's later Ray calls: none may start a cluster
               "print(f'RESULT {code} {ray.is_initialized()} {cli.__name__ in sys.modules}', flush=True)\n")
     _, out, err = _run_script(script, ["train", "-c", str(cfg)], _cli_env(tmp_path), timeout=300,
-                              daemons_before=before)
+                              no_daemons_left=True)
     assert "RESULT 2 False True" in out, (out, err[-3000:])
     assert "a late check failed (began: True)" in err, err[-3000:]
     assert not (tmp_path / "runs" / "early-late" / "config.yaml").exists()
