@@ -301,16 +301,20 @@ def test_bf16_mixed_keeps_fp32_weights_and_computes_under_autocast(ray_cluster, 
         group.kill()
 
 
-def test_bf16_mixed_resumes_bit_exactly(ray_cluster, tiny_policy, tmp_path):
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_bf16_mixed_resumes_bit_exactly(ray_cluster, tiny_policy, tmp_path, packed):
     """bf16-mixed with the float32 LM head: a checkpoint after one step, loaded into fresh ranks, gives exactly
-    the weights of the run that went on (DeepSpeed's fp32 path, the autocast config and the patched head alike)."""
+    the weights of the run that went on (DeepSpeed's fp32 path, the autocast config and the patched head alike);
+    with packed micro-batches too (the packing is a function of the batch alone)."""
     from reflow.infra.config import StorageConfig
     from reflow.infra.storage import ExperimentStore
 
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
     batch, kw = _batch(tiny_policy), dict(zero_stage=1, precision="bf16-mixed", fp32_lm_head=True)
+    if packed:
+        kw["max_tokens_per_micro_batch"] = 16
     store = ExperimentStore.from_config(StorageConfig(root=f"file://{tmp_path}"), "mixed-resume")
-    first = _create("mixres-a", 2, tiny_policy, **kw)
+    first = _create(f"mixres-a{int(packed)}", 2, tiny_policy, **kw)
     try:
         ray.get(first.train_iteration(batch, **_train_kw(pad)))
         manifest: dict = {}
@@ -320,7 +324,7 @@ def test_bf16_mixed_resumes_bit_exactly(ray_cluster, tiny_policy, tmp_path):
         went_on = ray.get(first.weights_checksum())[0]
     finally:
         first.kill()
-    second = _create("mixres-b", 2, tiny_policy, **kw)
+    second = _create(f"mixres-b{int(packed)}", 2, tiny_policy, **kw)
     try:
         ray.get(second.fetch_checkpoint(store, "ckpt", manifest))
         ray.get(second.load_checkpoint())
