@@ -11,6 +11,8 @@ layers on CUDA, old log-probs from the training forward). Variants:
 
 - `packed`: trainer.max_tokens_per_micro_batch=`--budget` (engines/train/packing.py), activation checkpointing auto;
 - `padded`: micro-batches of `--micro` samples right-padded to their longest, as before packing;
+- `packed-flex`: `packed` with transformers' flex_attention (a block mask whose empty blocks are skipped; SDPA
+  computes each whole row under a dense block-diagonal mask);
 - `packed-mixed`, `packed-tf32`: `packed` under trainer.precision=bf16-mixed, and fp32 with tf32 matmuls (the
   GPU demo's setting; activation checkpointing auto may turn on: fp32 activations are twice bf16's);
 - `plain-packed`: the plain way on the very rows `packed` builds (reflow's packing plan and layout, nothing else of
@@ -48,7 +50,9 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_la
             num_key_value_heads=2)
 VARIANTS = ("packed", "padded", "plain-packed")
 # Precision (issue 54 point 4), packed as `packed`: bf16-mixed (fp32 weights, bf16 autocast) and fp32 with TF32 matmuls
-PRECISIONS = {"packed-mixed": {"precision": "bf16-mixed"}, "packed-tf32": {"precision": "fp32", "tf32": True}}
+PRECISIONS = {"packed-mixed": {"precision": "bf16-mixed"}, "packed-tf32": {"precision": "fp32", "tf32": True},
+              # attention over packed rows through FlexAttention's block mask (empty blocks skipped) instead of SDPA
+              "packed-flex": {"attn_implementation": "flex_attention"}}
 
 
 def _sync() -> None:

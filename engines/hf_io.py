@@ -168,12 +168,13 @@ def resolve_checkpoint(path_or_url: str, storage: StorageAccess | None = None, f
 
 
 def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess | None = None,
-                   files: Files | None = None):
+                   files: Files | None = None, attn_implementation: str | None = None):
+    """`attn_implementation`: transformers' attention kernel (None: its default, SDPA where available)."""
     from transformers import AutoModelForCausalLM
 
     local = resolve_checkpoint(path_or_url, storage, files)
-    model = AutoModelForCausalLM.from_pretrained(local, dtype=_DTYPES[dtype])
-    return model
+    extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(local, dtype=_DTYPES[dtype], **extra)
 
 
 def set_tf32(on: bool) -> None:

@@ -108,3 +108,26 @@ def test_packed_row_gives_the_padded_batchs_logprobs_and_gradients(tiny_policy, 
     assert g_pad.keys() == g_pack.keys() and len(g_pad) > 5
     for name in g_pad:
         torch.testing.assert_close(g_pack[name], g_pad[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_flex_attention_scores_a_packed_row_as_the_padded_batch(tiny_policy):
+    """trainer.attn_implementation=flex_attention (its block mask skips what a packed row's samples cannot see): the
+    forward's log-probs equal SDPA's on the padded batch. Forward only: torch has no FlexAttention backward on CPU."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    lengths, firsts = [7, 12, 3, 9], [3, 5, 1, 8]
+    ids = torch.zeros((4, 12), dtype=torch.long)
+    for i, n in enumerate(lengths):
+        ids[i, :n] = torch.randint(3, 16, (n,))
+    attention = (torch.arange(12)[None] < torch.tensor(lengths)[:, None]).long()
+    load = lambda attn: AutoModelForCausalLM.from_pretrained(str(tiny_policy), attn_implementation=attn).float().eval()  # noqa: E731
+    with torch.no_grad():
+        padded = token_logprobs(load("sdpa")(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1],
+                                ids[:, 1:])
+        pk = packing.pack(ids, lengths, firsts, pad_id=0, length=40)
+        logits = load("flex_attention")(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
+                                        logits_to_keep=pk.keep).logits
+        packed = pk.scatter(token_logprobs(logits, pk.labels), 4, 11)
+    for i, (n, f) in enumerate(zip(lengths, firsts)):
+        torch.testing.assert_close(packed[i, f:n - 1], padded[i, f:n - 1], rtol=0, atol=1e-5)

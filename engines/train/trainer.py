@@ -129,7 +129,8 @@ class TrainerRank(DeepSpeedRank):
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         def load(path: str):  # the policy and the reference model alike: weights' dtype, head precision
-            model = load_causal_lm(path, dtype=weights_precision(s.precision), storage=s.storage)
+            model = load_causal_lm(path, dtype=weights_precision(s.precision), storage=s.storage,
+                                   attn_implementation=s.attn_implementation)
             return fp32_lm_head(model) if s.fp32_lm_head else model
 
         model = load(model_path)  # its head patched before LoRA wraps it and DeepSpeed hooks it
