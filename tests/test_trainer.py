@@ -214,44 +214,38 @@ def test_fill_weights_then_push_to_an_engine(zero3, tiny_policy):
         ray.kill(engine)
 
 
-def test_micro_batch_accumulation_matches_one_micro_batch(ray_cluster, tiny_policy):
-    """Per step, 4 micro-batches of 1 sample must give the same update as 1 micro-batch of 4."""
-    pad = load_tokenizer(str(tiny_policy)).pad_token_id
-    small = _create("acc1", 1, tiny_policy, zero_stage=0, micro_batch_size=1)
-    whole = _create("acc4", 1, tiny_policy, zero_stage=0, micro_batch_size=4)
+def _train_alike(policy, a: dict, b: dict, keys: tuple[str, ...]) -> tuple[dict, dict]:
+    """Two single-rank groups built with RankSettings overrides `a` and `b` train two mini-batches
+    (seq-mean-token-mean, an entropy bonus) on the same batch: equal `keys` metrics and weights. Their metrics."""
+    pad = load_tokenizer(str(policy)).pad_token_id
+    groups = [_create(f"alike-{'-'.join(f'{k}{v}' for k, v in kw.items())}", 1, policy, zero_stage=0, **kw)
+              for kw in (a, b)]
     try:
         kw = _train_kw(pad, minibatches=2, loss_agg="seq-mean-token-mean", entropy_coef=0.01)
-        batch = ray.put(_batch(tiny_policy))
-        m_small, m_whole = ray.get([small.train_iteration(batch, **kw)[0], whole.train_iteration(batch, **kw)[0]])
-        for key in ("loss", "pg_loss", "entropy", "grad_norm"):
-            assert m_small[key] == pytest.approx(m_whole[key], rel=1e-5), key
-        w_small, w_whole = ray.get([small.named_weights()[0], whole.named_weights()[0]])
-        for (name, a), (_, b) in zip(w_small, w_whole):
-            torch.testing.assert_close(a, b, msg=name)
+        batch = ray.put(_batch(policy))
+        m_a, m_b = ray.get([g.train_iteration(batch, **kw)[0] for g in groups])
+        for key in keys:
+            assert m_b[key] == pytest.approx(m_a[key], rel=1e-5), key
+        w_a, w_b = ray.get([g.named_weights()[0] for g in groups])
+        for (name, x), (_, y) in zip(w_a, w_b):
+            torch.testing.assert_close(y, x, msg=name)
+        return m_a, m_b
     finally:
-        small.kill()
-        whole.kill()
+        for g in groups:
+            g.kill()
+
+
+def test_micro_batch_accumulation_matches_one_micro_batch(ray_cluster, tiny_policy):
+    """Per step, 4 micro-batches of 1 sample must give the same update as 1 micro-batch of 4."""
+    _train_alike(tiny_policy, {"micro_batch_size": 1}, {"micro_batch_size": 4}, ("loss", "pg_loss", "entropy", "grad_norm"))
 
 
 def test_packed_micro_batches_train_like_padded_ones(ray_cluster, tiny_policy):
-    """Two optimizer steps (seq-mean-token-mean, an entropy bonus) on 16-token packed rows and on padded
-    micro-batches of 4: the same losses, gradient norms and weights; packing pads less."""
-    pad = load_tokenizer(str(tiny_policy)).pad_token_id
-    padded = _create("pad4", 1, tiny_policy, zero_stage=0, micro_batch_size=4)
-    packed = _create("pack16", 1, tiny_policy, zero_stage=0, max_tokens_per_micro_batch=16)
-    try:
-        kw = _train_kw(pad, minibatches=2, loss_agg="seq-mean-token-mean", entropy_coef=0.01)
-        batch = ray.put(_batch(tiny_policy))
-        m_pad, m_pack = ray.get([padded.train_iteration(batch, **kw)[0], packed.train_iteration(batch, **kw)[0]])
-        for key in ("loss", "pg_loss", "entropy", "grad_norm", "response_tokens"):
-            assert m_pack[key] == pytest.approx(m_pad[key], rel=1e-5), key
-        assert m_pack["pad_fraction"] == 0.0 < m_pad["pad_fraction"]
-        w_pad, w_pack = ray.get([padded.named_weights()[0], packed.named_weights()[0]])
-        for (name, a), (_, b) in zip(w_pad, w_pack):
-            torch.testing.assert_close(b, a, msg=name)
-    finally:
-        padded.kill()
-        packed.kill()
+    """16-token packed rows against padded micro-batches of 4: the same losses, gradient norms and weights after
+    two steps; packing pads less."""
+    m_pad, m_pack = _train_alike(tiny_policy, {"micro_batch_size": 4}, {"max_tokens_per_micro_batch": 16},
+                                 ("loss", "pg_loss", "entropy", "grad_norm", "response_tokens"))
+    assert m_pack["pad_fraction"] == 0.0 < m_pad["pad_fraction"]
 
 
 def test_bf16_zero2_two_ranks(ray_cluster, tiny_policy):
