@@ -43,8 +43,8 @@ class RankSettings:
     # policy only: micro-batches of at most this many tokens, samples packed end to end (engines/train/packing.py);
     # None: micro_batch_size samples a micro-batch, right-padded
     max_tokens_per_micro_batch: int | None = None
-    # transformers' attention kernel for the policy and reference (None: its default, SDPA); "flex_attention" skips
-    # the blocks a packed row's block-diagonal mask leaves empty, where SDPA computes the whole row and masks it
+    # transformers' attention kernel for the policy and reference. None: flex_attention for packed rows on CUDA (its
+    # block mask skips what a row's samples cannot see; SDPA computes the whole row under a dense mask), else SDPA
     attn_implementation: str | None = None
     # decoder layers recompute their forward in backward (compiled.checkpoint_layers); auto: when one micro-batch's
     # activations (compiled.activation_bytes at max_micro_batch_tokens) would take over half of the rank's GPU
