@@ -3,9 +3,9 @@
 #
 #   tests/suite.sh PYTHON [pytest args...]
 #
-# Two modules run in a second pytest process beside the rest: tests/test_deployments.py (its own Ray head,
-# `prefect server`, process worker and deployments, ~450 s, much of it waiting on those processes) and
-# then tests/test_resume.py (`reflow train` subprocesses killed and resumed, each with a Ray cluster of its
+# The modules in `beside` below run in a second pytest process beside the rest. First (and first there, session 29)
+# tests/test_deployments.py (its own Ray head, `prefect server`, process worker and deployments, ~450 s, much of it
+# waiting on those processes) and tests/test_resume.py (`reflow train` subprocesses killed and resumed, each with a Ray cluster of its
 # own; its session Prefect server is that process's own). On 2 cores a quarter of the CPU stood idle with
 # everything in one process (/proc/stat over a whole run), and with the deployments alone beside the rest
 # the idle share dropped to 3-14 % while they ran and went back to ~30 % after. Clean clone, session 29: the
@@ -14,6 +14,11 @@
 # looks for Ray daemons left on the machine counted the other worker's: not taken. Their output follows the
 # main run's; the exit status is the main run's or, if that passed, the other's. With pytest args (one
 # module, -k, ...) everything runs in one process, as before.
+# Session 30: eight more modules that start their own servers, clusters and subprocesses (none uses the session's
+# Ray cluster) moved beside (test_start_early now counts only its own CLI's Ray daemons): clean clone .ci/run
+# 26m19s against 32-33 min, the rest 1444 s and these 1345 s. Both processes are busy to the end: on 2 cores what is
+# left is CPU work, most of it Ray actor processes starting (imports, DeepSpeed's set-up: ~6 s of CPU a trainer
+# rank for the tiny policy) rather than training.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
