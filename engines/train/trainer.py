@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import time
@@ -106,6 +107,18 @@ def _pad_length(t: dict[str, torch.Tensor], length: int, pad_id: int) -> dict[st
     fill = {"input_ids": pad_id}
     return {k: v if v.dim() == 1 else torch.nn.functional.pad(v, (0, length - L), value=fill.get(k, 0))
             for k, v in t.items()}
+
+
+def _columns(mb: dict[str, torch.Tensor], first: int, end: int | None = None) -> dict[str, torch.Tensor]:
+    """mb with its [b, L-1] per-position tensors cut to columns first..end (input ids and mask kept whole)."""
+    return {k: v[:, first:end] if v.dim() == 2 and k not in ("input_ids", "attention_mask") else v
+            for k, v in mb.items()}
+
+
+def _ranges(sizes: list[int]) -> list[tuple[int, int]]:
+    """Consecutive [start, end) row ranges of the given sizes (empty ones kept)."""
+    ends = list(itertools.accumulate(sizes))
+    return list(zip([0] + ends[:-1], ends))
 
 
 class TrainerRank(DeepSpeedRank):
@@ -265,8 +278,7 @@ class TrainerRank(DeepSpeedRank):
         """(first scored position, mb with its [b, L-1] tensors cut to positions first..L-2)."""
         first = int(mb["scored_from"].min()) if "scored_from" in mb else 0
         first = min(first, mb["input_ids"].shape[1] - 2)
-        cut = {k: v[:, first:] for k, v in mb.items() if v.dim() == 2 and k not in ("input_ids", "attention_mask")}
-        return first, {**mb, **cut, "labels": mb["input_ids"][:, first + 1:]}
+        return first, {**_columns(mb, first), "labels": mb["input_ids"][:, first + 1:]}
 
     @torch.no_grad()
     def _old_logprobs(self, shard: dict, temperature: float, policy: bool, ref: bool, acc: dict) -> None:
@@ -333,18 +345,14 @@ class TrainerRank(DeepSpeedRank):
         if self._plan is None:
             m = shard["input_ids"].shape[0] // minibatches
             return [(i * m, (i + 1) * m) for i in range(minibatches)]
-        sizes = [sum(len(micro) for micro in mini[self.rank]) for mini in self._plan.micros]
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        return list(zip([0] + ends[:-1], ends))
+        return _ranges([sum(len(micro) for micro in mini[self.rank]) for mini in self._plan.micros])
 
     def _micro_ranges(self, k: int, rows: int) -> list[tuple[int, int]]:
         """Micro-batches of mini-batch k as row ranges of it: micro_batch_size rows each, or the plan's (packed;
         an empty range is a micro-batch this rank runs only to keep the collective passes matched)."""
         if self._plan is None:
             return self._micro_slices(rows)
-        sizes = [len(micro) for micro in self._plan.micros[k][self.rank]]
-        ends = [sum(sizes[:i + 1]) for i in range(len(sizes))]
-        return list(zip([0] + ends[:-1], ends))
+        return _ranges([len(micro) for micro in self._plan.micros[k][self.rank]])
 
     def _all_micro_ranges(self, rows: int) -> list[tuple[int, int]]:
         """Every micro-batch of the shard, mini-batch after mini-batch, as row ranges of the whole shard."""
@@ -369,9 +377,11 @@ class TrainerRank(DeepSpeedRank):
         if self._plan is None:
             return float(mb["input_ids"].numel())  # rows x their longest (or its bucket)
         n = int(mb["seq_len"].sum())
-        if n == 0:
-            return 2.0
-        return float(self._round_up(n) if self._round_up is not None else n)
+        return 2.0 if n == 0 else float(self._packed_length(n))
+
+    def _packed_length(self, n: int) -> int:
+        """A packed row of n tokens runs at its compiled length bucket (compiled layers), else as it is."""
+        return self._round_up(n) if self._round_up is not None else n
 
     def _token_logprobs(self, model, mb: dict[str, torch.Tensor], temperature: float, entropy: bool = False
                         ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
@@ -395,9 +405,8 @@ class TrainerRank(DeepSpeedRank):
             empty = zero.reshape(1, 1)[:0, :0].float()  # [0, 0]
             return 0, empty, (empty if entropy else None)
         seq_len = mb["seq_len"].tolist()
-        n = sum(seq_len)
         pk = packing.pack(mb["input_ids"], seq_len, mb["scored_from"].tolist(), self._pad_id,
-                          length=self._round_up(n) if self._round_up is not None else None)
+                          length=self._packed_length(sum(seq_len)))
         out = model(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False, logits_to_keep=pk.keep)
         lp, ent = logprobs_and_entropy(out.logits, pk.labels, temperature, entropy=entropy)  # [1, K]
         width = max(seq_len) - 1
@@ -413,9 +422,7 @@ class TrainerRank(DeepSpeedRank):
         acc["sample_tokens"] = acc["sample_tokens"] + float(mb["seq_len"].sum())
         if mb["input_ids"].shape[0] == 0:  # an empty packed micro-batch: its pass only, nothing to learn or count
             return logp.sum() * 0.0
-        W = logp.shape[1]
-        mb = {k: v[:, first:first + W] if v.dim() == 2 and k not in ("input_ids", "attention_mask") else v
-              for k, v in mb.items()}
+        mb = _columns(mb, first, first + logp.shape[1])
         mask = mb["loss_mask"]  # [b, W]
         old = mb.get("old_logprobs")  # [b, L-1]; absent: this forward's own (train_iteration's reuse)
         if old is None:
