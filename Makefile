@@ -50,12 +50,9 @@ demo: setup
 
 # Lint and type checks (seconds); `make test` runs them first. (No `ruff format --check`: the
 # formatter splits argument lists into runs of 6+ same-shape lines, which `duplicates` flags.)
-MYPY_TREE := .cache/mypy/reflow
 lint: $(BIN)/.installed-test
 	$(BIN)/ruff check .
-	mkdir -p $(MYPY_TREE) && ln -sfn ../../../reflow/__init__.py $(MYPY_TREE)/__init__.py
-	for d in rl infra engines; do ln -sfn ../../../$$d $(MYPY_TREE)/$$d; done
-	$(BIN)/mypy -p reflow.rl -m reflow.infra.config -m reflow.infra.settings -m reflow.engines.train.settings \
+	$(BIN)/mypy -p reflow.rl -m reflow.infra.config.schema -m reflow.infra.config.settings -m reflow.engines.train.settings \
 		-m reflow.engines.weights.settings
 
 # The whole suite (CI runs this). Per-test timeout and summary: pyproject.toml [tool.pytest.ini_options].

@@ -15,11 +15,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-# The checkout's top-level reflow/ holds only the package's __init__ (its layers are folders beside it, mapped by
-# pyproject.toml): first on sys.path, it shadowed the installed package, and `python3 bench/gpu.py` on the GPU
-# machine failed with "No module named 'reflow.rl'" (issue 54). Only where no reflow is installed is the root added.
-if importlib.util.find_spec("reflow") is None and str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+# Where no reflow is installed (a bare GPU machine with the checkout only), the package is read from src/.
+if importlib.util.find_spec("reflow") is None and str(ROOT / "src") not in sys.path:
+    sys.path.insert(0, str(ROOT / "src"))
 
 BENCH_ENV = {"TOKENIZERS_PARALLELISM": "false", "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
              "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}

@@ -40,7 +40,7 @@ def run_one(args) -> dict:
 
     import reflow.flows.train as ft
     from reflow.flows.cli import _demo_policy
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
 
     base = load_config(str(DEMO_YAML), [])
     policy = _demo_policy(args.seed, base.data.digits, str(C.ROOT / base.model.path))

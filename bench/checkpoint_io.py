@@ -22,7 +22,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
 def _policy(out: Path, hidden: int, layers: int) -> Path:
@@ -68,8 +68,8 @@ def _timed(fn) -> float:
 def run(args) -> None:
     import ray
 
-    from reflow.infra import checkpoint as ckpt
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.store import checkpoint as ckpt
+    from reflow.infra.store.storage import ExperimentStore
     from reflow.tasks.checkpoint import load_first_valid, save
 
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-"))

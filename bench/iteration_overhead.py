@@ -83,8 +83,8 @@ def run_full(args) -> dict:
     import ray
 
     import reflow.flows.train as ft
-    from reflow.infra.config import load_config
-    from reflow.infra.runtime import shutdown_runtime
+    from reflow.infra.cluster.runtime import shutdown_runtime
+    from reflow.infra.config.schema import load_config
 
     try:  # the train flow calls run_iteration through flows/recovery.py (older trees: directly)
         from reflow.flows import recovery
@@ -162,7 +162,7 @@ def _bare_setup(args):
 
     from reflow.engines.embedded.generator import Generator
     from reflow.engines.hf_io import load_causal_lm, load_tokenizer
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
     from reflow.rl.data import load_prompt_rows, tokenize_prompts
     from reflow.rl.rewards import load_reward_fn
 

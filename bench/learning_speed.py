@@ -65,7 +65,7 @@ def run_one(args) -> dict:
     import reflow.flows.train as ft
     from reflow.flows import recovery
     from reflow.flows.cli import _demo_policy
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
     from reflow.tasks.evaluate import collect, launch_eval
 
     base = load_config(str(DEMO_YAML), [])
@@ -140,7 +140,7 @@ def _child(args, setting: str, seed: int, out: Path, cores: list[int] | None) ->
 def _run_all(args, runs: list[tuple[str, int]], out: Path) -> list[dict]:
     """Every (setting, seed), --parallel at a time, each on cores of its own."""
     from reflow.flows.cli import _demo_policy
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
 
     base = load_config(str(DEMO_YAML), [])
     for seed in sorted({s for _, s in runs}):  # built once per seed, before runs that would race to build it

@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from reflow.infra.config import load_config
+from reflow.infra.config.schema import load_config
 
 pytestmark = pytest.mark.slow
 

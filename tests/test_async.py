@@ -8,8 +8,8 @@ import shutil
 import pandas as pd
 import pytest
 
-from reflow.infra.config import ConfigError, load_config
-from reflow.infra.settings import ASYNC_TIS_CAP, loss_settings
+from reflow.infra.config.schema import ConfigError, load_config
+from reflow.infra.config.settings import ASYNC_TIS_CAP, loss_settings
 
 
 def test_async_mode_is_refused_with_hand_overs_and_always_corrects_with_tis():

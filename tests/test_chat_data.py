@@ -8,8 +8,8 @@ import pytest
 
 from reflow.engines import rollout_stages as ro
 from reflow.engines.hf_io import load_tokenizer
-from reflow.infra.config import load_config
-from reflow.infra.eval_sets import load_eval_sets
+from reflow.infra.config.schema import load_config
+from reflow.infra.inputs.eval_sets import load_eval_sets
 from reflow.rl.data import PromptFormat, load_prompt_rows, tokenize_prompts
 from reflow.rl.types import to_train_tensors
 from tests.test_engine import KEY

@@ -8,8 +8,8 @@ import pytest
 import ray
 import torch
 
-from reflow.infra import checkpoint as ckpt
-from reflow.infra.storage import ChecksumError, ExperimentStore, StorageError, with_retries
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store.storage import ChecksumError, ExperimentStore, StorageError, with_retries
 from tests.ckpt_fixtures import captured
 
 
@@ -209,7 +209,7 @@ def test_zero2_two_ranks_save_load_hf_and_fallback(ray_cluster, tiny_policy, tmp
 
 def test_resume_modes_and_sentinel(tmp_path):
     from reflow.flows.schedule import save_due
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
     from reflow.tasks.checkpoint import ResumeError, find_checkpoints
 
     store = _store(tmp_path)
@@ -235,7 +235,7 @@ def test_checkpoints_by_default_every_few_minutes_not_only_at_the_end(tmp_path):
     """A crash should never cost more than `save_every_minutes` of work (default 10): the loop saves
     once that much time has passed since the start or the last save, besides interval/sentinel/last."""
     from reflow.flows.schedule import save_due
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
 
     cfg = load_config(None, [])
     assert cfg.checkpoint.save_interval is None and cfg.checkpoint.save_every_minutes == 10.0

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from reflow.flows.cli import DEMO_CONFIG, _demo_policy, build_parser, main
-from reflow.infra.config import load_config
+from reflow.infra.config.schema import load_config
 from tests.streams import without_ray_lines
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from reflow.infra import ray_head
+from reflow.infra.cluster import ray_head
 
 pytestmark = pytest.mark.slow  # ~1 min: a head, a cluster, five client drivers
 
@@ -109,7 +109,7 @@ def test_local_cluster_of_a_flow_is_loopback_and_token_authenticated(tmp_path):
     code = textwrap.dedent("""
         import json, os, ray
         from tests.test_cluster_security import listeners
-        from reflow.infra.ray_connect import connect
+        from reflow.infra.cluster.ray_connect import connect
         connect(None, 1, "reflow-sec")
         assert ray.get(ray.remote(lambda: 42).remote()) == 42
         from ray._raylet import AuthenticationMode, get_authentication_mode

@@ -11,14 +11,14 @@ import math
 import pytest
 
 from reflow.engines.rollout_client import EngineClient
-from reflow.infra.runtime import shutdown_runtime, start_runtime
+from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
 from tests.test_e2e import e2e_config
 
 pytestmark = pytest.mark.slow
 
 
 def _assert_placed_together(rt) -> None:
-    """Every engine and trainer rank runs inside the runtime's placement group (infra/placement.py)."""
+    """Every engine and trainer rank runs inside the runtime's placement group (infra/cluster/placement.py)."""
     import ray
 
     where = lambda self: ray.get_runtime_context().get_placement_group_id()  # noqa: E731
@@ -88,7 +88,7 @@ def test_disk_push_with_partial_release_tags(ray_cluster, prefect_server, tiny_p
 
 
 def test_colocation_bundles():
-    from reflow.infra.placement import bundles
+    from reflow.infra.cluster.placement import bundles
 
     # 2 ranks + PPO critic, 1 engine, GPUs: engine 0 shares bundle 0 with rank 0 and critic rank 0
     assert bundles(2, 1, gpu=True, critic=True) == [{"CPU": 3.0, "GPU": 1.0}, {"CPU": 2.0, "GPU": 1.0}]
@@ -97,7 +97,7 @@ def test_colocation_bundles():
 
 
 def test_gpu_use_follows_the_setting_and_the_cluster():
-    from reflow.infra.placement import gpus_on
+    from reflow.infra.cluster.placement import gpus_on
 
     assert gpus_on("auto", sglang=False, cluster_gpus=2.0) and not gpus_on("auto", sglang=False, cluster_gpus=0.0)
     assert not gpus_on("off", sglang=False, cluster_gpus=8.0)  # CPU only, GPUs or not
@@ -106,7 +106,7 @@ def test_gpu_use_follows_the_setting_and_the_cluster():
 
 
 def test_a_layout_the_cluster_cannot_hold_is_refused_with_the_ways_out():
-    from reflow.infra.placement import PlacementError, check_gpus
+    from reflow.infra.cluster.placement import PlacementError, check_gpus
 
     check_gpus(2.0, 2.0, "the split layout")  # exactly enough
     with pytest.raises(PlacementError) as e:
@@ -116,9 +116,9 @@ def test_a_layout_the_cluster_cannot_hold_is_refused_with_the_ways_out():
 
 
 def test_split_gpu_layout_gives_each_rank_and_engine_a_whole_gpu():
-    from reflow.infra.config import RunConfig
-    from reflow.infra.placement import ENGINE_GPU
-    from reflow.infra.runtime import _engine_gpus, _rank_options
+    from reflow.infra.cluster.placement import ENGINE_GPU
+    from reflow.infra.cluster.runtime import _engine_gpus, _rank_options
+    from reflow.infra.config.schema import RunConfig
 
     cfg = RunConfig()
     assert _engine_gpus(cfg) == 1.0 and _rank_options(None, 2, 0.4, gpu=True) == {"num_gpus_per_rank": 1.0}
@@ -130,8 +130,8 @@ def test_split_gpu_layout_gives_each_rank_and_engine_a_whole_gpu():
 def test_ranks_on_gpus_join_over_nccl():
     """Ranks that hold GPUs use nccl (each Ray actor sees its one GPU as cuda:0; with gloo, DeepSpeed took rank 1's
     LOCAL_RANK as cuda:1 and two ranks on two H200s failed at init); CPU ranks keep gloo."""
-    from reflow.infra.config import RunConfig
-    from reflow.infra.settings import critic_rank_settings, policy_rank_settings
+    from reflow.infra.config.schema import RunConfig
+    from reflow.infra.config.settings import critic_rank_settings, policy_rank_settings
 
     cfg = RunConfig.model_validate({"trainer": {"num_ranks": 2}})
     assert policy_rank_settings(cfg, gpus=True).backend == critic_rank_settings(cfg, gpus=True).backend == "nccl"

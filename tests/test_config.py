@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from reflow.infra.config import ConfigError, RunConfig, apply_overrides, dump_config, load_config
+from reflow.infra.config.schema import ConfigError, RunConfig, apply_overrides, dump_config, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
@@ -82,8 +82,8 @@ def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
     while everything that holds weights (the ranks' model, checkpoints, engines on a GPU, SGLang's --dtype) is fp32."""
     from reflow.engines.sglang.launcher import sglang_dtype
     from reflow.engines.train.settings import weights_precision
-    from reflow.infra.runtime import engine_dtype
-    from reflow.infra.settings import critic_rank_settings, policy_rank_settings
+    from reflow.infra.cluster.runtime import engine_dtype
+    from reflow.infra.config.settings import critic_rank_settings, policy_rank_settings
 
     cfg = load_config(None, ["trainer.precision=bf16-mixed", "trainer.zero_stage=1"])
     assert policy_rank_settings(cfg).precision == "bf16-mixed"

@@ -1,4 +1,4 @@
-"""The control API (infra/control.py, `reflow ctl`), periodic stack dumps (infra/stack_dumps.py) and
+"""The control API (infra/ops/control.py, `reflow ctl`), periodic stack dumps (infra/ops/stack_dumps.py) and
 the trainer fault-tolerance controller (flows/recovery.py) against one real train run: health,
 metrics, pause (no new iteration starts), save while paused, resume, a trainer rank SIGKILLed
 mid-iteration (recovered), stop (a committed checkpoint, a COMPLETED parent flow run, every
@@ -17,9 +17,9 @@ import httpx
 import psutil
 import pytest
 
-from reflow.infra import checkpoint as ckpt
-from reflow.infra import control
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.ops import control
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store.storage import ExperimentStore
 from tests import prefect_reads
 from tests.ckpt_fixtures import REFLOW, REPO
 from tests.test_e2e import e2e_config
@@ -247,7 +247,7 @@ def test_a_record_left_by_a_dead_run_is_not_a_live_run(tmp_path):
 
 
 def test_stack_dump_of_another_python_process():
-    from reflow.infra.stack_dumps import dump_pid, own_threads, py_spy
+    from reflow.infra.ops.stack_dumps import dump_pid, own_threads, py_spy
 
     assert "test_stack_dump_of_another_python_process" in own_threads()
     if py_spy() is None:
@@ -270,7 +270,7 @@ def test_stack_dump_of_another_python_process():
 
 def test_give_up_message_names_the_rank_the_iteration_and_the_bound():
     from reflow.flows.recovery import TrainerGroupLost, _recover
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
 
     cfg = load_config(None, ["experiment=giveup-msg", "fault_tolerance.max_trainer_recoveries=2"])
     ctl = control.RunControl(cfg, "f-1", 7)
@@ -290,7 +290,7 @@ def test_half_open_connections_are_bounded_and_time_out(tmp_path, monkeypatch):
     The server keeps at most MAX_CONNECTIONS, closes the rest at once, and closes an idle one after its timeout;
     a request with the token still gets through afterwards."""
     from reflow.engines.http_serve import ThreadedServer
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
 
     monkeypatch.setenv("REFLOW_LEASE_DIR", str(tmp_path / "leases"))
     cfg = load_config(None, ["experiment=halfopen", "control.enabled=true"])

@@ -11,7 +11,7 @@ import time
 import pandas as pd
 import pytest
 
-from reflow.infra.config import load_config
+from reflow.infra.config.schema import load_config
 from tests import prefect_reads
 
 pytestmark = pytest.mark.slow
@@ -115,7 +115,7 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
         == summary["evals"][2]["heldout"]
     from tests.test_tracking import _scalars
 
-    tb = _scalars(base / "tracking" / "tensorboard")  # the train flow feeds the trackers (infra/tracking.py)
+    tb = _scalars(base / "tracking" / "tensorboard")  # the train flow feeds the trackers (infra/store/tracking.py)
     assert [step for step, _ in tb["train/reward_mean"]] == [0, 1, 2]
     assert tb["eval/heldout/pass@1"] == [(v, pytest.approx(summary["evals"][v]["heldout"]["pass@1"])) for v in (0, 2, 3)]
     png = (base / "plots" / "curves.png").read_bytes()
@@ -125,7 +125,7 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
 
 def test_missing_checkpoint_is_named(prefect_server, tmp_path):
     from reflow.flows.train import train
-    from reflow.infra.preflight import PreflightError
+    from reflow.infra.ops.preflight import PreflightError
 
     cfg = e2e_config(tmp_path / "no-such-policy", tmp_path, "experiment=e2e-missing")
     with pytest.raises(PreflightError, match="^model.path: checkpoint folder .*no-such-policy.* does not exist"):
@@ -136,7 +136,7 @@ def test_raising_reward_function_is_named(prefect_server, tiny_policy, tmp_path)
     """The flow's preflight scores a first row before any cluster starts (the run-time error path of
     a reward function: tests/test_demo_task.py)."""
     from reflow.flows.train import train
-    from reflow.infra.preflight import PreflightError
+    from reflow.infra.ops.preflight import PreflightError
 
     cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-badreward", "trainer.num_ranks=1",
                      "eval.before_train=false", "data.reward_fn=tests.reward_fixtures:raising_reward")

@@ -9,7 +9,7 @@ import math
 import pandas as pd
 import pytest
 
-from reflow.infra.config import dump_config, load_config
+from reflow.infra.config.schema import dump_config, load_config
 from reflow.rl.data import tokenize_prompts
 from reflow.rl.metrics import eval_summary, mean_pass_at_k, pass_at_k
 from tests import prefect_reads
@@ -73,7 +73,7 @@ def _sets_config(policy, *sets_and_overrides):
 
 def test_eval_sets_load_from_jsonl_and_parquet(tiny_policy, tmp_path):
     from reflow.engines.hf_io import load_tokenizer
-    from reflow.infra.eval_sets import load_eval_sets
+    from reflow.infra.inputs.eval_sets import load_eval_sets
 
     rows = [{"question": f"{a}+{a}=", "answer": str(2 * a)} for a in range(10, 16)]
     _write_jsonl(tmp_path / "q.jsonl", rows)
@@ -105,7 +105,7 @@ def test_eval_sets_load_from_jsonl_and_parquet(tiny_policy, tmp_path):
 ])
 def test_malformed_eval_rows_are_named(tiny_policy, tmp_path, lines, match):
     from reflow.engines.hf_io import load_tokenizer
-    from reflow.infra.eval_sets import load_eval_sets
+    from reflow.infra.inputs.eval_sets import load_eval_sets
 
     path = _write_jsonl(tmp_path / "bad.jsonl", lines)
     cfg = _sets_config(tiny_policy, "eval.sets=[{name: bad, source: " + str(path) + "}]")
@@ -115,7 +115,7 @@ def test_malformed_eval_rows_are_named(tiny_policy, tmp_path, lines, match):
 
 def test_bad_eval_reward_fn_is_named(tiny_policy):
     from reflow.engines.hf_io import load_tokenizer
-    from reflow.infra.eval_sets import load_eval_sets
+    from reflow.infra.inputs.eval_sets import load_eval_sets
 
     cfg = _sets_config(tiny_policy, "eval.sets=[{name: h, reward_fn: 'no_such_module:fn'}]")
     with pytest.raises(ValueError, match=r"eval\.sets\.0\.reward_fn \(h\).*no_such_module"):
@@ -196,7 +196,7 @@ def _assert_same_eval(base, in_training: str, eval_only: str, summary_in: dict, 
 def test_eval_only_reproduces_in_training_eval(nonblocking_run, tmp_path, capsys):
     from reflow.flows.cli import main
     from reflow.flows.evaluate import evaluate
-    from reflow.infra import checkpoint as ckpt
+    from reflow.infra.store import checkpoint as ckpt
 
     cfg, summary, base, overrides = nonblocking_run
     before = (base / "iterations" / "000002" / "eval" / "heldout" / "summary.json").read_text()
@@ -219,7 +219,7 @@ def test_eval_only_reproduces_in_training_eval(nonblocking_run, tmp_path, capsys
 @pytest.mark.slow
 def test_eval_only_without_checkpoint_is_refused(prefect_server, tiny_policy, tmp_path):
     from reflow.flows.evaluate import evaluate
-    from reflow.infra.checkpoint import CheckpointInvalid
+    from reflow.infra.store.checkpoint import CheckpointInvalid
 
     cfg = load_config(None, ["experiment=eval-none", f"model.path={tiny_policy}", f"storage.root=file://{tmp_path}"])
     with pytest.raises(CheckpointInvalid, match="no valid committed checkpoint"):
@@ -232,7 +232,7 @@ def test_weight_push_waits_for_eval_generation(ray_cluster, prefect_server, tiny
     generates with the weights it was launched on (the push waits for its generation)."""
     import ray
 
-    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
     from reflow.tasks.evaluate import launch
     from reflow.tasks.train import push_weights
 

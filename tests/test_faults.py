@@ -5,7 +5,7 @@ import httpx
 import pytest
 
 from reflow.engines.rollout_client import EngineError
-from reflow.infra.storage import StorageError
+from reflow.infra.store.storage import StorageError
 from reflow.tasks.faults import is_transient_fault
 
 

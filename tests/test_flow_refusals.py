@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from reflow.flows.cli import DEMO_CONFIG
-from reflow.infra.config import ConfigError
-from reflow.infra.preflight import PreflightError
+from reflow.infra.config.schema import ConfigError
+from reflow.infra.ops.preflight import PreflightError
 
 pytestmark = pytest.mark.slow
 

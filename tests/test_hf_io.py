@@ -56,8 +56,8 @@ def test_load_from_s3_url_matches_local(tiny_policy, s3_endpoint, tmp_path, monk
 
 
 def _manifest(folder) -> dict[str, dict]:
-    """What a checkpoint's manifest records for the files of `folder` (infra/checkpoint.py)."""
-    from reflow.infra.storage import sha256_file
+    """What a checkpoint's manifest records for the files of `folder` (infra/store/checkpoint.py)."""
+    from reflow.infra.store.storage import sha256_file
 
     return {p.name: {"sha256": sha256_file(p), "bytes": p.stat().st_size} for p in sorted(folder.iterdir())}
 
@@ -65,7 +65,7 @@ def _manifest(folder) -> dict[str, dict]:
 def test_a_local_folder_is_checked_in_place_against_its_manifest(tiny_policy, tmp_path):
     import shutil
 
-    from reflow.infra.storage import ChecksumError
+    from reflow.infra.store.storage import ChecksumError
 
     folder = shutil.copytree(tiny_policy, tmp_path / "model")
     files = _manifest(folder)

@@ -327,7 +327,7 @@ def test_sglang_router_gets_the_key_on_stdin_not_the_command_line():
 def test_runtime_reuses_the_key_its_actors_hold(ray_cluster):
     import ray
 
-    from reflow.infra.runtime import Runtime, runtime_api_key
+    from reflow.infra.cluster.runtime import Runtime, runtime_api_key
 
     class Holder:
         def api_key(self) -> str:

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PKG = ROOT / "src" / "reflow"
 ORDER = ["flows", "tasks", "infra", "engines", "rl"]
 HEAVY = {"ray", "prefect", "deepspeed"}
 
@@ -27,7 +28,7 @@ def _imports(path: Path) -> set[str]:
 
 
 def _modules(layer: str) -> list[Path]:
-    files = sorted((ROOT / layer).rglob("*.py"))
+    files = sorted((PKG / layer).rglob("*.py"))
     assert files, f"no modules under {layer}/"
     return files
 
@@ -38,6 +39,36 @@ def test_imports_point_down(layer):
     for f in _modules(layer):
         bad = _imports(f) & above
         assert not bad, f"{f.relative_to(ROOT)} imports from a higher layer: {sorted(bad)}"
+
+
+# Inside a layer, its concerns point down too: infra's operator surface (ops) uses the Ray cluster
+# (cluster), which uses inputs and the experiment store, which use the config; the engines' processes
+# (train, embedded) use the weight transports, which use SGLang's wire contract. Peers of one rank
+# (train and embedded) never import each other.
+SUBLAYERS = {"infra": [["ops"], ["cluster"], ["inputs"], ["store"], ["config"]],
+             "engines": [["train", "embedded"], ["weights"], ["sglang"]]}
+
+
+def _subpackage(name: str, layer: str) -> str | None:
+    parts = name.split(".")
+    return parts[2] if parts[:2] == ["reflow", layer] and len(parts) > 2 else None
+
+
+@pytest.mark.parametrize("layer", sorted(SUBLAYERS))
+def test_concerns_inside_a_layer_point_down(layer):
+    levels = SUBLAYERS[layer]
+    rank = {sub: i for i, subs in enumerate(levels) for sub in subs}
+    assert {p.name for p in (PKG / layer).iterdir() if p.is_dir() and p.name != "__pycache__"} == set(rank)
+    bad = []
+    for sub in rank:
+        for f in sorted((PKG / layer / sub).rglob("*.py")):
+            for node in ast.walk(ast.parse(f.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+                for other in filter(None, (_subpackage(n, layer) for n in names)):
+                    if other in rank and other != sub and rank[other] <= rank[sub]:
+                        bad.append(f"{f.relative_to(ROOT)} imports reflow.{layer}.{other}")
+    assert not bad, "imports that point up or sideways inside a layer:\n" + "\n".join(bad)
 
 
 def test_rl_imports_no_ray_prefect_deepspeed():
@@ -75,7 +106,7 @@ def test_no_algorithm_name_checks_outside_rl_algorithms():
                 re.compile(rf"""(==|!=)\s*["']({names})["']"""),
                 re.compile(rf"""["']({names})["']\s*(==|!=)"""),
                 re.compile(rf"""\bin\s*[(\[{{]\s*["']({names})["']""")]
-    own = ROOT / "rl" / "algorithms"
+    own = PKG / "rl" / "algorithms"
     hits = []
     for f in [p for layer in ORDER for p in _modules(layer) if own not in p.parents]:
         for n, line in enumerate(f.read_text().splitlines(), 1):

@@ -1,4 +1,4 @@
-"""infra/leases.py without Ray: a dead holder's leftovers are ended, a live holder refuses a second run, a
+"""infra/cluster/leases.py without Ray: a dead holder's leftovers are ended, a live holder refuses a second run, a
 reused pid is not mistaken for the holder, and (with the test Prefect server) a dead long run's unfinished
 iteration is marked CRASHED. The whole story with a real SIGKILLed `reflow train` (Ray's orphaned agents,
 the Prefect states) is in tests/test_resume.py."""
@@ -13,13 +13,13 @@ import textwrap
 import psutil
 import pytest
 
-from reflow.infra import leases
+from reflow.infra.cluster import leases
 
 # A holder that starts a long-lived child in its own session (as Ray's agents end up: re-parented
 # to init when the holder dies), records it, and SIGKILLs itself.
 _HOLDER = textwrap.dedent("""
     import os, signal, subprocess, sys
-    from reflow.infra import leases
+    from reflow.infra.cluster import leases
     leases.take(sys.argv[1], None)
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     leases.record(sys.argv[1])

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 
 from reflow.flows.cli import main
-from reflow.infra import checkpoint as ckpt
-from reflow.infra import lineage, signing
-from reflow.infra import promotion as pm
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store import lineage, signing
+from reflow.infra.store import promotion as pm
+from reflow.infra.store.storage import ExperimentStore
 
 
 def _save(store: ExperimentStore, step: int, parent: lineage.Parent | None, config: str, files=()) -> lineage.Parent:

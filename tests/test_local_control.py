@@ -1,4 +1,4 @@
-"""The embedded engine's local socket (engines/embedded/local_control.py): who may use it, what it answers,
+"""The embedded engine's local socket (engines/local_control.py): who may use it, what it answers,
 and the mapped push going through it, back to HTTP when it fails. A real engine (CPU) in this process."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from reflow.engines.embedded.engine import EmbeddedEngine
-from reflow.engines.embedded.local_control import LOCAL_CONTROL, MAX_LINE, LocalControlClient, LocalControlError
 from reflow.engines.http_serve import new_api_key
+from reflow.engines.local_control import LOCAL_CONTROL, MAX_LINE, LocalControlClient, LocalControlError
 from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.weights.mapped import MappedSender
 from reflow.engines.weights.verify import verify_weights

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reflow.infra import ray_head
+from reflow.infra.cluster import ray_head
 from tests.other_user import as_other_user, attempts, needs_root
 from tests.test_engine import fresh_engine as _fresh_engine_fixture
 
@@ -87,7 +87,7 @@ def test_local_cluster_of_a_flow_is_closed_to_other_users(tmp_path):
     """No RAY_ADDRESS: the cluster `ray_connect.connect` starts inside the run's driver (a separate process)."""
     code = textwrap.dedent("""
         import json, os, sys, ray
-        from reflow.infra.ray_connect import connect
+        from reflow.infra.cluster.ray_connect import connect
         connect(None, 1, "reflow-local-users")
         assert ray.get(ray.remote(lambda: 42).remote()) == 42  # a worker has started and logged
         node = ray._private.worker._global_node
@@ -224,9 +224,9 @@ def test_engine_loads_a_disk_push_only_as_the_pusher_wrote_it(fresh_engine, tiny
 def test_merged_copy_of_a_lora_checkpoint_is_never_one_another_user_made(tiny_policy, tmp_path):
     """Evaluating a LoRA checkpoint merges it into a local folder; that folder was /tmp/reflow-merged-<digest>,
     reused when it existed: another user who made it first had their folder evaluated as the model."""
-    from reflow.infra import checkpoint as ckpt
-    from reflow.infra import lineage
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
+    from reflow.infra.store import checkpoint as ckpt
+    from reflow.infra.store import lineage
     from reflow.tasks.checkpoint import resolve_checkpoint
     from tests.ckpt_fixtures import final_weights
     from tests.test_lora import lora_checkpoint

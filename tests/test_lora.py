@@ -201,8 +201,8 @@ def test_checksums_are_sglangs_own_expression():
 
 
 def test_lora_config_refusals():
-    from reflow.infra.config import ConfigError, load_config
-    from reflow.infra.settings import policy_rank_settings
+    from reflow.infra.config.schema import ConfigError, load_config
+    from reflow.infra.config.settings import policy_rank_settings
 
     cfg = load_config(None, ["trainer.lora.rank=8"])
     assert policy_rank_settings(cfg).lora == LoraSettings(8, 16.0, ("q_proj", "k_proj", "v_proj", "o_proj"))
@@ -217,8 +217,8 @@ def test_lora_config_refusals():
 def lora_checkpoint(tiny_policy, tmp_path):
     """(peft model, its store, the URL of a committed step-1 checkpoint holding its adapter/ as a LoRA run saves
     it) in experiment 'lora' under `tmp_path`/runs."""
-    from reflow.infra import checkpoint as ckpt
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.store import checkpoint as ckpt
+    from reflow.infra.store.storage import ExperimentStore
 
     model = _peft_model(tiny_policy, 4)
     adapter, _ = train_lora.split([(n, p.detach()) for n, p in model.named_parameters()], SETTINGS)
@@ -233,7 +233,7 @@ def test_export_and_evaluate_merge_a_lora_checkpoint(tiny_policy, tmp_path, monk
     """A committed checkpoint holding adapter/ (as a LoRA run saves it): `reflow export-merged` writes
     peft's merge of it, and the eval flow's checkpoint resolution evaluates that same merge."""
     from reflow.flows.cli import main
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
     from reflow.tasks.checkpoint import resolve_checkpoint
     from tests.ckpt_fixtures import final_weights
 

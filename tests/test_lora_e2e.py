@@ -10,8 +10,8 @@ import pytest
 import ray
 import torch
 
-from reflow.infra import checkpoint as ckpt
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store.storage import ExperimentStore
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_lora_trains_adapters_resumes_exactly_pushes_and_exports(ray_cluster, ti
     from reflow.engines.train.group import TrainerGroup
     from reflow.engines.train.settings import LoraSettings, RankSettings
     from reflow.engines.weights.settings import PushSettings
-    from reflow.infra.export import export_merged
+    from reflow.infra.store.export import export_merged
     from reflow.tasks.checkpoint import load_first_valid, save
     from tests.reference import greedy_reference
     from tests.test_trainer import RANK_KW, _batch, _train_kw

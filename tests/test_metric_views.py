@@ -1,4 +1,4 @@
-"""How iteration metrics are shown (infra/metric_views.py, the curves image, the iteration's timer):
+"""How iteration metrics are shown (infra/store/metric_views.py, the curves image, the iteration's timer):
 hand-made metric dicts with numbers that can be checked on paper. No Ray, no Prefect server."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pandas as pd
 from PIL import Image
 
 from reflow.flows.iteration import StageTimer
-from reflow.infra import metric_views as views
-from reflow.infra.plots import curves_png, data_uri
+from reflow.infra.store import metric_views as views
+from reflow.infra.store.plots import curves_png, data_uri
 
 METRICS = {"zeta": 1.0, "time_train": 2.0, "entropy": 1.5, "reward_mean": 0.25, "time_generate": 1.0,
            "clip_frac": 0.1, "kl": 0.01, "loss": 0.5, "time_report": 0.5, "time_orchestration": 0.5,

@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 
 from reflow.engines.ray_nodes import label, offering, unplaced_message
-from reflow.infra import ray_head
-from reflow.infra.config import ConfigError, load_config
-from reflow.infra.placement import bundles, layout_problem
+from reflow.infra.cluster import ray_head
+from reflow.infra.cluster.placement import bundles, layout_problem
+from reflow.infra.config.schema import ConfigError, load_config
 from tests.ckpt_fixtures import REFLOW, REPO, reap, write_config
 
 ENGINE_RES, TRAINER_RES = "reflow_engine_node", "reflow_trainer_node"

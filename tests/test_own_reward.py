@@ -71,8 +71,8 @@ def test_finish_reason_and_decoding_options_reach_the_reward(engine, tiny_policy
 
 
 def test_eval_reward_errors_name_the_field_the_user_set(tiny_policy):
-    from reflow.infra.config import load_config
-    from reflow.infra.eval_sets import load_eval_sets
+    from reflow.infra.config.schema import load_config
+    from reflow.infra.inputs.eval_sets import load_eval_sets
 
     tok = load_tokenizer(str(tiny_policy))
     heldout = [Prompt(0, "1+1=", tok("1+1=")["input_ids"], "2")]

@@ -173,8 +173,8 @@ def test_checkpoint_restores_the_critic_bit_for_bit(ray_cluster, critic, tiny_po
     """Policy + critic saved by reflow.tasks.checkpoint.save into one manifest; fresh groups load it: the
     critic's weights are identical, and so is its next update (Adam moments restored too)."""
     from reflow.engines.train.group import TrainerGroup
-    from reflow.infra import checkpoint as ckpt
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.store import checkpoint as ckpt
+    from reflow.infra.store.storage import ExperimentStore
     from reflow.tasks.checkpoint import load_first_valid, save
 
     store = ExperimentStore.open(f"file://{tmp_path}/runs", "ppo")
@@ -233,7 +233,7 @@ def test_colocated_ppo_hands_the_critic_over_too(ray_cluster, prefect_server, ti
     """cluster.colocate: the critic offloads with the policy before rollout and reloads before its
     values pass, every iteration (state-checked no-ops on CPU, so a missed or doubled move raises)."""
     from reflow.flows.train import train
-    from reflow.infra.runtime import get_runtime, shutdown_runtime
+    from reflow.infra.cluster.runtime import get_runtime, shutdown_runtime
     from tests.test_algorithms_e2e import CASES, _config
 
     cfg = _config(tiny_policy, tmp_path, "ppo-colocate", CASES["ppo"] + ["num_iterations=2", "cluster.colocate=true"])

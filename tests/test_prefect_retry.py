@@ -1,4 +1,4 @@
-"""infra/prefect_retry.py: a Prefect API call the server refused with a bare 503 (SQLite busy) is sent
+"""infra/ops/prefect_retry.py: a Prefect API call the server refused with a bare 503 (SQLite busy) is sent
 again within milliseconds, not after Prefect's 2 s back-off; other answers are left to Prefect."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def flaky():
 def test_a_busy_503_is_retried_in_milliseconds_sync_and_async(flaky):
     from prefect.client.base import PrefectHttpxAsyncClient, PrefectHttpxSyncClient
 
-    from reflow.infra import prefect_retry
+    from reflow.infra.ops import prefect_retry
 
     prefect_retry.install()
     before = prefect_retry.busy_retries()
@@ -74,7 +74,7 @@ def test_a_busy_503_is_retried_in_milliseconds_sync_and_async(flaky):
 def test_a_503_that_outlasts_the_quick_retries_or_names_its_wait_is_prefects_to_handle(flaky):
     from prefect.client.base import PrefectHttpxSyncClient
 
-    from reflow.infra import prefect_retry
+    from reflow.infra.ops import prefect_retry
 
     prefect_retry.install()
     quick = len(prefect_retry.QUICK_DELAYS_S)

@@ -1,5 +1,5 @@
 """User errors end the CLI with one `reflow: ...` line naming the field or file and the fix, exit
-code 2, no traceback; `reflow config --check` finds each of them with the preflight (infra/preflight.py),
+code 2, no traceback; `reflow config --check` finds each of them with the preflight (infra/ops/preflight.py),
 before Ray or Prefect start. The CLI runs in-process here (its real parser, config loader and
 preflight: no Ray, no Prefect, so these are fast); tests/test_preflight_cli.py runs it as a
 subprocess, where `train` shows that it checks the same before starting anything."""
@@ -234,8 +234,8 @@ def test_data_missing_in_object_storage(capsys, good):
 
 
 def test_resume_that_the_run_would_refuse(capsys, good, tmp_path):
-    from reflow.infra import checkpoint as ckpt
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.store import checkpoint as ckpt
+    from reflow.infra.store.storage import ExperimentStore
 
     gone = f"file://{tmp_path}/runs/pre/checkpoints/iter_000003"
     code, out, err = check(capsys, good, f"resume={gone}")
@@ -250,7 +250,7 @@ def test_resume_that_the_run_would_refuse(capsys, good, tmp_path):
 
 
 def test_debug_raises_with_the_traceback(good, tmp_path):
-    from reflow.infra.preflight import PreflightError
+    from reflow.infra.ops.preflight import PreflightError
 
     with pytest.raises(PreflightError, match="data.path="):
         main(["config", "-c", str(good), "--check", "--debug", f"data.path={tmp_path}/missing.jsonl"])
@@ -272,8 +272,8 @@ def small_disk(tmp_path):
 
 
 def test_checkpoints_that_cannot_fit_the_disk_stop_the_run(capsys, good, small_disk):
-    from reflow.infra.config import load_config
-    from reflow.infra.preflight import checkpoint_bytes, model_bytes
+    from reflow.infra.config.schema import load_config
+    from reflow.infra.ops.preflight import checkpoint_bytes, model_bytes
 
     code, out, err = check(capsys, good, f"storage.root=file://{small_disk}", "checkpoint.keep_last=3")
     assert code == 0, err

@@ -49,7 +49,7 @@ def test_config_check_catches_it_too_and_debug_shows_the_traceback(tmp_path, tin
     assert r.stderr.startswith(f"reflow: '{tmp_path}/p.jsonl' has no column 'answer' (data.label_key)")
     r = _reflow("config", "-c", cfg, "--check", "--debug")
     assert r.returncode == 1 and "Traceback (most recent call last)" in r.stderr, r.stderr[-3000:]
-    assert "reflow.infra.preflight.PreflightError: " in r.stderr, r.stderr[-3000:]
+    assert "reflow.infra.ops.preflight.PreflightError: " in r.stderr, r.stderr[-3000:]
     r = _reflow("config", "-c", cfg, "--check", "data.label_key=a")
     assert r.returncode == 0 and r.stdout.startswith("experiment: cli\n"), r.stderr[-3000:]
     assert r.stderr.startswith("reflow: preflight passed in ") and "Traceback" not in r.stderr, r.stderr

@@ -16,9 +16,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from reflow.infra import checkpoint as ckpt
-from reflow.infra import leases
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.cluster import leases
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store.storage import ExperimentStore
 from tests import prefect_reads
 from tests.ckpt_fixtures import (
     LoopbackS3,
@@ -144,7 +144,7 @@ def _assert_lineage_after_resumes(store: ExperimentStore, initial: str) -> None:
     """Four runs (A saved 1, its commit 2 failed; B saved 2 and 3, killed; C saved 4, killed saving 5; D saved 5
     and 6): one chain 6..1 back to the initial model, each checkpoint naming the train flow run that saved it,
     and consuming one iteration."""
-    from reflow.infra import lineage
+    from reflow.infra.store import lineage
 
     nodes = lineage.chain(store.url(ckpt.ROOT, ckpt.name_of(N)), store)
     assert [n.step for n in nodes] == list(range(N, 0, -1)) and nodes[-1].lineage["initial_model"] == initial

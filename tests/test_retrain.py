@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from reflow.infra.config import load_config
-from reflow.infra.promotion import decide
+from reflow.infra.config.schema import load_config
+from reflow.infra.store.promotion import decide
 
 pytestmark = pytest.mark.slow
 
@@ -94,7 +94,7 @@ def _assert_champion_lineage(url: str, runs: list[dict], initial) -> None:
     import hashlib
     from pathlib import Path
 
-    from reflow.infra import lineage
+    from reflow.infra.store import lineage
 
     nodes = lineage.walk(url)
     assert [n.step for n in nodes] == [3, 2, 1] and nodes[-1].lineage["initial_model"] == str(initial)

@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from reflow.engines import rollout_stages as ro
-from reflow.infra.config import load_config
+from reflow.infra.config.schema import load_config
 from reflow.rl.reward_http import HttpReward, reward_source
 from reflow.rl.rewards import RewardError
 from reflow.rl.types import RolloutBatch, Sample

@@ -120,8 +120,8 @@ def test_iteration_completes_when_an_engine_dies_mid_rollout(ray_cluster, prefec
     import ray
 
     from reflow.flows.iteration import iteration
-    from reflow.infra.config import load_config
-    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.config.schema import load_config
 
     cfg = load_config(None, [
         "experiment=router-kill", f"model.path={tiny_policy}", "num_iterations=1", "data.num_train=64",
@@ -150,8 +150,8 @@ def test_engine_lost_during_generate_is_recreated_with_current_weights_before_th
     import ray
 
     from reflow.flows.iteration import iteration
-    from reflow.infra.config import load_config
-    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.config.schema import load_config
     from reflow.tasks.rollout import generate
 
     cfg = load_config(None, [
@@ -183,8 +183,8 @@ def test_generation_launched_ahead_is_the_same_batch_and_falls_back_when_its_eng
     import ray
 
     from reflow.flows.iteration import iteration
-    from reflow.infra.config import load_config
-    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.config.schema import load_config
     from reflow.tasks import rollout
 
     cfg = load_config(None, [

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from reflow.infra.config import load_config
-from reflow.infra.runtime import RuntimeNotStarted
+from reflow.infra.cluster.runtime import RuntimeNotStarted
+from reflow.infra.config.schema import load_config
 
 
 @pytest.mark.parametrize("task_path", ["reflow.tasks.rollout:generate", "reflow.tasks.train:push_weights"])

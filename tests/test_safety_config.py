@@ -10,10 +10,10 @@ import pytest
 import yaml
 from pydantic import TypeAdapter, ValidationError
 
-from reflow.infra import promotion as pm
-from reflow.infra.config import ConfigError, RunConfig, dump_config, load_config
-from reflow.infra.flow_params import FlowConfig, resolve_config
-from reflow.infra.storage import ExperimentStore, StorageError
+from reflow.infra.config.flow_params import FlowConfig, resolve_config
+from reflow.infra.config.schema import ConfigError, RunConfig, dump_config, load_config
+from reflow.infra.store import promotion as pm
+from reflow.infra.store.storage import ExperimentStore, StorageError
 
 DEMO = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYzEXAMPLEKEY"

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from reflow.infra import signing
-from reflow.infra.config import ConfigError, load_config
-from reflow.infra.storage import ExperimentStore, StorageError
+from reflow.infra.config.schema import ConfigError, load_config
+from reflow.infra.store import signing
+from reflow.infra.store.storage import ExperimentStore, StorageError
 
 REPO = Path(__file__).resolve().parents[1]
 SECRET = "wJalrXUtnFEMIK7MDENGbPxRfiCYzEXAMPLEKEY"
@@ -142,8 +142,8 @@ def test_ray_processes_of_a_run_never_get_the_signing_key(tmp_path):
     still signs and verifies with it."""
     code = textwrap.dedent("""
         import hashlib, hmac, json, os, sys, ray
-        from reflow.infra import signing
-        from reflow.infra.ray_connect import connect
+        from reflow.infra.store import signing
+        from reflow.infra.cluster.ray_connect import connect
         KEY = sys.argv[1]  # to look for the key's value under any name
         connect(None, 1, "reflow-keys")
 

@@ -8,9 +8,9 @@ import json
 
 import pytest
 
-from reflow.infra import checkpoint as ckpt
-from reflow.infra import signing
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store import signing
+from reflow.infra.store.storage import ExperimentStore
 from tests.ckpt_fixtures import captured, s3_with_bucket
 
 KEY_A, KEY_B = "a" * 24 + "0123456789abcdef", "b" * 24 + "0123456789abcdef"  # 40 characters each
@@ -27,7 +27,7 @@ class PlantedCode:
 
 
 def _cfg(tmp_path, *overrides):
-    from reflow.infra.config import load_config
+    from reflow.infra.config.schema import load_config
 
     return load_config(None, ["experiment=exp", f"storage.root=file://{tmp_path}/runs", *overrides])
 
@@ -245,7 +245,7 @@ def test_key_from_a_prefect_secret_block(prefect_server, keys_dir, tmp_path, mon
     only the block's name is in config.yaml, and a missing block is a clear error."""
     from prefect.blocks.system import Secret
 
-    from reflow.infra.config import dump_config
+    from reflow.infra.config.schema import dump_config
     from reflow.tasks.checkpoint import find_checkpoints, keyring
 
     Secret(value=KEY_A).save("reflow-test-ckpt-key", overwrite=True)

@@ -41,7 +41,7 @@ def _cli_env(tmp_path) -> dict[str, str]:
 
 
 # Script lines defining began(cfg): wait (up to 120 s) until the runtime's build for cfg has begun; whether it did.
-_BEGAN = ("import time\nfrom reflow.infra import runtime\n"
+_BEGAN = ("import time\nfrom reflow.infra.cluster import runtime\n"
           "def began(cfg):\n    end = time.monotonic() + 120\n"
           "    while cfg.experiment not in runtime._AHEAD and time.monotonic() < end:\n        time.sleep(0.1)\n"
           "    return cfg.experiment in runtime._AHEAD\n")
@@ -91,7 +91,7 @@ def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path,
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-late",
                        **{"num_iterations": 2, "cluster.start_early": True})
     script = (_BEGAN + "import sys, ray\nimport reflow.flows.cli as cli\n"
-              "from reflow.infra.preflight import PreflightError\n"
+              "from reflow.infra.ops.preflight import PreflightError\n"
               "def failing(cfg):\n    ok = began(cfg)\n"
               "    time.sleep(3)\n"  # the build is under way: data loaded, actors being created
               "    raise PreflightError(f'a late check failed (began: {ok})')\n"
@@ -133,8 +133,8 @@ def test_a_bad_input_found_while_the_actors_start_stops_them(ray_cluster, tiny_p
     still fails with its own error, and the actors just asked for are gone (the shared cluster keeps no CPU taken)."""
     import ray
 
-    from reflow.infra.config import load_config
-    from reflow.infra.runtime import start_runtime
+    from reflow.infra.cluster.runtime import start_runtime
+    from reflow.infra.config.schema import load_config
 
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
     cfg = load_config(None, ["experiment=late-input", f"model.path={tiny_policy}", "data.task=file",

@@ -1,4 +1,4 @@
-"""Storage faults (infra/storage.py): permanent errors fail at once with advice fit for the root's
+"""Storage faults (infra/store/storage.py): permanent errors fail at once with advice fit for the root's
 scheme, failed writes leave no temp files, and outages are logged and bounded by a stated budget.
 
 The local conditions are real, each in a child process: a disk full is a 64 KiB tmpfs and a
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 
-from reflow.infra.config import StorageConfig
-from reflow.infra.storage import ExperimentStore, StorageError, is_transient, with_retries
+from reflow.infra.config.schema import StorageConfig
+from reflow.infra.store.storage import ExperimentStore, StorageError, is_transient, with_retries
 from tests.ckpt_fixtures import captured, free_port, s3_with_bucket
 
 RETRY_LOGGED = re.compile(r"storage: .* failed \(.*\); retry \d+/\d+")  # the format tests/test_resume.py matches
@@ -82,7 +82,7 @@ if a.get("fsize"):  # this process may not grow a file past fsize bytes: writes 
     import resource, signal
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     resource.setrlimit(resource.RLIMIT_FSIZE, (a["fsize"], a["fsize"]))
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.store.storage import ExperimentStore
 store = ExperimentStore.open(a["root"], "exp")  # default retries and backoff: what a run gets
 ops = {"write": lambda: store.write_bytes("iterations/000000/rollouts.parquet", b"x" * a["size"]),
        "upload": lambda: store.put_file(a["src"], "checkpoints/iter_000001/model/model.safetensors"),

@@ -18,8 +18,8 @@ import pytest
 
 from reflow.engines.hf_io import resolve_checkpoint
 from reflow.engines.storage_access import StorageAccess, UnsafeName, local_target
-from reflow.infra import checkpoint as ckpt
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store.storage import ExperimentStore
 from tests.ckpt_fixtures import REFLOW, REPO, s3_with_bucket
 
 BUCKET = "reflow-names"

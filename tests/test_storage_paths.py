@@ -22,10 +22,10 @@ import pytest
 import torch
 
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer, resolve_checkpoint
-from reflow.infra import checkpoint as ckpt
-from reflow.infra.config import dump_config, load_config
-from reflow.infra.settings import push_settings, storage_access
-from reflow.infra.storage import ChecksumError, ExperimentStore
+from reflow.infra.config.schema import dump_config, load_config
+from reflow.infra.config.settings import push_settings, storage_access
+from reflow.infra.store import checkpoint as ckpt
+from reflow.infra.store.storage import ChecksumError, ExperimentStore
 from reflow.rl.demo_policy import build_model, save_policy
 from tests.ckpt_fixtures import REFLOW, REPO, captured, reap, s3_with_bucket
 
@@ -100,7 +100,7 @@ def other_policy(tiny_policy, tmp_path_factory) -> Path:
 
 
 def test_prompt_files_come_from_the_configured_endpoint(s3, tiny_policy, tmp_path):
-    from reflow.infra.prompts import load_prompts
+    from reflow.infra.inputs.prompts import load_prompts
 
     fs = _fs(s3)
     fs.pipe(f"{BUCKET}/data/train.jsonl", _jsonl(_rows("1", 6)))
@@ -113,7 +113,7 @@ def test_prompt_files_come_from_the_configured_endpoint(s3, tiny_policy, tmp_pat
 
 
 def test_eval_sources_come_from_the_configured_endpoint(s3, tiny_policy, tmp_path):
-    from reflow.infra.eval_sets import load_eval_sets
+    from reflow.infra.inputs.eval_sets import load_eval_sets
 
     fs = _fs(s3)
     fs.pipe(f"{BUCKET}/evalsets/a.jsonl", _jsonl(_rows("3", 4)))
@@ -129,7 +129,7 @@ def test_eval_sources_come_from_the_configured_endpoint(s3, tiny_policy, tmp_pat
 def test_a_storage_outage_while_reading_an_eval_source_is_retried(s3, tiny_policy):
     """The paths outside the experiment store retry like the store: a read during a short outage is
     logged and completes once the server is back."""
-    from reflow.infra.eval_sets import load_eval_sets
+    from reflow.infra.inputs.eval_sets import load_eval_sets
 
     _fs(s3).pipe(f"{BUCKET}/outage/a.jsonl", _jsonl(_rows("5", 3)))
     cfg = _cfg(s3, "outage", f"model.path={tiny_policy}", f"eval.sets=[{{name: a, source: s3://{BUCKET}/outage/a.jsonl}}]")
@@ -174,8 +174,8 @@ def test_a_model_folder_comes_from_the_configured_endpoint_and_is_never_served_s
 def test_retrain_new_data_comes_from_the_configured_endpoint(s3, tiny_policy, tmp_path):
     """new_data listed and merged through the config's endpoint; the merged prompts (kept in the
     experiment's storage) are then read back as the run's training data."""
-    from reflow.infra import promotion as pm
-    from reflow.infra.prompts import load_prompts
+    from reflow.infra.inputs.prompts import load_prompts
+    from reflow.infra.store import promotion as pm
     from reflow.tasks.retrain import take_new_data
 
     fs = _fs(s3)
@@ -244,7 +244,7 @@ def test_eval_only_refuses_a_same_size_corrupted_model_file(s3, tiny_policy, tmp
     """The eval-only runtime checks every model file against the manifest before any actor starts:
     one flipped byte in model.safetensors (same size, so the manifest's sizes still match) is refused
     with the file and the checkpoint named."""
-    from reflow.infra.runtime import build_eval_runtime
+    from reflow.infra.cluster.runtime import build_eval_runtime
 
     cfg = _cfg(s3, f"corrupt-{where}", f"model.path={tiny_policy}")
     if where == "local":

@@ -17,9 +17,9 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_later_run_takes_over_an_engine_left_paused_mid_update(ray_cluster, tiny_policy, tmp_path, monkeypatch):
-    from reflow.infra import ray_connect
-    from reflow.infra.config import load_config
-    from reflow.infra.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.cluster import ray_connect
+    from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
+    from reflow.infra.config.schema import load_config
 
     # As after `cluster.address=...`: the run's actors outlive it and the next flow run reuses them.
     monkeypatch.setattr(ray_connect, "_ATTACHED", ["the session's cluster"])

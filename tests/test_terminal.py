@@ -1,4 +1,4 @@
-"""What `reflow train` prints (infra/console.py, configs/prefect-logging.yml): by default a progress
+"""What `reflow train` prints (infra/ops/console.py, configs/prefect-logging.yml): by default a progress
 bar plus warnings and errors, with every record still in the Prefect UI's logs; `--verbose` brings
 Prefect's per-task state lines back; a temporary Prefect server that does not start ends the
 command with one line saying what to do. Each run is a real `reflow train` subprocess."""

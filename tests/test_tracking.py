@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
-from reflow.infra.config import load_config
-from reflow.infra.preflight import PreflightError, check_tracking
-from reflow.infra.storage import ExperimentStore
-from reflow.infra.tracking import Trackers
+from reflow.infra.config.schema import load_config
+from reflow.infra.ops.preflight import PreflightError, check_tracking
+from reflow.infra.store.storage import ExperimentStore
+from reflow.infra.store.tracking import Trackers
 from tests.ckpt_fixtures import s3_with_bucket
 
 ALL_ON = ["tracking.tensorboard=true", "tracking.wandb=true", "tracking.mlflow=true"]
@@ -120,7 +120,7 @@ def test_preflight_names_a_tracker_whose_package_is_missing(monkeypatch):
     cfg = load_config(None, ALL_ON)
     assert check_tracking(cfg) == "tracking: tensorboard, wandb, mlflow (installed)"
     assert check_tracking(load_config(None, [])) is None
-    monkeypatch.setitem(__import__("reflow.infra.tracking").infra.tracking.PACKAGES, "wandb", "no_such_wandb_module")
+    monkeypatch.setitem(__import__("reflow.infra.store.tracking").infra.store.tracking.PACKAGES, "wandb", "no_such_wandb_module")
     with pytest.raises(PreflightError, match=r"^tracking\.wandb=true but the package 'no_such_wandb_module' is not "
                                              r"installed: pip install no_such_wandb_module"):
         check_tracking(cfg)

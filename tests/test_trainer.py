@@ -300,8 +300,8 @@ def test_bf16_mixed_resumes_bit_exactly(ray_cluster, tiny_policy, tmp_path, pack
     """bf16-mixed with the float32 LM head: a checkpoint after one step, loaded into fresh ranks, gives exactly
     the weights of the run that went on (DeepSpeed's fp32 path, the autocast config and the patched head alike);
     with packed micro-batches too (the packing is a function of the batch alone)."""
-    from reflow.infra.config import StorageConfig
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.config.schema import StorageConfig
+    from reflow.infra.store.storage import ExperimentStore
 
     pad = load_tokenizer(str(tiny_policy)).pad_token_id
     batch, kw = _batch(tiny_policy), dict(zero_stage=1, precision="bf16-mixed", fp32_lm_head=True)

@@ -172,8 +172,8 @@ def test_the_old_logprob_pass_replays_the_training_forwards_compiled_graph(ray_c
 def test_cudnn_attention_is_a_rank_setting(tiny_policy):
     """trainer.cudnn_attention reaches both kinds of rank, and a rank's start sets the process's SDPA choice."""
     from reflow.engines.train.ds_rank import set_attention_kernels
-    from reflow.infra.config import load_config
-    from reflow.infra.settings import critic_rank_settings, policy_rank_settings
+    from reflow.infra.config.schema import load_config
+    from reflow.infra.config.settings import critic_rank_settings, policy_rank_settings
 
     for over, want in (([], True), (["trainer.cudnn_attention=false"], False)):
         cfg = load_config(None, [f"model.path={tiny_policy}", *over])
@@ -191,9 +191,9 @@ def test_cudnn_attention_is_a_rank_setting(tiny_policy):
 def test_compile_warmup_auto_is_for_gpu_machines(tiny_policy):
     """trainer.compile_warmup=auto starts a warm-up only where the trainer compiles on this machine's NVIDIA GPU; on
     CPU only `on` with trainer.compile=on does (these machines have no GPU); off, the default, never."""
-    from reflow.infra import compile_warmup
-    from reflow.infra.config import load_config
-    from reflow.infra.ray_connect import has_nvidia_gpu
+    from reflow.infra.cluster import compile_warmup
+    from reflow.infra.cluster.ray_connect import has_nvidia_gpu
+    from reflow.infra.config.schema import load_config
 
     def wanted(*over: str) -> bool:
         return compile_warmup.wanted(load_config(None, [f"model.path={tiny_policy}", *over]))

@@ -50,8 +50,8 @@ if offload:
     # must hold the state itself: torch.save of the emptied storages wrote 0 bytes for full-size tensors and
     # the resume failed in torch.load ("Trying to resize storage that is not resizable", seen on an H200).
     import glob, tempfile
-    from reflow.infra.config import StorageConfig
-    from reflow.infra.storage import ExperimentStore
+    from reflow.infra.config.schema import StorageConfig
+    from reflow.infra.store.storage import ExperimentStore
     rank._move_states(offload=True)
     root = tempfile.mkdtemp()
     store = ExperimentStore.from_config(StorageConfig(root="file://" + root), "x")

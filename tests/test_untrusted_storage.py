@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from reflow.engines.train.checkpoint import load_rng_state, rng_state
-from reflow.infra.storage import ExperimentStore
+from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.types import RolloutBatch
 from reflow.tasks import stage_cache
 

@@ -3,7 +3,7 @@
 # bench/learning_speed.py runs every setting of the given seeds at once, each run pinned to 2 cores of
 # its own (cores 0-13: seven runs); with OVERHEAD_SIZES set, bench/iteration_overhead.py runs meanwhile
 # on cores 14-15. The GPU is hidden (CUDA_VISIBLE_DEVICES=, cluster.gpus=off); each run's Ray gets the
-# 4 logical CPUs a 2-core machine gets (infra/ray_connect.py: max(4, cores)).
+# 4 logical CPUs a 2-core machine gets (infra/cluster/ray_connect.py: max(4, cores)).
 #
 #   OVERHEAD_SIZES=small,large,large10 bash bench/gpu_machine/cpu_sweep.sh 0   # seed 0 + the overhead bench
 #   bash bench/gpu_machine/cpu_sweep.sh 1                                      # seed 1

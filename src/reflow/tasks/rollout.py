@@ -1,0 +1,237 @@
+"""Prefect tasks of the rollout side: generate, reward, advantages (evaluation: tasks/evaluate.py).
+
+Thin wrappers: each submits a Ray remote function and returns a `BatchRef` (an ObjectRef plus
+small stats) or a metrics dict. Batches never travel through Prefect results; `NO_CACHE`
+because an ObjectRef is not a meaningful cache key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from logging import Logger
+
+import ray
+from prefect import get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+
+from reflow.engines import rollout_stages as ro
+from reflow.infra.cluster.runtime import Runtime, ensure_engines, get_runtime
+from reflow.infra.config.schema import RunConfig
+from reflow.infra.store.storage import ExperimentStore
+from reflow.rl.data import prompts_for_iteration
+from reflow.rl.reward_http import reward_source
+from reflow.rl.types import Prompt, RolloutBatch
+from reflow.tasks import stage_cache
+from reflow.tasks.faults import transient_fault
+
+
+def _generate_timed(*args, **kwargs) -> tuple[RolloutBatch, dict[str, float]]:
+    """The batch, and how long the engines took to generate it: as the rollout task saw it (requests,
+    answers, the batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when
+    an engine reports none). Two returns, so the caller waits for the small one without fetching the
+    batch into another task (one Ray task and a batch transfer less per rollout)."""
+    batch = ro.generate(*args, **kwargs)
+    return batch, {"generate_engine_s": float(batch.extra.get("generate_s", 0.0)),
+                   "generate_server_s": float(batch.extra.get("server_s", 0.0))}
+
+
+_generate = ray.remote(num_cpus=0, num_returns=2)(_generate_timed)
+_score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
+_advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
+_dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
+
+
+@ray.remote(num_cpus=0)
+def write_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
+    """Write a batch's per-sample table from inside Ray (the batch never reaches the driver)."""
+    return store.write_parquet(rel, ro.rollout_table(batch))
+
+
+@dataclass
+class BatchRef:
+    """A RolloutBatch that stays in the Ray object store, plus what the driver may look at."""
+
+    ref: ray.ObjectRef
+    stats: dict[str, float] = field(default_factory=dict)
+    iteration: int | None = None  # set by `generate`; dynamic sampling draws its extra prompts from it
+    saving: tuple[ray.ObjectRef, ...] = ()  # stage records still being written (tasks/stage_cache.py)
+
+
+def uses_adapter(cfg: RunConfig) -> bool:
+    """Whether the engines hold the policy as a LoRA adapter that rollout requests must name (every push
+    of a LoRA run is an adapter push: engines/weights/adapter_push.py)."""
+    return cfg.trainer.lora.rank > 0
+
+
+def _sp(rt: Runtime) -> dict:
+    r = rt.cfg.rollout
+    return ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
+                              r.skip_special_tokens, r.no_stop_trim)
+
+
+def _cached(rt: Runtime, iteration: int, stage: str, log: Logger | None = None) -> BatchRef | None:
+    """The stage's persisted result from an earlier (crashed) flow run of this iteration, if any."""
+    meta = stage_cache.find(rt.store, iteration, stage, stage_cache.stage_key(rt.cfg, stage))
+    if meta is None:
+        return None
+    ref = stage_cache.load_stage.remote(rt.store, iteration, stage, meta["sha256"])
+    ray.wait([ref], fetch_local=False)
+    (log or get_run_logger()).info("iteration %d: %s rollouts loaded from storage (%d samples), not generated again",
+                                   iteration, stage, meta["samples"])
+    return BatchRef(ref, {**meta["stats"], f"{stage}_from_storage": 1.0}, iteration)
+
+
+def _persist(rt: Runtime, batch: BatchRef, stage: str) -> BatchRef:
+    """Start writing the stage's record and go on: the write overlaps the next stages, and `train`
+    waits for it before the update can crash (a re-run then finds it); so do the iteration's records."""
+    ref = stage_cache.save_stage.remote(batch.ref, rt.store, batch.iteration, stage,
+                                        stage_cache.stage_key(rt.cfg, stage), batch.stats)
+    return dataclasses.replace(batch, saving=(*batch.saving, ref))
+
+
+@task(name="generate", cache_policy=NO_CACHE, retries=2, retry_delay_seconds=5, retry_condition_fn=transient_fault)
+def generate(cfg: RunConfig, iteration: int) -> BatchRef:
+    return generate_batch(cfg, iteration)
+
+
+def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, log: Logger | None = None) -> BatchRef:
+    """Iteration `iteration`'s rollouts (its prompts, its sampling seeds) by the engines' policy `version`:
+    by default the iteration's own, after recreating engines that died (the `generate` task); an
+    asynchronous run's prefetcher (flows/async_rollout.py) passes the version the engines serve."""
+    rt = get_runtime(cfg)
+    if (cached := _cached(rt, iteration, "generated", log)) is not None:
+        drop_started_generation(cfg)  # a batch of an earlier flow run of this iteration goes first
+        return cached
+    if version is None and (adopted := _adopt_started(rt, iteration, log)) is not None:
+        return adopted
+    recreated: list[str] = []
+    if version is None:
+        # An engine lost since the last push (or during this task's previous attempt: the retry comes
+        # back here) is recreated and given the current weights now, not after the retries are spent.
+        recreated, version = ensure_engines(cfg, serve_version=iteration), iteration
+    ref, timing, prompts = _launch(rt, iteration, version)
+    # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
+    engine_s = ray.get(timing)
+    return _generated(rt, ref, prompts, iteration, version, len(recreated), None, engine_s)
+
+
+def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration: int, version: int,
+               recreated: int, ahead_s: float | None, engine_s: dict[str, float]) -> BatchRef:
+    """A generated batch's stats and its stage record started. `ahead_s`: how long before the task its
+    generation was launched (None: by the task itself); `engine_s`: how long the engines took (`_generate_timed`)."""
+    stats = {**engine_s, "prompts": len(prompts),
+             "engines_recreated_before_generate": float(recreated),
+             "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
+             "generate_ahead_s": ahead_s or 0.0}
+    return _persist(rt, BatchRef(ref, stats, iteration), "generated")
+
+
+def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, ray.ObjectRef, list[Prompt]]:
+    """Send iteration `iteration`'s prompts (its sampling seeds) to the engines, which serve policy `version`:
+    (the batch, its generation seconds, the prompts)."""
+    cfg = rt.cfg
+    prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
+    seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
+    ref, timing = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
+                           version, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
+                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg),
+                           seed_key=iteration)
+    return ref, timing, prompts
+
+
+# ---------------------------------------------------------------- the synchronous loop's generation ahead
+
+# experiment -> (iteration, its generation, its seconds (`_generate_timed`), its prompts, when it was launched)
+_started: dict[str, tuple[int, ray.ObjectRef, ray.ObjectRef, list[Prompt], float]] = {}
+
+
+def start_generation(cfg: RunConfig, iteration: int) -> bool:
+    """Launch iteration `iteration`'s generation now, ahead of its flow run; its `generate` task then waits
+    for it instead of launching its own. The parent flow calls this right after iteration - 1's flow run,
+    whose push left the engines serving policy `iteration`: the same prompts, seeds and policy as the task
+    would use, so the batch is the same; only Prefect's bookkeeping between the two flow runs (ending one,
+    the records, starting the next) and a checkpoint due then overlap the engines' work instead of
+    preceding it. The synchronous loop only (rollout.max_staleness = 0: the asynchronous one generates
+    ahead anyway) and unless `rollout.generate_ahead` is off. Returns whether it launched."""
+    if cfg.rollout.max_staleness or not cfg.rollout.generate_ahead:
+        return False
+    rt = get_runtime(cfg)
+    ref, timing, prompts = _launch(rt, iteration, iteration)
+    _started[cfg.experiment] = (iteration, ref, timing, prompts, time.perf_counter())
+    return True
+
+
+def drop_started_generation(cfg: RunConfig) -> None:
+    """Forget a generation launched ahead (the run ends before its iteration, or a recovery restores other
+    weights), after it leaves the engines: the next push never lands under it."""
+    started = _started.pop(cfg.experiment, None)
+    if started is not None:
+        ray.wait([started[1]], timeout=cfg.rollout.request_timeout_s)
+
+
+def _adopt_started(rt: Runtime, iteration: int, log: Logger | None) -> BatchRef | None:
+    """The generation launched ahead for this iteration, once done; None when there is none (or another
+    iteration's: dropped) or it failed (the caller then generates the batch the usual way)."""
+    started = _started.get(rt.cfg.experiment)
+    if started is None or started[0] != iteration:
+        drop_started_generation(rt.cfg)
+        return None
+    _, ref, timing, prompts, launched = _started.pop(rt.cfg.experiment)
+    ahead_s = time.perf_counter() - launched
+    try:
+        engine_s = ray.get(timing)
+    except Exception as e:  # deliberate: any failure (an engine lost mid-request) falls back to the usual path
+        (log or get_run_logger()).warning("iteration %d: its generation launched ahead failed (%s); generating it "
+                                          "again", iteration, next(iter(str(e).splitlines()), type(e).__name__))
+        return None
+    return _generated(rt, ref, prompts, iteration, iteration, 0, ahead_s, engine_s)
+
+
+def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:
+    """Prompts of dynamic sampling's extra rounds: one seeded stream per round, apart from the main
+    one, so retries and resumes draw the same prompts (they may repeat a prompt of the epoch)."""
+    k = cfg.rollout.prompts_per_iteration
+    return [prompts_for_iteration(prompts, cfg.data.seed + 7919 * r, iteration, k)
+            for r in range(1, cfg.algorithm.max_sampling_rounds)]
+
+
+@task(name="reward", cache_policy=NO_CACHE)
+def reward(cfg: RunConfig, batch: BatchRef) -> BatchRef:
+    return score_batch(cfg, batch)
+
+
+def score_batch(cfg: RunConfig, batch: BatchRef, log: Logger | None = None) -> BatchRef:
+    """Score the batch (reward fn + overlong penalty); with dynamic sampling, top it up to
+    `prompts_per_iteration` groups with reward spread (engines/rollout_stages.py `dynamic_fill`)."""
+    a = cfg.algorithm
+    if batch.iteration is not None and (cached := _cached(get_runtime(cfg), batch.iteration, "scored", log)) is not None:
+        return cached
+    score_kw = dict(max_new_tokens=cfg.rollout.max_new_tokens, overlong_buffer=a.overlong_buffer,
+                    overlong_factor=a.overlong_penalty, fn_timeout_s=cfg.reward.fn_timeout_s)
+    ref, stats = _score.remote(batch.ref, reward_source(cfg.reward, cfg.data.reward_fn), **score_kw)
+    refs = [stats]
+    if a.dynamic_sampling:
+        if batch.iteration is None:
+            raise ValueError("dynamic sampling needs the batch's iteration (a BatchRef from the generate task)")
+        rt = get_runtime(cfg)
+        ref, ds = _dynamic_fill.remote(ref, rt.generate_urls, extra_prompt_rounds(cfg, rt.train_prompts, batch.iteration),
+                                       _sp(rt), cfg.rollout.n_samples_per_prompt,
+                                       int(batch.stats.get("rollout_policy_version", batch.iteration)),
+                                       cfg.rollout.request_timeout_s, reward_source(cfg.reward, cfg.data.reward_fn), score_kw,
+                                       cfg.rollout.prompts_per_iteration,
+                                       cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key,
+                                       cfg.rollout.generate_fn, cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(),
+                                       adapter=uses_adapter(cfg), seed_key=batch.iteration)
+        refs.append(ds)
+    merged = {k: v for d in ray.get(refs) for k, v in d.items()}
+    out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration, batch.saving)
+    return _persist(get_runtime(cfg), out, "scored") if batch.iteration is not None else out
+
+
+@task(name="advantages", cache_policy=NO_CACHE)
+def advantages(cfg: RunConfig, batch: BatchRef) -> BatchRef:
+    """The algorithm's advantages (`cfg.algorithm.spec.advantages`) on the whole batch, inside Ray.
+    With a critic (PPO), reflow.tasks.train.critic_values has put its values in the batch first."""
+    ref, stats = _advantages.remote(batch.ref, cfg.algorithm)
+    return BatchRef(ref, {**batch.stats, **ray.get(stats)}, batch.iteration, batch.saving)
