@@ -1,6 +1,6 @@
 """The one client for rollout engines: the embedded engine and a real SGLang server alike.
 
-Every method is one SGLang native endpoint (see /work/shared/SGLANG_API.md); callers never
+Every method is one SGLang native endpoint (see docs/ENGINE_CONTRACT.md); callers never
 branch on the backend, except for the two `/reflow/` extensions of the embedded engine, used only
 where /server_info advertises them (reflow.engines.weights.mapped). Any non-2xx answer raises
 `EngineError` naming URL, endpoint, status and the server's own message. Requests carry `Authorization: Bearer <api_key>` (the runtime's key:

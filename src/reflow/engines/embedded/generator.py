@@ -3,7 +3,7 @@
 No HTTP here. `Generator.generate` takes token-id prompts and SGLang-style sampling params and
 returns one SGLang-shaped record per sample, prompt-major (p0s0..p0s(n-1), p1s0, ...).
 
-Semantics follow SGLang 0.5.23 (see /work/shared/SGLANG_API.md) because importance ratios in
+Semantics follow SGLang 0.5.23 (see docs/ENGINE_CONTRACT.md, Logprobs) because importance ratios in
 the trainer depend on them:
 - logprob of a token = log_softmax(logits / temperature) taken BEFORE top-p/top-k/min-p
   filtering; greedy (temperature < 1e-6) reports plain log_softmax(logits).

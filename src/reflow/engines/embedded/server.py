@@ -1,6 +1,6 @@
 """SGLang 0.5.23's native HTTP API served over a `Generator` (the embedded engine).
 
-Request and response shapes, status codes and error texts follow /work/shared/SGLANG_API.md, so
+Request and response shapes, status codes and error texts follow docs/ENGINE_CONTRACT.md, so
 `EngineClient` drives this server and a real SGLang server the same way. Request validation lives
 in reflow.engines.embedded.contract (SGLang's own code when installed), scheduling state in
 reflow.engines.embedded.state, the distributed weight-update group in reflow.engines.weights.group.

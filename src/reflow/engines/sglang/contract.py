@@ -1,4 +1,4 @@
-"""SGLang 0.5.23's own contract code, loaded without SGLang's runtime (see SGLANG_API.md).
+"""SGLang 0.5.23's own contract code, loaded without SGLang's runtime (see docs/ENGINE_CONTRACT.md).
 
 `import sglang` fails on a machine without triton/CUDA, but the modules that define the HTTP
 contract only need torch and msgspec. Registering a bare `sglang` package (no __init__ run) with
