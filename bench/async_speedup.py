@@ -53,16 +53,17 @@ def run_one(args) -> dict:
         "eval.interval=null", "checkpoint.save_interval=null", "checkpoint.save_every_minutes=null", "resume=never",
         *args.override])
     marks: list[float] = []
-    inner = ft.run_recovering
+    from reflow.flows.session import RunSession
+    inner = RunSession.iterate
 
-    def timed(config, i, control):  # the loop's clock: the first iteration's start, every iteration's end
+    def timed(session, i):  # the loop's clock: the first iteration's start, every iteration's end
         if not marks:
             marks.append(time.perf_counter())
-        m = inner(config, i, control)
+        m = inner(session, i)
         marks.append(time.perf_counter())
         return m
 
-    ft.run_recovering = timed  # looked up at call time by the flow
+    RunSession.iterate = timed  # type: ignore[method-assign]  # looked up at call time by the flow
     summary = ft.train(cfg, release_cluster=True)
     ray.shutdown()
     history = summary["history"]

@@ -210,7 +210,7 @@ def main() -> None:
     if args.tiny:
         args.batch, args.seq, args.micro, args.steps, args.gen_batches, args.gen_len = 4, 64, 2, 1, "1,8", 16
     # The plain loops first: they need the most memory, and ZeRO-3 (the last variant) leaves some held.
-    default_variants = "default,old-pass,plain" if args.tiny else ",".join([*GT.PLAINS, *(v for v in GT.VARIANTS if v != "no-cudnn")])
+    default_variants = "default,old-pass,plain" if args.tiny else ",".join([*GT.PLAINS, *GT.VARIANTS])
     args.variants = (args.variants or default_variants).split(",")
     args.commit = args.commit or C.git_commit()
     unknown = set(args.variants) - set(GT.VARIANTS) - set(GT.PLAINS)

@@ -24,9 +24,6 @@ VARIANTS = {  # name: (RankSettings overrides, micro-batch multiplier), in the o
     "default": ({}, 1), "old-pass": ({"old_logprob_pass": "always"}, 1), "eager": ({"compile": "off"}, 1),
     "accum-bf16": ({"grad_accum_dtype": "bf16"}, 1), "immediate": ({"immediate_grad_update": True}, 1),
     "micro-x2": ({}, 2),
-    # trainer.cudnn_attention off (torch's flash/efficient kernels only): a process-wide choice that compiled
-    # graphs keep, so compare it in a process of its own (`--variants no-cudnn` against `--variants default`)
-    "no-cudnn": ({"cudnn_attention": False}, 1),
     "all-scored": ({}, 1),  # a 1-token prompt: every position scored, as in the plain loop's loss
     "zero2": ({"zero_stage": 2}, 1),
     # Last: ZeRO-3 leaves state in the process (63-131 GiB stayed held), and rows measured after it

@@ -86,10 +86,13 @@ def run_full(args) -> dict:
     from reflow.infra.cluster.runtime import shutdown_runtime
     from reflow.infra.config.schema import load_config
 
-    try:  # the train flow calls run_iteration through flows/recovery.py (older trees: directly)
-        from reflow.flows import recovery
+    try:  # the train flow calls run_iteration from its session (older trees: flows/recovery.py, or directly)
+        from reflow.flows import session as recovery
     except ImportError:
-        recovery = ft
+        try:
+            from reflow.flows import recovery
+        except ImportError:
+            recovery = ft
 
     work = Path(tempfile.mkdtemp(prefix="reflow-bench-full-"))
     exp = f"bench-{os.getpid()}"
@@ -113,8 +116,10 @@ def run_full(args) -> dict:
 
     # Timing hooks only: the flow looks these names up in its module at call time.
     hooks = [(recovery, "run_iteration", "iteration"), (ft, "run_iteration", "iteration"), (ft, "iteration", "iteration")]
-    hooks += [(ft, name, kind) for name, kind in (("_save", "save"), ("evaluate", "eval"),
-                                                  ("launch_eval", "eval"), ("collect", "eval"))]
+    hooks += [(m, name, kind) for m in {ft, recovery} for name, kind in (("_save", "save"), ("evaluate", "eval"),
+                                                                       ("launch_eval", "eval"), ("collect", "eval"))]
+    if hasattr(recovery, "RunSession"):  # the session's save is a method
+        hooks.append((recovery.RunSession, "save", "save"))
     for module, name, kind in hooks:
         if hasattr(module, name) and not hasattr(getattr(module, name), "_bench_timed"):
             setattr(module, name, timed(kind, getattr(module, name)))

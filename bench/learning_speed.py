@@ -58,12 +58,26 @@ class BudgetSpent(Exception):
     """Raised into the train flow at the first iteration after the budget: the run stops there."""
 
 
+def _flow_module_calling(name: str, ft):
+    """The flows module whose loop looks `name` up at call time: flows/session.py, or in older trees
+    flows/recovery.py or flows/train.py."""
+    import importlib
+
+    for mod in ("reflow.flows.session", "reflow.flows.recovery"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        if hasattr(m, name):
+            return m
+    return ft
+
+
 def run_one(args) -> dict:
     """Child process: one setting, one seed. Returns [(training seconds, policy version, accuracy), ...]."""
     import ray
 
     import reflow.flows.train as ft
-    from reflow.flows import recovery
     from reflow.flows.cli import _demo_policy
     from reflow.infra.config.schema import load_config
     from reflow.tasks.evaluate import collect, launch_eval
@@ -88,7 +102,7 @@ def run_one(args) -> dict:
         clock["eval"] += time.perf_counter() - t0
         points.append((trained(), version, float(next(iter(summary.values()))["pass@1"])))
 
-    hooked = recovery if hasattr(recovery, "run_iteration") else ft  # where the flow looks the name up
+    hooked = _flow_module_calling("run_iteration", ft)  # where the flow looks the name up
     inner = hooked.run_iteration
 
     def run_iteration(config, i: int):

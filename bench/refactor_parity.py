@@ -76,9 +76,13 @@ def run(out: Path, names: list[str]) -> None:
     print(f"wrote {out}")
 
 
-def compare(a: Path, b: Path) -> int:
-    """Lines for every metric that differs (or is missing on one side); 0 when none does."""
-    left, right = json.loads(a.read_text()), json.loads(b.read_text())
+def compare(a: Path, b: Path, ignore: tuple[str, ...] = ()) -> int:
+    """Lines for every metric that differs (or is missing on one side); 0 when none does. `ignore`: keys
+    a change means to differ (say why where the comparison is reported)."""
+    def kept(d: dict) -> dict:
+        return {name: [{k: v for k, v in m.items() if k not in ignore} for m in ms] for name, ms in d.items()}
+
+    left, right = kept(json.loads(a.read_text())), kept(json.loads(b.read_text()))
     diffs = []
     for name in sorted(set(left) | set(right)):
         la, rb = left.get(name, []), right.get(name, [])
@@ -91,7 +95,8 @@ def compare(a: Path, b: Path) -> int:
                 if not same:
                     diffs.append(f"{name} iteration {i}: {k} {vx!r} vs {vy!r}")
     compared = sum(len(m) for ms in left.values() for m in ms)
-    print("\n".join(diffs) if diffs else f"identical: {compared} metric values over {len(left)} algorithms")
+    skipped = f" ({', '.join(ignore)} left out)" if ignore else ""
+    print("\n".join(diffs) if diffs else f"identical: {compared} metric values over {len(left)} algorithms{skipped}")
     return 1 if diffs else 0
 
 
@@ -100,9 +105,10 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="write this run's metrics here")
     p.add_argument("--only", nargs="*", choices=list(CASES), default=list(CASES), help="algorithms to run")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="compare two earlier outputs")
+    p.add_argument("--ignore", nargs="*", default=[], metavar="KEY", help="with --compare: keys left out")
     args = p.parse_args()
     if args.compare:
-        return compare(*args.compare)
+        return compare(*args.compare, ignore=tuple(args.ignore))
     if not args.out:
         p.error("give --out FILE (or --compare A B)")
     run(args.out, args.only)

@@ -77,18 +77,22 @@ def s3_with_bucket(bucket: str = "reflow-test") -> Iterator[LoopbackS3]:
 
 
 @contextmanager
-def captured(logger_name: str) -> Iterator[list[str]]:
-    """Warnings logged to `logger_name` (a handler on the logger itself: Prefect's logging setup,
-    once imported, keeps caplog's root handler from seeing these)."""
+def captured(logger_name: str, level: int = logging.WARNING) -> Iterator[list[str]]:
+    """Records of `level` and above (default: warnings) logged to `logger_name` (a handler on the logger itself:
+    Prefect's logging setup, once imported, keeps caplog's root handler from seeing these)."""
     messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
+    handler = logging.Handler(level)
     handler.emit = lambda record: messages.append(record.getMessage())
     logger = logging.getLogger(logger_name)
     logger.addHandler(handler)
+    saved = logger.level
+    if logger.getEffectiveLevel() > level:
+        logger.setLevel(level)
     try:
         yield messages
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(saved)
 
 
 def write_config(path: Path, policy: Path, storage_root: str, experiment: str, **extra) -> Path:

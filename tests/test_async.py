@@ -1,4 +1,4 @@
-"""Asynchronous rollout (rollout.max_staleness, flows/async_rollout.py): which policy generates which
+"""Asynchronous rollout (rollout.max_staleness, tasks/rollout_source.py): which policy generates which
 batch, the off-policy metrics, and an exact resume."""
 from __future__ import annotations
 
@@ -72,42 +72,47 @@ def test_async_run_trains_on_one_step_stale_batches_and_resumes_exactly(ray_clus
 
 def test_synchronous_prefetcher_is_on_where_asked_and_trains_the_same_weights(ray_cluster, prefect_server,
                                                                             tiny_policy, tmp_path):
-    """rollout.update_ahead (flows/async_rollout.py): auto is off on this CPU-only cluster, off with
-    hand-overs whatever it says; on, iteration i's batch is generated right after the push of policy i and
-    its update submitted before its flow run, and 3 iterations end with the weights, bit for bit, of the
-    same run whose iterations generate and train in their own tasks (update_ahead=false)."""
-    from reflow.flows.async_rollout import prefetches
+    """The synchronous loop's rollout source (tasks/rollout_source.py): on unless rollout.generate_ahead=false;
+    it submits updates ahead only where rollout.update_ahead asks (auto: off on this CPU-only cluster; never
+    with hand-overs). Generating ahead, submitting updates ahead, or neither (every iteration generating and
+    training in its own tasks): 3 iterations end with the same weights, bit for bit."""
     from reflow.flows.train import train
+    from reflow.tasks.rollout_source import prefetches, updates_ahead
     from tests.test_algorithms_e2e import _config
 
-    assert not prefetches(load_config(None, []))  # auto, no GPU here
-    assert prefetches(load_config(None, ["rollout.update_ahead=true"]))
-    assert not prefetches(load_config(None, ["rollout.update_ahead=true", "rollout.generate_ahead=false"]))
-    assert not prefetches(load_config(None, ["rollout.update_ahead=true", "cluster.colocate=true"]))  # hand-overs
+    assert prefetches(load_config(None, [])) and not updates_ahead(load_config(None, []))  # auto, no GPU here
+    assert updates_ahead(load_config(None, ["rollout.update_ahead=true"]))
+    assert not prefetches(load_config(None, ["rollout.generate_ahead=false"]))
+    assert prefetches(load_config(None, ["cluster.colocate=true"]))  # hand-overs: generated ahead, updated in the run
+    assert not updates_ahead(load_config(None, ["rollout.update_ahead=true", "cluster.colocate=true"]))
 
-    def run(name, ahead):
-        return train(_config(tiny_policy, tmp_path, name, [f"rollout.update_ahead={ahead}", "num_iterations=3",
+    def run(name, *over):
+        return train(_config(tiny_policy, tmp_path, name, [*over, "num_iterations=3",
                                                            "data.reward_fn=tests.ckpt_fixtures:digit_reward"]))
 
-    on, off = run("sync-ahead", "true"), run("sync-own", "false")
+    on, ahead, off = (run("sync-ahead", "rollout.update_ahead=true"), run("sync-gen", "rollout.update_ahead=false"),
+                      run("sync-own", "rollout.generate_ahead=false"))
     assert [m["async_update_started_ahead"] for m in on["history"]] == [0.0, 1.0, 1.0]
-    assert [m["generate_started_ahead"] for m in off["history"]] == [0.0, 1.0, 1.0]  # the generation only
+    assert [m["async_update_started_ahead"] for m in ahead["history"]] == [0.0, 0.0, 0.0]
+    assert [m["generate_started_ahead"] for m in ahead["history"]] == [1.0, 1.0, 1.0]  # the generation only
+    assert [m["generate_started_ahead"] for m in off["history"]] == [0.0, 0.0, 0.0]
     assert all("async_update_started_ahead" not in m for m in off["history"])
-    for a, b in zip(on["history"], off["history"]):
-        assert (a["staleness"], a["rollout_policy_version"]) == (0, b["rollout_policy_version"])
-        assert (a["reward_mean"], a["loss"]) == (b["reward_mean"], b["loss"])
+    for a, b, c in zip(on["history"], ahead["history"], off["history"]):
+        assert (a["staleness"], b["staleness"]) == (0, 0)
+        assert a["rollout_policy_version"] == b["rollout_policy_version"] == c["rollout_policy_version"]
+        assert (a["reward_mean"], a["loss"]) == (b["reward_mean"], b["loss"]) == (c["reward_mean"], c["loss"])
     final = [tmp_path / "runs" / f"algo-sync-{n}" / "checkpoints" / "iter_000003" / "model" / "model.safetensors"
-             for n in ("ahead", "own")]
-    assert final[0].read_bytes() == final[1].read_bytes()
+             for n in ("ahead", "gen", "own")]
+    assert final[0].read_bytes() == final[1].read_bytes() == final[2].read_bytes()
 
 
 def test_a_failure_ahead_of_the_flow_run_leaves_the_batch_to_the_flow_run():
     """Whatever the background step raises (here taking the batch itself), the flow run's `take` gets
     no batch and a fallback mark, so its own tasks generate and train; close() does not raise it."""
-    from reflow.flows.async_rollout import Prefetcher
+    from reflow.tasks.rollout_source import RolloutSource
 
     cfg = load_config(None, ["rollout.update_ahead=true"])
-    p = Prefetcher(cfg, 0, end=0)  # k = 0 and nothing left to generate: no batch is launched
+    p = RolloutSource(cfg, 0, end=0)  # k = 0 and nothing left to generate: no batch is launched
 
     def broken(i):
         raise RuntimeError(f"iteration {i}: lost")

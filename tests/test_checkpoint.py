@@ -247,3 +247,18 @@ def test_checkpoints_by_default_every_few_minutes_not_only_at_the_end(tmp_path):
     sentinel = tmp_path / "save-now"
     sentinel.touch()
     assert save_due(load_config(None, [f"checkpoint.sentinel={sentinel}"]), 3, 100, minutes_since_save=0.0)
+
+
+def test_max_train_minutes_is_a_wall_clock_budget_checked_after_each_iteration():
+    """over_budget: past max_train_minutes since the flow's start (a monotonic reading), never without a budget;
+    the field must be positive (the error names it)."""
+    from reflow.flows.schedule import over_budget
+    from reflow.infra.config.schema import ConfigError, load_config
+
+    cfg = load_config(None, ["max_train_minutes=1.5"])
+    assert not over_budget(cfg, started=100.0, now=100.0 + 89.9) and over_budget(cfg, started=100.0, now=190.0)
+    assert not over_budget(load_config(None, []), started=0.0, now=1e9)  # null: no budget
+    assert over_budget(load_config(None, ["max_train_minutes=1e-9"]), started=0.0)  # the default `now`: monotonic
+    for bad in ("0", "-1"):
+        with pytest.raises(ConfigError, match="max_train_minutes"):
+            load_config(None, [f"max_train_minutes={bad}"])

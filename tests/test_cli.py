@@ -118,3 +118,35 @@ def test_stage_line_reports_means_and_throughput():
     for m, engine_s in zip(history, (2.0, 2.0)):
         m.update(time_generate=0.001, generate_engine_s=engine_s)
     assert "generate=0.00s train=2.00s push=0.50s between=1.00s tokens_per_s=200 " in _stage_line(history)
+
+
+def test_train_ends_with_a_short_summary_and_the_whole_result_on_request(tmp_path, capsys, monkeypatch):
+    """`reflow train` prints a few lines (iterations, last reward and eval, where checkpoints, records and the
+    signing key are, wall time); --json prints the whole result instead, --result-file writes it as well. The
+    flags are in --help."""
+    import json
+
+    from reflow.flows.cli import _emit, _train_lines
+    from reflow.infra.store import signing
+
+    monkeypatch.setenv(signing.KEYS_DIR_ENV, str(tmp_path / "keys"))
+    cfg = load_config(None, [f"storage.root=file://{tmp_path}/runs", "experiment=sum", "num_iterations=3"])
+    result = {"iterations": 3, "start": 0, "seconds": 9.0, "history": [{"reward_mean": 0.25}] * 2 + [{"reward_mean": 0.5}],
+              "evals": {0: {"heldout": {"pass@1": 0.4}}, 3: {"heldout": {"pass@1": 0.625}}}}
+    lines = _train_lines(cfg, result, 12.3)
+    assert lines[:3] == ["reflow: trained iterations 0-2 (3 in this run; num_iterations=3) in 12 s",
+                         "reflow: last iteration's reward_mean 0.500",
+                         "reflow: eval of policy version 3: heldout pass@1 0.625 (policy version 0: heldout pass@1 0.400)"]
+    assert f"checkpoints: file://{tmp_path}/runs/sum/checkpoints;" in lines[3]
+    assert f"signed with the key in {tmp_path / 'keys' / 'sum.key'}" in lines[3] and len(lines) == 5
+
+    for flags, shown_json in (([], False), (["--json"], True)):
+        args = build_parser().parse_args(["train", "-c", "x.yaml", *flags, "--result-file", str(tmp_path / "r" / "a.json")])
+        _emit(args, result, lines)
+        out = capsys.readouterr().out
+        assert (json.loads(out) if shown_json else out.splitlines()) == (json.loads(json.dumps(result)) if shown_json
+                                                                         else lines)
+        assert json.loads((tmp_path / "r" / "a.json").read_text())["evals"]["3"]["heldout"]["pass@1"] == 0.625
+    for command in ("train", "demo", "evaluate"):
+        text = build_parser()._subparsers._group_actions[0].choices[command].format_help()
+        assert "--json" in text and "--result-file PATH" in text and "whole result as JSON" in text, text

@@ -1,4 +1,5 @@
 """Config: every shipped experiment file validates; bad values fail early and name the field."""
+import re
 from pathlib import Path
 
 import pytest
@@ -65,16 +66,16 @@ def test_a_config_file_that_is_not_utf8_is_named(tmp_path):
 
 
 def test_bare_on_off_mean_the_words():
-    """YAML reads `on`/`off` as booleans: `trainer.compile=on` was refused ("got True") before; a checkpoint's
-    config.yaml from before compile_warmup took auto/on/off holds `compile_warmup: false`."""
-    cfg = load_config(None, ["trainer.compile=on", "trainer.compile_warmup=false", "cluster.gpus=off"])
-    assert (cfg.trainer.compile, cfg.trainer.compile_warmup, cfg.cluster.gpus) == ("on", "off", "off")
-    cfg = load_config(None, ["trainer.compile=off", "trainer.compile_warmup=true"])
-    assert (cfg.trainer.compile, cfg.trainer.compile_warmup) == ("off", "on")
-    assert load_config(None, ["trainer.compile_warmup=auto"]).trainer.compile_warmup == "auto"
+    """YAML reads `on`/`off` as booleans: `trainer.compile=on` was refused ("got True") before; `true`/`false`
+    mean on/off too."""
+    cfg = load_config(None, ["trainer.compile=on", "trainer.activation_checkpointing=false", "cluster.gpus=off"])
+    assert (cfg.trainer.compile, cfg.trainer.activation_checkpointing, cfg.cluster.gpus) == ("on", "off", "off")
+    cfg = load_config(None, ["trainer.compile=off", "trainer.activation_checkpointing=true"])
+    assert (cfg.trainer.compile, cfg.trainer.activation_checkpointing) == ("off", "on")
+    assert load_config(None, ["trainer.compile=auto"]).trainer.compile == "auto"
     assert load_config(None, []).cluster.gc_freeze and not load_config(None, ["cluster.gc_freeze=off"]).cluster.gc_freeze
-    with pytest.raises(ConfigError, match="trainer.compile_warmup"):
-        load_config(None, ["trainer.compile_warmup=sometimes"])
+    with pytest.raises(ConfigError, match="trainer.activation_checkpointing"):
+        load_config(None, ["trainer.activation_checkpointing=sometimes"])
 
 
 def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
@@ -100,13 +101,6 @@ def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
     assert policy_rank_settings(tf32).tf32 and critic_rank_settings(tf32).tf32 and not policy_rank_settings(cfg).tf32
     with pytest.raises(ConfigError, match="trainer.fp32_lm_head=false"):
         load_config(None, ["trainer.fp32_lm_head=true", "rollout.backend=sglang", "trainer.zero_stage=1"])
-
-
-def test_legacy_top_level_eval_keys_move_into_eval():
-    cfg = load_config(None, ["eval_before_train=false", "eval_interval=5"])
-    assert cfg.eval.before_train is False and cfg.eval.interval == 5
-    with pytest.raises(ConfigError, match="eval.interval"):
-        load_config(None, ["eval_interval=5", "eval.interval=3"])
 
 
 def test_eval_k_must_fit_the_samples_per_prompt():
@@ -172,3 +166,37 @@ def test_sglang_disk_mode_refuses_a_storage_url_and_names_the_fix():
     assert load_config(None, sglang_disk).weight_sync.disk_dir is None  # the default local temp folder
     # the embedded engine downloads a pushed folder from storage itself
     assert load_config(None, ["weight_sync.mode=disk", "weight_sync.disk_dir=s3://bucket/push"])
+
+
+def _field_descriptions(model: type, where: str = "") -> dict[str, str | None]:
+    """{dotted field: description} over a config class and its nested sections (every algorithm type's fields)."""
+    import typing
+
+    from pydantic import BaseModel
+
+    from reflow.rl.algorithms import SPECS
+
+    out: dict[str, str | None] = {}
+    for name, field in model.model_fields.items():
+        key = f"{where}{name}"
+        inner = [field.annotation, *typing.get_args(field.annotation)]
+        if name == "algorithm":
+            inner = [s.config for s in SPECS.values()]
+        sections = [t for t in (typing.get_args(t)[0] if typing.get_origin(t) is list else t for t in inner)
+                    if isinstance(t, type) and issubclass(t, BaseModel)]
+        for t in sections:  # a section's docstring describes it; its fields are listed instead
+            out |= _field_descriptions(t, f"{key}.")
+        if not sections or name == "sets":
+            out[key] = field.description
+    return out
+
+
+def test_every_field_says_what_it_does_without_measurements():
+    """Each field has a description saying what it does and when to change it; measured figures live in
+    bench/RESULTS.md, not in the description (where they go stale)."""
+    fields = _field_descriptions(RunConfig)
+    assert len(fields) > 150 and "trainer.lora.rank" in fields and "algorithm.lam" in fields, sorted(fields)[:20]
+    # algorithm.type: the union's tag, which RunConfig.algorithm's description lists
+    assert [k for k, d in fields.items() if not d] == ["algorithm.type"]
+    cites = [k for k, d in fields.items() if re.search(r"RESULTS|\d\s?ms\b|\d\.\d+x\b", d or "")]
+    assert cites == [], cites

@@ -27,7 +27,7 @@ from tests.test_e2e import e2e_config
 EXP = "ctl"
 N = 40  # far more than the test lets it run: only /stop ends it
 # stages of flows/iteration.py up to its push, and the parent's start of the next flow run, while the update
-# submitted ahead of it runs (flows/async_rollout.py): on this tiny model the generate and train stages of a
+# submitted ahead of it runs (tasks/rollout_source.py): on this tiny model the generate and train stages of a
 # flow run mostly only collect what was started before it, too briefly for a poll to see them
 MID_ITERATION = {"generate", "reward", "advantages", "train", "push"}
 
@@ -191,7 +191,7 @@ def test_control_api_stack_dumps_and_trainer_recovery(ray_cluster, prefect_serve
 def test_trainer_recovery_gives_up_after_its_bound(ray_cluster, prefect_server, tiny_policy, tmp_path):
     """Two ranks, bound 0: rank 1 SIGKILLed mid-iteration; rank 0, which would wait for it inside a
     collective, is ended by the watcher, and the run fails at once with the reason."""
-    from reflow.flows.recovery import TrainerGroupLost
+    from reflow.flows.session import TrainerGroupLost
 
     exp = "ctl-giveup"
     cfg = e2e_config(tiny_policy, tmp_path, f"experiment={exp}", f"num_iterations={N}", "rollout.num_engines=1",
@@ -207,7 +207,7 @@ def test_trainer_recovery_gives_up_after_its_bound(ray_cluster, prefect_server, 
     error = out.get("error")
     assert isinstance(error, TrainerGroupLost), out
     # the iteration whose stage saw the death: the one health showed, or the next, whose update was
-    # submitted before its flow run (flows/async_rollout.py)
+    # submitted before its flow run (tasks/rollout_source.py)
     assert any(f"policy-trainer-1 died during iteration {i} " in str(error)
                for i in (health["iteration"], health["iteration"] + 1)), error
     assert "max_trainer_recoveries=0, so it gives up" in str(error)
@@ -269,15 +269,16 @@ def test_stack_dump_of_another_python_process():
 
 
 def test_give_up_message_names_the_rank_the_iteration_and_the_bound():
-    from reflow.flows.recovery import TrainerGroupLost, _recover
+    from reflow.flows.session import RunSession, TrainerGroupLost
     from reflow.infra.config.schema import load_config
 
     cfg = load_config(None, ["experiment=giveup-msg", "fault_tolerance.max_trainer_recoveries=2"])
-    ctl = control.RunControl(cfg, "f-1", 7)
+    session = RunSession(cfg, release_cluster=None)
+    session.control = ctl = control.RunControl(cfg, "f-1", 7)
     ctl.counters["trainer_recoveries"] = 2
     error = RuntimeError("The actor died unexpectedly before finishing this task.\n\tclass_name: TrainerRank")
     with pytest.raises(TrainerGroupLost) as e:
-        _recover(cfg, 7, 7, ["policy-trainer-1"], ctl, error)
+        session.recover(7, 7, ["policy-trainer-1"], error)
     assert str(e.value).startswith("trainer rank(s) policy-trainer-1 died during iteration 7 (RuntimeError: The "
                                    "actor died unexpectedly before finishing this task.); this run already recovered "
                                    "2 time(s) and fault_tolerance.max_trainer_recoveries=2, so it gives up")

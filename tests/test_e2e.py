@@ -84,7 +84,7 @@ def test_train_three_iterations_two_ranks(ray_cluster, prefect_server, tiny_poli
             assert math.isfinite(m[key]), f"iteration {i}: {key}={m[key]}"
         assert m["push_verified_tensors"] > 0
     # every batch comes from the run's prefetcher, by the policy it trains (synchronous); the updates of the
-    # last two were submitted before their flow runs started (flows/async_rollout.py)
+    # last two were submitted before their flow runs started (tasks/rollout_source.py)
     assert [m["staleness"] for m in summary["history"]] == [0.0, 0.0, 0.0]
     assert [m["async_update_started_ahead"] for m in summary["history"]] == [0.0, 1.0, 1.0]
 
@@ -145,6 +145,31 @@ def test_raising_reward_function_is_named(prefect_server, tiny_policy, tmp_path)
     msg = str(e.value)
     assert "raising_reward" in msg and "sample 0" in msg and "verifier has no answer key" in msg
     assert not (tmp_path / "runs").exists()  # nothing in storage: the preflight's probe comes after the reward
+
+
+def test_max_train_minutes_ends_the_run_after_the_iteration_that_crosses_it(ray_cluster, prefect_server, tiny_policy,
+                                                                            tmp_path):
+    """A wall-clock budget (flows/schedule.over_budget) makes the iteration that ends past it the run's last, as
+    `reflow ctl stop` does: saved (committed), evaluated, the flow run COMPLETED, and its log says why."""
+    from reflow.flows.train import train
+
+    cfg = e2e_config(tiny_policy, tmp_path, "experiment=e2e-budget", "trainer.num_ranks=1", "rollout.num_engines=1",
+                     "num_iterations=5", "max_train_minutes=0.0001", "eval.before_train=false")
+    summary = train(cfg)
+    assert summary["iterations"] == 1 and len(summary["history"]) == 1, summary
+    assert sorted(summary["evals"]) == [1]  # the final eval, of the policy the one iteration made
+    base = tmp_path / "runs" / "e2e-budget"
+    assert (base / "checkpoints" / "latest").read_text().strip() == "iter_000001"
+    assert (base / "checkpoints" / "iter_000001" / "COMMITTED").exists()
+    assert (base / "iterations" / "000001" / "eval" / "heldout" / "summary.json").exists()
+    assert not (base / "iterations" / "000001" / "metrics.json").exists()  # no second iteration
+    run = prefect_reads.flow_runs("e2e-budget")["e2e-budget"]
+    assert run.state.is_completed(), run.state
+    deadline = time.monotonic() + 15  # run logs reach the server in batches
+    while not any("max_train_minutes=0.0001: the time budget ends the run after 1 of 5 iterations" in m
+                  for m in asyncio.run(_log_messages(run.id))):
+        assert time.monotonic() < deadline, "no log line says the budget ended the run"
+        time.sleep(1)
 
 
 def test_debug_exit_after_stops_early(ray_cluster, prefect_server, tiny_policy, tmp_path):

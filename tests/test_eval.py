@@ -90,8 +90,8 @@ def test_eval_sets_load_from_jsonl_and_parquet(tiny_policy, tmp_path):
     assert [p.text for p in hj.prompts] == [r["question"] for r in rows[:4]]
     assert [p.label for p in pq.prompts] == [r["answer"] for r in rows]
     assert pq.prompts[2].input_ids == tok("12+12=", add_special_tokens=True)["input_ids"]
-    assert (hj.n, hj.temperature, hj.top_k, hj.max_new_tokens, hj.reward_fn) == (1, 0.0, -1, 5, "reflow.rl.demo_task:reward")
-    assert (pq.n, pq.temperature, pq.ks, pq.reward_fn) == (3, 1.0, [1, 3], "tests.ckpt_fixtures:digit_reward")
+    assert (hj.n, hj.temperature, hj.top_k, hj.max_new_tokens, hj.reward_fn.spec) == (1, 0.0, -1, 5, "reflow.rl.demo_task:reward")
+    assert (pq.n, pq.temperature, pq.ks, pq.reward_fn.spec) == (3, 1.0, [1, 3], "tests.ckpt_fixtures:digit_reward")
     assert len(held.prompts) == 2 and held.n == cfg.rollout.n_samples_per_prompt
     assert len({hj.seed, pq.seed, held.seed}) == 3  # each set samples from a stream of its own
 
@@ -209,9 +209,13 @@ def test_eval_only_reproduces_in_training_eval(nonblocking_run, tmp_path, capsys
     # `reflow evaluate -c FILE` on the latest checkpoint (policy version N)
     cfg_file = tmp_path / "run.yaml"
     cfg_file.write_text(dump_config(cfg))
-    main(["evaluate", "-c", str(cfg_file)])
-    printed = json.loads(capsys.readouterr().out)
+    capsys.readouterr()
+    main(["evaluate", "-c", str(cfg_file), "--result-file", str(tmp_path / "result.json")])
+    printed = json.loads((tmp_path / "result.json").read_text())  # the whole result; stdout has a short summary
     assert printed["step"] == N
+    shown = capsys.readouterr().out
+    assert f"(policy version {N})" in shown and "heldout pass@1" in shown and printed["records"] in shown, shown
+    assert len(shown.splitlines()) <= 5, shown
     _assert_same_eval(base, f"iterations/{N:06d}/eval", f"evals/{ckpt.name_of(N)}", summary["evals"][N],
                       printed["evals"])
 

@@ -113,3 +113,27 @@ def test_no_algorithm_name_checks_outside_rl_algorithms():
             if any(p.search(line) for p in patterns):
                 hits.append(f"{f.relative_to(ROOT)}:{n}: {line.strip()}")
     assert not hits, "algorithm name checks outside rl/algorithms/ (use the spec):\n" + "\n".join(hits)
+
+
+# Module-level mappings in flows/ and tasks/ that are no run's state: caches keyed by content or settings.
+PROCESS_CACHES = {"tasks/checkpoint.py:_MERGED",  # manifest digest -> this process's merged LoRA copy
+                  "tasks/report.py:_TLS"}  # TLS settings -> the SSL context of this process's API clients
+
+
+def test_no_run_state_in_module_globals_of_flows_and_tasks():
+    """A run's driver state lives on its session (flows/session.py, tasks/state.py), never in a module-level
+    dict keyed by experiment, which outlives the run and is shared by every run in the process."""
+    found = []
+    for layer in ("flows", "tasks"):
+        for f in _modules(layer):
+            for node in ast.parse(f.read_text()).body:
+                target, value = ((node.targets[0], node.value) if isinstance(node, ast.Assign) else
+                                 (node.target, node.value) if isinstance(node, ast.AnnAssign) else (None, None))
+                if not isinstance(target, ast.Name) or value is None:
+                    continue
+                mapping = isinstance(value, (ast.Dict, ast.DictComp)) or (
+                    isinstance(value, ast.Call) and isinstance(value.func, ast.Name)
+                    and value.func.id in {"dict", "defaultdict", "OrderedDict", "WeakValueDictionary"})
+                if mapping and f"{f.relative_to(PKG)}:{target.id}" not in PROCESS_CACHES:
+                    found.append(f"{f.relative_to(ROOT)}:{node.lineno} {target.id}")
+    assert not found, "module-level mappings in flows/ and tasks/ (put run state on the session):\n" + "\n".join(found)

@@ -14,6 +14,7 @@ from reflow.engines import rollout_stages as ro
 from reflow.infra.config.schema import load_config
 from reflow.rl.reward_http import HttpReward, reward_source
 from reflow.rl.rewards import RewardError
+from reflow.rl.scorers import FunctionScorer
 from reflow.rl.types import RolloutBatch, Sample
 from reflow.rl.verifiers import exact_match, math_answer
 
@@ -180,8 +181,9 @@ def test_dict_rewards_become_metrics_and_config_picks_the_source(monkeypatch):
     def source(cfg):
         return reward_source(cfg.reward, cfg.data.reward_fn)
 
-    assert source(load_config(None, [])) == "reflow.rl.demo_task:reward"
-    assert source(load_config(None, ["reward.type=builtin", "reward.builtin=math"])) == "reflow.rl.verifiers:math_answer"
+    assert source(load_config(None, [])) == FunctionScorer("reflow.rl.demo_task:reward", "data.reward_fn")
+    assert source(load_config(None, ["reward.type=builtin", "reward.builtin=math"])) == \
+        FunctionScorer("reflow.rl.verifiers:math_answer", "reward.builtin")
     cfg = load_config(None, ["reward.type=http", "reward.url=http://127.0.0.1:9/score", "reward.token_env=RW_TOKEN"])
     with pytest.raises(ValueError, match="reward.token_env='RW_TOKEN': that environment variable is not set"):
         source(cfg)

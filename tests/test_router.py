@@ -176,16 +176,18 @@ def test_engine_lost_during_generate_is_recreated_with_current_weights_before_th
 
 def test_generation_launched_ahead_is_the_same_batch_and_falls_back_when_its_engine_dies(
         ray_cluster, prefect_server, tiny_policy, tmp_path):
-    """The synchronous loop launches iteration i's generation as iteration i - 1 ends (tasks/rollout.py
-    start_generation): the generate task adopts it (the same samples as launching it itself), a batch of an
-    earlier flow run of the iteration in the stage cache still goes first, and a launched generation whose
-    engine died is generated again the usual way (engine recreated with the current weights)."""
+    """The synchronous loop's rollout source (tasks/rollout_source.py, staleness 0) generates iteration i's
+    batch ahead of its flow run: the same samples as the generate task would make itself, a batch of an
+    earlier flow run of the iteration in the stage cache still goes first, and a batch whose engine died is
+    left to the flow run, whose generate task makes it the usual way (engine recreated with the current
+    weights)."""
     import ray
 
     from reflow.flows.iteration import iteration
     from reflow.infra.cluster.runtime import shutdown_runtime, start_runtime
     from reflow.infra.config.schema import load_config
     from reflow.tasks import rollout
+    from reflow.tasks.rollout_source import RolloutSource, prefetches
 
     cfg = load_config(None, [
         "experiment=gen-ahead", f"model.path={tiny_policy}", "num_iterations=3", "data.num_train=64",
@@ -196,25 +198,32 @@ def test_generation_launched_ahead_is_the_same_batch_and_falls_back_when_its_eng
     try:
         iteration(cfg, 0)  # the engine serves policy version 1
         expected = ray.get(rollout._launch(rt, 1, 1)[0])  # what the task would generate itself (nothing stored)
-        assert rollout.start_generation(cfg, 1)
-        batch = rollout.generate(cfg, 1)
-        assert batch.stats["generate_started_ahead"] == 1.0 and batch.stats["generate_ahead_s"] > 0
+        source = RolloutSource(cfg, 1, end=3)  # launches batch 1 by policy 1 at once
+        batch, waits = source.take(1)
+        assert batch is not None and waits["async_fallback"] == 0.0
+        assert batch.stats["generate_started_ahead"] == 1.0 and batch.stats["rollout_policy_version"] == 1.0
         assert ray.get(batch.ref).response_ids == expected.response_ids
-        ray.get(list(batch.saving))  # in the stage cache now: a re-run of iteration 1 loads it
-        assert rollout.start_generation(cfg, 1)
-        again = rollout.generate(cfg, 1)
-        assert again.stats["generated_from_storage"] == 1.0 and cfg.experiment not in rollout._started
+        ray.get(list(batch.saving))  # generated and scored, in the stage cache now: a re-run of iteration 1 loads it
+        source.restart(1)
+        again, _ = source.take(1)
+        assert again is not None and again.stats["scored_from_storage"] == 1.0
+        assert ray.get(again.ref).response_ids == expected.response_ids
+        source.close()
 
+        iteration(cfg, 1)  # policy version 2
         victim, victim_url = rt.engines[0], rt.engine_urls[0]
         killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
-        assert rollout.start_generation(cfg, 2)
-        batch = rollout.generate(cfg, 2)
+        source = RolloutSource(cfg, 2, end=3)
+        lost, waits = source.take(2)
         killer.join(60)
-        assert killed.is_set() and rt.engine_urls[0] != victim_url
+        source.close()
+        assert killed.is_set() and lost is None and waits["async_fallback"] == 1.0
+        batch = rollout.generate(cfg, 2)  # the flow run's own task
+        assert rt.engine_urls[0] != victim_url
         assert batch.stats["generate_started_ahead"] == 0.0
         assert batch.stats["engines_recreated_before_generate"] == 1.0
         assert len(ray.get(batch.ref)) == 16 * 4
         off = cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update={"generate_ahead": False})})
-        assert not rollout.start_generation(off, 2)
+        assert prefetches(cfg) and not prefetches(off)
     finally:
         shutdown_runtime(cfg.experiment)

@@ -188,6 +188,7 @@ def test_the_driver_holds_the_key_after_taking_it_from_the_environment(monkeypat
     keys = signing.keyring("exp")
     assert keys.signing_key() == (signing.key_id(KEY.encode()), KEY.encode())
     assert keys.find(signing.key_id(KEY.encode())) == (KEY.encode(), f"${signing.KEY_ENV}")
+    assert signing.key_location("exp") == f"${signing.KEY_ENV}"  # what the CLI's summary names (no key material)
     monkeypatch.setenv(signing.KEY_ENV, "n" * 40)  # set again later (a test, a notebook): the environment wins
     assert signing.keyring("exp").signing_key()[1] == b"n" * 40
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 
 import pytest
 
@@ -183,9 +184,10 @@ def test_forged_and_tampered_manifests_are_refused_on_s3(keys_dir, monkeypatch):
 def test_default_key_is_generated_once_outside_the_bucket(keys_dir, tmp_path, monkeypatch):
     """No key configured: the first save generates one in the keys folder (0600, folder 0700), later
     saves reuse it, nothing of it reaches the bucket or the log; another machine (no key file) is
-    told which key it lacks, and its content in REFLOW_CHECKPOINT_KEY is enough to resume there."""
+    told which key it lacks, and its content in REFLOW_CHECKPOINT_KEY is enough to resume there.
+    The new key is a notice (info, not a warning) saying where the key is and what it is for."""
     store = ExperimentStore.open(f"file://{tmp_path}/runs", "exp")
-    with captured("reflow.checkpoint") as warnings:
+    with captured("reflow.checkpoint", logging.INFO) as notices, captured("reflow.checkpoint") as warnings:
         ck = _commit(store, 1)
         _commit(store, 2)
     key_file = keys_dir / "exp.key"
@@ -194,7 +196,11 @@ def test_default_key_is_generated_once_outside_the_bucket(keys_dir, tmp_path, mo
     assert len(key) == 64 and key_file.stat().st_mode & 0o777 == 0o600 and keys_dir.stat().st_mode & 0o777 == 0o700
     assert [json.loads(store.read_bytes(c.rel(ckpt.SIGNATURE)))["key_id"] for c in (ck, ckpt.at_step(store, 2))] \
         == [kid, kid]
-    assert len(warnings) == 1 and kid in warnings[0] and str(key_file) in warnings[0] and key not in warnings[0]
+    assert warnings == [] and len(notices) == 1, (warnings, notices)
+    assert kid in notices[0] and str(key_file) in notices[0] and key not in notices[0]
+    assert "proves on resume that a checkpoint was saved here" in notices[0] and "copy the file there" in notices[0]
+    assert signing.key_location("exp") == str(key_file)
+    assert signing.key_location("exp", "my-block") == "Prefect Secret block 'my-block'"
     bucket = [p for p in (tmp_path / "runs").rglob("*") if p.is_file()]
     assert bucket and not any(key.encode() in p.read_bytes() for p in bucket)
     ckpt.check(ck)

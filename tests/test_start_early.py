@@ -116,15 +116,16 @@ def test_the_flow_takes_the_actors_started_beside_the_preflight(tmp_path, tiny_p
               "def waiting(cfg):\n    print(f'BEGAN DURING PREFLIGHT {began(cfg)}', flush=True)\n"
               "    return checked(cfg)\n"
               "cli._preflight = waiting\ncli.main(sys.argv[1:])\n")
-    code, log, _ = _run_script(script, ["train", "--verbose", "-c", str(cfg)], _cli_env(tmp_path), timeout=400,
-                               stderr=subprocess.STDOUT)
+    result = tmp_path / "result.json"
+    code, log, _ = _run_script(script, ["train", "--verbose", "--result-file", str(result), "-c", str(cfg)],
+                               _cli_env(tmp_path), timeout=400, stderr=subprocess.STDOUT)
     assert code == 0, log[-4000:]
     assert "BEGAN DURING PREFLIGHT True" in log, log[-4000:]
     assert "the run's actors began beside the preflight" in log, log[-4000:]
     assert "runtime started ahead of the flow: ready in" in log, log[-4000:]
     assert "building it again" not in log  # the flow's config is the one the actors were started for
     assert (tmp_path / "runs" / "early" / "config.yaml").is_file()  # written by the flow, as before
-    summary, _ = json.JSONDecoder().raw_decode(log[log.rindex("\n{") + 1:])
+    summary = json.loads(result.read_text())
     assert summary["iterations"] == 2, summary
 
 

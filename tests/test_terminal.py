@@ -1,5 +1,6 @@
 """What `reflow train` prints (infra/ops/console.py, configs/prefect-logging.yml): by default a progress
-bar plus warnings and errors, with every record still in the Prefect UI's logs; `--verbose` brings
+bar plus warnings and errors, with every record still in the Prefect UI's logs, and a short summary at the
+end (the whole result as JSON only with --json or --result-file); `--verbose` brings
 Prefect's per-task state lines back; a temporary Prefect server that does not start ends the
 command with one line saying what to do. Each run is a real `reflow train` subprocess."""
 from __future__ import annotations
@@ -54,18 +55,23 @@ def test_quiet_by_default_a_bar_and_the_server_it_uses_and_verbose_brings_back_t
     preflight and Ray beside its start, and the flow's runtime finds Ray up and says so)."""
     cfg = write_config(tmp_path / "quiet.yaml", tiny_policy, f"file://{tmp_path}/runs", "quiet", num_iterations=3)
     loud_cfg = write_config(tmp_path / "loud.yaml", tiny_policy, f"file://{tmp_path}/runs", "loud", num_iterations=1)
-    quiet = _start(["train", "-c", str(cfg)], server_env, tmp_path / "quiet")
+    result = tmp_path / "quiet" / "result.json"
+    quiet = _start(["train", "--result-file", str(result), "-c", str(cfg)], server_env, tmp_path / "quiet")
     loud = _start(["train", "--verbose", "-c", str(loud_cfg)], {"PREFECT_HOME": str(tmp_path / "loud-prefect")},
                   tmp_path / "loud")
     rc, out, err = _finish(quiet, tmp_path / "quiet")
     assert rc == 0, err[-3000:]
-    assert json.loads(out[out.index("{\n"):])["iterations"] == 3  # after what Ray relays from actors (warnings)
+    assert json.loads(result.read_text())["iterations"] == 3
+    summary = [line for line in out.splitlines() if line.startswith("reflow: ")]  # after what Ray relays from actors
+    assert summary[0].startswith("reflow: trained iterations 0-2 (3 in this run; num_iterations=3)"), out[-3000:]
+    assert len(summary) <= 6 and '"history"' not in out, out[-3000:]  # a few lines, no JSON unless asked for
+    assert any("checkpoints signed with the key in" in line for line in summary), summary
     assert err.startswith(f"reflow: using the running Prefect server at {server_env['PREFECT_API_URL']}"), err[:500]
     assert TASK_STATE not in err and "Started a local Ray instance" not in err, err[-3000:]
     assert "train: 100%" in err and "3/3" in err and "reward " in err, err[-3000:]  # the bar, ended at 100 %
     # Not a terminal here, so tqdm writes a line per update (on a terminal it redraws one line)
     others = [line for line in err.splitlines() if line.strip() and not line.startswith("train:")]
-    assert len(others) <= 2, others  # the server line, and the new experiment's signing-key warning
+    assert len(others) <= 1, others  # the server line (the new experiment's signing key is a notice, not a warning)
     assert sum(line.startswith("train:") for line in err.splitlines()) <= 3 + 3, err
 
     rc, out, err = _finish(loud, tmp_path / "loud")
@@ -104,4 +110,4 @@ def test_a_reward_that_fails_during_the_run_ends_it_with_one_line(server_env, ti
     lines = [line for line in err.splitlines() if line.strip() and not line.startswith("train:")]
     assert re.fullmatch(r"reflow: reward function tests\.reward_fixtures:nan_on_answers returned nan, expected a finite "
                         r"float for sample \d+ \(prompt='[^']*', response='[^']+'\)", lines[-1]), err[-3000:]
-    assert len(lines) <= 3, lines  # the server line, the new experiment's signing-key warning, the error
+    assert len(lines) <= 2, lines  # the server line, the error

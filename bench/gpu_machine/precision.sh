@@ -19,7 +19,7 @@ for v in "${variants[@]}"; do
   name=$(echo "$v" | tr ' =/' '_-_'); mkdir -p "$out/$name"
   read -r -a over <<< "$v"
   STEP=reflow RESUME=0 EVALS=0 OUT="$out/$name" timeout "${LIMIT:-200}" bash bench/gpu_machine/compare.sh "$iters" \
-    checkpoint.save_interval=1000 trainer.compile_warmup=true "$@" "${over[@]}" > "$out/$name/compare.out" 2>&1
+    checkpoint.save_interval=1000 "$@" "${over[@]}" > "$out/$name/compare.out" 2>&1
   rc=$?
   line=$(grep -hE 'demo: accuracy' "$out/$name/compare.out" | tail -1)
   rate=$(grep -ho 'samples_per_s=[0-9.]*' "$out/$name/compare.out" | tail -1)

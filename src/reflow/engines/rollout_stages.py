@@ -19,8 +19,8 @@ from reflow.engines.rollout_fns import ONE_TURN, TurnLimits, result_logprobs, ro
 from reflow.engines.weights.lora import adapter_name
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
-from reflow.rl.reward_http import HttpReward
-from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S, load_reward_fn, score_with_metrics
+from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
+from reflow.rl.scorers import Scorer, as_scorer, score_samples
 from reflow.rl.types import Prompt, RolloutBatch
 
 
@@ -94,21 +94,17 @@ def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int
     return batch
 
 
-def score(batch: RolloutBatch, reward_fn: str | HttpReward, max_new_tokens: int = 0, overlong_buffer: int = 0,
+def score(batch: RolloutBatch, reward_fn: Scorer | str, max_new_tokens: int = 0, overlong_buffer: int = 0,
           overlong_factor: float = 0.0,
           fn_timeout_s: float = DEFAULT_FN_TIMEOUT_S) -> tuple[RolloutBatch, dict[str, float]]:
-    """Rewards from the reward function plus DAPO's soft overlong penalty (0 when the buffer is 0).
+    """Rewards from the scorer plus DAPO's soft overlong penalty (0 when the buffer is 0).
 
-    `reward_fn` is `module:function` (each call's deadline: `fn_timeout_s`, reward.fn_timeout_s), or a
-    reward server (`reflow.rl.reward_http.HttpReward`).
+    `reward_fn` is a `reflow.rl.scorers.Scorer` (`reward_source` of the config), or a `module:function`
+    string; a function's calls each get `fn_timeout_s` (reward.fn_timeout_s).
     `reward_mean` reports the reward function alone (task accuracy); the batch carries the sum, and
     the stats the means of the extra metrics a scorer returned (`reward/<key>`).
     """
-    if isinstance(reward_fn, HttpReward):
-        rewards, metrics = reward_fn.score(batch.samples())
-    else:
-        rewards, metrics = score_with_metrics(load_reward_fn(reward_fn), batch.prompt_text, batch.response_text,
-                                              batch.label, batch.samples(), fn_timeout_s)
+    rewards, metrics = score_samples(as_scorer(reward_fn), batch.samples(), fn_timeout_s)
     lengths = [len(r) for r in batch.response_ids]
     penalty = [overlong_penalty(n, max_new_tokens, overlong_buffer, overlong_factor) for n in lengths]
     stats = {
@@ -123,7 +119,7 @@ def score(batch: RolloutBatch, reward_fn: str | HttpReward, max_new_tokens: int 
 
 
 def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[Prompt]], sp: dict[str, Any],
-                 n: int, version: int, timeout: float, reward_fn: str | HttpReward, score_kw: dict[str, Any],
+                 n: int, version: int, timeout: float, reward_fn: Scorer | str, score_kw: dict[str, Any],
                  target_groups: int, seed: int | None = None, api_key: str | None = None,
                  generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
                  limits: TurnLimits = ONE_TURN, adapter: bool = False,

@@ -9,7 +9,6 @@ stopped when the preflight fails); `config --check` runs it alone."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
@@ -31,6 +30,9 @@ VERBOSE_HELP = ("show every Prefect log line (each task's state) instead of a pr
 FLOW_COMMANDS = {"demo", "train", "evaluate"}
 USER_ERROR_EXIT = 2  # like argparse's own usage errors: the command was wrong, not the program
 DEBUG_HELP = "on a user error, raise it with its traceback instead of printing one line"
+JSON_HELP = ("print the whole result as JSON on stdout (iterations, every eval, every iteration's metrics, timings) "
+             "instead of the short summary")
+RESULT_FILE_HELP = "also write the whole result as JSON to this file (its folder is created)"
 RESUME_HELP = ("auto (default): continue from the experiment's latest committed checkpoint; never: start "
                "fresh; or a checkpoint URL (…/checkpoints/iter_NNNNNN). Same as the override resume=…")
 
@@ -112,25 +114,6 @@ def _resume_override(args) -> list[str]:
     return [f"resume={args.resume}"] if getattr(args, "resume", None) else []
 
 
-@contextlib.contextmanager
-def _flow_terminal(args, cfg):
-    """`_terminal`, with the trainer's compile warm-up (`trainer.compile_warmup`, infra/cluster/compile_warmup.py) running
-    beside all of it from the start: before Ray, whose workers are told where its lock is."""
-    from reflow.infra.cluster import compile_warmup
-
-    warm = compile_warmup.Warmup.start(cfg) if compile_warmup.wanted(cfg) and not _already_done(cfg) else None
-    try:
-        with _terminal(args, cfg):
-            if warm is not None:  # said now: the terminal shows no log line before its preflight passed
-                logging.getLogger("reflow.compile_warmup").info(
-                    "compiling the trainer's graphs ahead in process %d (log: %s)", warm.proc.pid,
-                    warm.folder / "log.txt")
-            yield
-    finally:
-        if warm is not None:
-            warm.stop()
-
-
 def _terminal(args, cfg):
     """console.terminal for `train` and `demo`: the preflight runs while Prefect's temporary server starts
     (a bad input still ends the command with one line, and the server is stopped), then Ray starts (or is
@@ -206,24 +189,71 @@ def _already_done(cfg) -> bool:
     return step is not None and step >= cfg.num_iterations
 
 
+def _emit(args, result: dict, lines: list[str]) -> None:
+    """The command's end: `lines` (a short summary), or with --json the whole result as JSON on stdout instead;
+    --result-file writes that JSON to a file either way."""
+    text = json.dumps(result, indent=2, default=str)
+    if args.result_file:
+        path = Path(args.result_file)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text + "\n", encoding="utf-8")
+    print(text if args.json else "\n".join(lines))
+
+
+def _passes(by_set: dict[str, dict]) -> str:
+    """`heldout pass@1 0.455, other pass@1 0.310` for one eval point ({eval set: summary})."""
+    return ", ".join(f"{name} pass@1 {s['pass@1']:.3f}" for name, s in by_set.items() if "pass@1" in s) or "no pass@1"
+
+
+def _where(cfg) -> str:
+    """Where the experiment's checkpoints and records are, and the key that signs its checkpoints."""
+    from reflow.infra.store.storage import ExperimentStore
+
+    store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
+    key = signing.key_location(cfg.experiment, cfg.checkpoint.signing_key_secret)
+    return (f"checkpoints: {store.url('checkpoints')}; records (iterations, evals, rollouts): {store.url()}; "
+            f"checkpoints signed with the key in {key}")
+
+
+def _train_lines(cfg, summary: dict, seconds: float) -> list[str]:
+    """`reflow train`'s short summary: iterations, the last reward and eval, where things are, wall time."""
+    if summary.get("already_complete"):
+        return [f"reflow: {summary['message']}"]
+    n, start, history, evals = summary["iterations"], summary["start"], summary["history"], summary["evals"]
+    lines = [f"reflow: trained iterations {start}-{start + n - 1} ({n} in this run; num_iterations="
+             f"{cfg.num_iterations}) in {seconds:.0f} s" if n else "reflow: no iteration trained"]
+    if history:
+        lines.append(f"reflow: last iteration's reward_mean {float(history[-1].get('reward_mean', float('nan'))):.3f}")
+    if evals:
+        first, last = min(evals), max(evals)
+        before = f" (policy version {first}: {_passes(evals[first])})" if first < last else ""
+        lines.append(f"reflow: eval of policy version {last}: {_passes(evals[last])}{before}")
+    return [*lines, f"reflow: {_where(cfg)}", "reflow: the whole result as JSON: --json or --result-file PATH"]
+
+
 def cmd_train(args) -> None:
+    t0 = time.perf_counter()
     cfg = _config(args.config, args.overrides + _resume_override(args))
-    with _flow_terminal(args, cfg):
+    with _terminal(args, cfg):
         from reflow.flows.train import train  # Prefect reads its settings once, on import: after terminal()
 
         summary = train(cfg)
-    if summary.get("already_complete"):
-        print(f"reflow: {summary['message']}")
-    print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2, default=str))
+    _emit(args, summary, _train_lines(cfg, summary, time.perf_counter() - t0))
 
 
 def cmd_evaluate(args) -> None:
+    t0 = time.perf_counter()
     cfg = _config(args.config, args.overrides)
     with console.terminal(args.verbose):  # Ray starts in the flow: the eval runtime's namespace is its own
         from reflow.flows.evaluate import evaluate  # after terminal(), as in cmd_train
 
         summary = evaluate(cfg, checkpoint=args.checkpoint)
-    print(json.dumps(summary, indent=2, default=str))
+    _emit(args, summary, [
+        f"reflow: evaluated {summary['checkpoint']} (policy version {summary['step']}) in "
+        f"{time.perf_counter() - t0:.0f} s: {_passes(summary['evals'])}",
+        *(f"reflow:   {name}: reward_mean {s['reward_mean']:.3f} over {s['prompts']} prompts, {s['samples']} samples"
+          for name, s in summary["evals"].items() if {"reward_mean", "prompts", "samples"} <= s.keys()),
+        f"reflow: records: {summary['records']}", "reflow: the whole result as JSON: --json or --result-file PATH"])
 
 
 def cmd_runs_show(args) -> None:
@@ -337,23 +367,24 @@ def cmd_demo(args) -> None:
     if args.seed == 0 and not args.gpu and args.task == "addition":  # the files configs/demo-retrain.yaml names
         _demo_data(DEMO_DATA, 0, base.data.digits)
     cfg = _config(str(config), overrides + args.overrides + _resume_override(args))
-    with _flow_terminal(args, cfg):
+    with _terminal(args, cfg):
         from reflow.flows.train import train  # after terminal(), as in cmd_train
 
         summary = train(cfg)
     if summary.get("already_complete"):
-        print(f"demo: {summary['message']}")
+        _emit(args, summary, [f"demo: {summary['message']}"])
         return
     evals = summary["evals"]  # policy version -> {eval set: summary}; the demo's one set is `heldout`
     before, after = (next(iter(evals[v].values()))["pass@1"] for v in (min(evals), max(evals)))
     # eval.before_train=false (or a resumed run with no eval at its start): the first eval is the last one
     shown_before = f"{before:.3f}" if min(evals) < max(evals) else "n/a"
-    print(_stage_line(summary["history"], summary.get("loop_seconds")))
     # trained_s: from this command's start to its training loop's end (the final policy exists; its save and
     # the eval after it follow): the clock bench/gpu_machine/compare.sh gives TRL, whose run stops at its last step
     trained = f" trained_s={summary['loop_ended_at'] - started_at:.0f}" if summary.get("loop_ended_at") else ""
-    print(f"demo: accuracy_before={shown_before} accuracy_after={after:.3f} "
-          f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}{trained}")
+    _emit(args, summary, [_stage_line(summary["history"], summary.get("loop_seconds")),
+                          f"demo: accuracy_before={shown_before} accuracy_after={after:.3f} "
+                          f"iterations={summary['iterations']} seconds={time.perf_counter() - t0:.0f}{trained}",
+                          f"demo: {_where(cfg)}"])
 
 
 def cmd_ctl(args) -> None:
@@ -434,6 +465,12 @@ def _checkpoint_command(sub, name: str, fn, help_: str, description: str) -> arg
     return p
 
 
+def _result_args(p: argparse.ArgumentParser) -> None:
+    """A flow command ends with a short summary on stdout; these give its whole result as JSON."""
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--result-file", default=None, metavar="PATH", help=RESULT_FILE_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="reflow",
@@ -453,26 +490,33 @@ def build_parser() -> argparse.ArgumentParser:
                         "tool, configs/demo-tools.yaml")
     d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     d.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
+    _result_args(d)
     d.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     d.set_defaults(fn=cmd_demo)
 
     t = sub.add_parser("train", help="run the train flow for an experiment file",
-                       description="Run the `train` Prefect flow in this process: one flow run per iteration.")
+                       description="Run the `train` Prefect flow in this process: one flow run per iteration. "
+                                   "Ends with a short summary (iterations, the last reward and eval, where "
+                                   "checkpoints and records are, wall time); --json or --result-file give the "
+                                   "whole result as JSON.")
     t.add_argument("--config", "-c", required=True, help="experiment YAML (see configs/)")
     t.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     t.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
+    _result_args(t)
     t.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     t.set_defaults(fn=cmd_train)
 
     e = sub.add_parser("evaluate", help="eval-only: run the eval sets against a saved checkpoint",
                        description="Run the `evaluate` Prefect flow: rollout engines load a checkpoint's model "
                                    "(no trainers) and every set of the config's `eval.sets` is evaluated; results "
-                                   "go to <experiment>/evals/iter_NNNNNN/<set>/.")
+                                   "go to <experiment>/evals/iter_NNNNNN/<set>/. Ends with a short summary; "
+                                   "--json or --result-file give the whole result as JSON.")
     e.add_argument("--config", "-c", required=True, help="experiment YAML (see configs/)")
     e.add_argument("--checkpoint", default="latest", metavar="latest|URL",
                    help="latest (default): the experiment's newest committed checkpoint; or a checkpoint URL "
                         "(…/checkpoints/iter_NNNNNN)")
     e.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
+    _result_args(e)
     e.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
     e.set_defaults(fn=cmd_evaluate)
 

@@ -6,7 +6,7 @@ Colocated mode wraps train + push in the GPU hand-over (engines release memory, 
 trainer offloads, engines resume weights, push, engines resume the rest).
 
 Run by the `train` flow, the iteration takes its scored batch from the run's prefetcher
-(flows/async_rollout.py; `time_generate` is then the trainer's wait for it, its update usually submitted
+(tasks/rollout_source.py; `time_generate` is then the trainer's wait for it, its update usually submitted
 already). Asynchronous mode (rollout.max_staleness >= 1): before its push it waits for the batch the
 engines are generating (`time_await_rollouts`); the synchronous loop's prefetcher launches the next batch
 right after the push.
@@ -25,13 +25,13 @@ from prefect import flow
 from prefect.context import FlowRunContext, SettingsContext
 from prefect.settings import PREFECT_FLOWS_HEARTBEAT_FREQUENCY
 
-from reflow.flows import async_rollout
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.ops import prefect_retry
 from reflow.infra.ops.control import enter_stage
 from reflow.tasks import report
 from reflow.tasks.colocate import to_engines, to_trainer
 from reflow.tasks.rollout import advantages, generate, reward
+from reflow.tasks.state import bound, run_state
 from reflow.tasks.train import actor_updates, critic_values, push_weights, train, train_critic
 
 
@@ -71,14 +71,19 @@ _handoff: ContextVar[list | None] = ContextVar("reflow_iteration_handoff", defau
 @flow(name="iteration", flow_run_name="{config.experiment}-iter-{iteration:04d}", log_prints=True)
 def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     """Rollout iteration `iteration` (0-based); leaves the engines on policy version iteration+1."""
+    with bound(run_state(config)):  # the parent's run state; a flow run on its own gets one for its tasks
+        return _iteration(config, iteration)
+
+
+def _iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     timer = StageTimer()
     report.RECORDS.free_api()  # the flow run exists: earlier iterations' records may post while this one computes
-    ahead = async_rollout.current(config)  # batches generated (and updates started) ahead of their flow runs
+    ahead = run_state(config).rollouts  # batches generated (and updates started) ahead of their flow runs
     batch, waits = None, {}
     if ahead:
         with timer("generate"):  # asynchronous: the trainer's wait for its (scored) batch
             batch, waits = ahead.take(iteration)
-    if batch is None:  # no prefetcher (hand-overs, generate_ahead off, on its own), or a batch that failed
+    if batch is None:  # no rollout source (hand-overs, generate_ahead off, on its own), or a batch that failed
         with timer("generate"):
             batch = generate(config, iteration)
         with timer("reward"):  # reward and advantages: one Ray call each, so no task run of their own
@@ -105,10 +110,10 @@ def iteration(config: RunConfig, iteration: int) -> dict[str, float]:
             waits |= ahead.drain()
     with timer("push"):
         push_metrics = push_weights(config, iteration + 1)
-    if ahead:
-        waits |= ahead.pushed(iteration + 1)
     if colocate:
         swap |= to_engines(config, "rest")
+    if ahead:  # the engines serve the new policy, KV cache and all: the next batch may start
+        waits |= ahead.pushed(iteration + 1)
     run = FlowRunContext.get().flow_run  # type: ignore[union-attr]  # records name their run explicitly
     with timer("report"):  # rollouts.parquet + sample generations artifact, written in the background
         report.record_rollouts(config, iteration, batch, run.id)

@@ -1,6 +1,8 @@
 """When the parent `train` flow (flows/train.py) checkpoints and evaluates, after `done` iterations of a
-run whose last iteration is `last`."""
+run whose last iteration is `last`, and when its time budget ends it."""
 from __future__ import annotations
+
+import time
 
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.store import checkpoint as ckpt
@@ -19,3 +21,10 @@ def save_due(config: RunConfig, done: int, last: int, minutes_since_save: float)
     return (done == last or (c.save_interval is not None and done % c.save_interval == 0)
             or (c.save_every_minutes is not None and minutes_since_save >= c.save_every_minutes)
             or ckpt.sentinel_present(c.sentinel))
+
+
+def over_budget(config: RunConfig, started: float, now: float | None = None) -> bool:
+    """`max_train_minutes` have passed since `started` (a time.monotonic() reading; `now` defaults to the
+    current one): the iteration just finished is the run's last. Never without a budget."""
+    budget = config.max_train_minutes
+    return budget is not None and ((time.monotonic() if now is None else now) - started) / 60 >= budget

@@ -11,59 +11,19 @@
 `num_iterations` is the run's total: a run resumed after k iterations runs iterations k..n-1.
 While it runs, `reflow ctl` reaches its control API (infra/ops/control.py: health, metrics, pause, resume,
 save, stop); a trainer rank that dies mid-iteration is rebuilt from the latest checkpoint (flows/recovery.py).
+The loop's steps and the clean-up after it are the run session's methods (flows/session.py).
 """
 from __future__ import annotations
-
-import time
-from functools import partial
 
 from prefect import flow, get_run_logger
 from prefect.runtime import flow_run
 
-from reflow.engines.gc_freeze import freeze_long_lived, thaw
-from reflow.flows import async_rollout
 from reflow.flows.inputs import USER_ERRORS, checked_config, refused
-from reflow.flows.recovery import run_recovering
-from reflow.flows.schedule import eval_due, save_due
+from reflow.flows.session import RunSession
 from reflow.infra.cluster import leases
-from reflow.infra.cluster.runtime import shutdown_runtime
 from reflow.infra.config.flow_params import FlowConfig
 from reflow.infra.config.schema import RunConfig
-from reflow.infra.ops.control import RunControl, enter_stage, start_control
-from reflow.infra.store import checkpoint as ckpt
-from reflow.tasks.checkpoint import check_storage, find_checkpoints, finish_save, restore, save_pending, start_save
-from reflow.tasks.cluster import start_cluster
-from reflow.tasks.evaluate import collect, launch_eval
-from reflow.tasks.progress import Progress
-from reflow.tasks.report import RECORDS
-from reflow.tasks.rollout import drop_started_generation, start_generation
-from reflow.tasks.train import initial_push
-
-
-def _save(config: RunConfig, control: RunControl, done: int, wait: bool = True) -> float:
-    """Checkpoint `done` iterations: every rank's write is queued now, ahead of any later call to the
-    ranks, and the commit runs in the background (tasks/checkpoint.py `start_save`); `wait`: committed
-    (and the sentinel file removed, if any) before this returns. Returns when it started."""
-    enter_stage("checkpoint")
-    RECORDS.wait()  # a checkpoint is committed only after the records of the iterations it holds
-    if (ahead := async_rollout.current(config)) is not None:
-        ahead.persisted(done)  # and the batches generated before it (flows/async_rollout.py)
-    start_save(config, done)
-    if wait:
-        _settle(config, control)
-        if ckpt.sentinel_present(config.checkpoint.sentinel):
-            ckpt.remove_sentinel(config.checkpoint.sentinel)
-    return time.monotonic()
-
-
-def _settle(config: RunConfig, control: RunControl, wait: bool = True) -> None:
-    """Record the checkpoint committed in the background (its error raised here): `wait` for it, or only
-    if it is done already."""
-    if not wait and save_pending(config.experiment) is not None:
-        return
-    if (done := finish_save(config.experiment)) is not None:
-        get_run_logger().info("checkpoint: %s", done[1])
-        control.saved(done[0])
+from reflow.tasks.checkpoint import check_storage, find_checkpoints
 
 
 def _already_done(config: RunConfig, step: int, url: str) -> dict[str, object]:
@@ -94,90 +54,19 @@ def train(config: FlowConfig, release_cluster: bool | None = None) -> dict[str, 
 
 
 def _train(config: RunConfig, release_cluster: bool | None) -> dict[str, object]:
-    log = get_run_logger()
-    t0 = time.perf_counter()
-    log.info("storage: %s", check_storage(config))
-    found = find_checkpoints(config)
+    session = RunSession(config, release_cluster)  # the run's driver state and steps (flows/session.py)
+    get_run_logger().info("storage: %s", check_storage(config))
+    found = find_checkpoints(config)  # newest first
     if found and found[0][0].step >= config.num_iterations:
         return _already_done(config, found[0][0].step, found[0][0].url)
-    progress: Progress | None = None
-    control: RunControl | None = None
-    try:
-        log.info("cluster: %s", start_cluster(config))
-        leases.record(config.experiment)
-        restored = restore(config, found)
-        start = restored["step"]
-        control = start_control(config, flow_run.id, start)  # control API (`reflow ctl`), stack dumps
-        initial_push(config, start, restored["loaded"])
-        last = config.num_iterations if config.debug_exit_after is None else min(
-            config.num_iterations, start + config.debug_exit_after)
-        # batches generated (and updates started) ahead of their flow runs from here on (flows/async_rollout.py)
-        prefetcher = async_rollout.open_prefetcher(config, start, last)
-        evals: dict[int, dict[str, dict]] = {}  # policy version -> {eval set: summary}
-        pending: list = []  # launched evals not recorded yet
-        if config.eval.before_train and start == 0:
-            pending.append(launch_eval(config, 0))
-            evals |= collect(config, pending, wait=config.eval.blocking)
-        history: list[dict[str, float]] = []
-        progress = Progress(config, start, config.num_iterations)
-        saved_at = time.monotonic()
-        if config.cluster.gc_freeze:  # the set-up (Prefect, Ray, the prompts) out of the loop's full collections
-            freeze_long_lived(collect=False)
-        loop_t0 = between_t0 = time.perf_counter()
-        for i in range(start, last):
-            enter_stage(f"iteration {i}")
-            # loop_between_s: this loop's own bookkeeping since the previous flow run (in no iteration's time)
-            between = {"loop_between_s": time.perf_counter() - between_t0} if i > start else {}
-            m = run_recovering(config, i, control, between)  # a dead trainer rank: rebuilt, re-run (flows/recovery.py)
-            between_t0 = time.perf_counter()
-            control.finished(i, m)
-            if control.stopping:  # POST /stop: this iteration is the run's last (saved, evaluated)
-                last = i + 1
-            if eval_due(config, i + 1, last):  # first: its records are written while the engines generate next
-                pending.append(launch_eval(config, i + 1))
-            if (follows := i + 1 < last and not control.paused) and prefetcher is None:  # hand-overs: the next
-                start_generation(config, i + 1)  # rollout runs under the save and the bookkeeping below
-            due = save_due(config, i + 1, last, (time.monotonic() - saved_at) / 60)
-            if due or control.take_save():
-                # committed before the next iteration when it is the last, asked for (sentinel, /save) or
-                # when background commits are off; else while the next iteration runs
-                wait = (not due or i + 1 == last or not config.checkpoint.background_commit
-                        or ckpt.sentinel_present(config.checkpoint.sentinel))
-                saved_at = _save(config, control, i + 1, wait)
-            # the next update starts now (in the background), under this bookkeeping and the next run's start
-            ahead = follows and async_rollout.start_next(config, i + 1)
-            RECORDS.submit(leases.record, config.experiment)  # engines recreated meanwhile are new processes
-            evals |= collect(config, pending, wait=config.eval.blocking)
-            history.append(m)
-            progress.update(i + 1, m, evals)  # progress artifact, log line, terminal bar, curves (as evals land)
-            _settle(config, control, wait=control.paused or control.stopping)  # a failed background save raises
-            if i + 1 == last or (not ahead and control.hold(partial(_save, config, control, i + 1))):  # paused: waits
-                last = i + 1  # hold() is True on /stop: the iterations done are saved by now
+    with session:  # however the loop ends: batches in flight, records, checkpoint settled; actors released
+        session.begin(found)  # cluster, restore, control API, first push, rollout source, eval before training
+        for i in session.iterations():
+            m = session.iterate(i)  # one iteration flow run; a dead trainer rank: rebuilt, re-run
+            session.evaluate_if_due(i + 1)  # first: its records are written while the engines generate next
+            session.save_if_due(i + 1)
+            session.update_ahead(i + 1)  # the rollout source submits the next update in the background
+            session.record(i, m)  # records, evals that finished, progress; a failed background save raises
+            if session.ends_after(i + 1):  # the last, or stopped (a pause holds here)
                 break
-        # the iterations and the bookkeeping between them, to the last one's end: not the final save and eval
-        # after it (a single-process trainer's samples/s stops at its last step too)
-        loop_seconds = between_t0 - loop_t0
-        loop_ended_at = time.time() - (time.perf_counter() - between_t0)  # wall clock: the policy's final version
-        evals |= collect(config, pending, wait=True)  # every launched eval is recorded before the run ends
-        RECORDS.wait()  # and every iteration's records
-        _settle(config, control)  # and every checkpoint committed
-        log.info("curves: %s", progress.finish(evals))
-        if control.stopping:
-            log.warning("stopped by the control API after %d of %d iterations", last, config.num_iterations)
-        elif last < config.num_iterations:
-            log.warning("debug_exit_after=%d: stopping after %d of %d iterations",
-                        config.debug_exit_after, last, config.num_iterations)
-        return {"iterations": last - start, "start": start, "evals": evals, "history": history,
-                "seconds": time.perf_counter() - t0, "loop_seconds": loop_seconds, "loop_ended_at": loop_ended_at}
-    finally:
-        thaw()  # frozen for the loop only (freeze_long_lived above); a no-op when it did not get that far
-        async_rollout.close_prefetcher(config)  # waits for batches in flight (their records are whole)
-        drop_started_generation(config)  # a stop or a failure after the next generation was launched
-        if control is not None:
-            control.close()
-        if progress is not None:
-            progress.abort()  # trackers still open here: the run failed (finish() closed them otherwise)
-        RECORDS.wait(raise_errors=False)  # a failed run: the records it queued are still written
-        finish_save(config.experiment, raise_errors=False)  # and its checkpoint in flight committed (or not)
-        if release_cluster is not False:  # False keeps this process's runtime too (tests inspect it)
-            shutdown_runtime(config.experiment, release_cluster)
+        return session.finish()  # every eval, record and checkpoint settled; the run's summary

@@ -9,19 +9,27 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 from reflow.rl.algorithms.gspo import gspo_log_ratio
 
+if TYPE_CHECKING:
+    from reflow.rl.objectives import PolicyObjective
+
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 AGG_MODES: tuple[str, ...] = get_args(AggMode)
 KLKind = Literal["k1", "k2", "k3", "low_var_kl"]
 RatioLevel = Literal["token", "sequence"]
 
+
+def _ppo_clip() -> PolicyObjective:
+    from reflow.rl.objectives import PPOClip
+
+    return PPOClip()
 
 
 @dataclass(frozen=True)
@@ -40,6 +48,8 @@ class LossSettings:
     dual_clip_c: float | None = None
     tis_cap: float | None = None
     ratio_level: RatioLevel = "token"
+    # What the trainer minimises with these (reflow.rl.objectives): the algorithm's, resolved on the driver.
+    objective: PolicyObjective = field(default_factory=_ppo_clip)
 
 
 # Log-ratios are clamped before exp() so one wild token cannot overflow to inf (verl does the same).

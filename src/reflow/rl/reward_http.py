@@ -16,6 +16,7 @@ the batch and what was wrong (repeating a malformed answer would not fix it). At
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -25,15 +26,15 @@ from typing import Any
 import httpx
 
 from reflow.rl.rewards import RewardError, _run_coroutine, metric_means, split_value
+from reflow.rl.scorers import Scorer, reward_source  # noqa: F401 - reward_source: re-exported
 from reflow.rl.types import Sample
-from reflow.rl.verifiers import BUILTINS
 
 _RETRY_STATUS = (429, 500, 502, 503, 504)
 
 
 @dataclass(frozen=True)
-class HttpReward:
-    """Where and how to reach the reward server (built from the `reward:` config section)."""
+class HttpReward(Scorer):
+    """Where and how to reach the reward server (built from the `reward:` config section): the `http` scorer."""
 
     url: str
     timeout_s: float = 30.0
@@ -46,12 +47,24 @@ class HttpReward:
     def __repr__(self) -> str:  # never the token
         return f"HttpReward({self.url!r}, batch_size={self.batch_size})"
 
-    def score(self, samples: Sequence[Sample]) -> tuple[list[float], dict[str, float]]:
-        """One reward per sample, in order, plus the means of the extra metrics the server sent."""
+    def score(self, samples: Sequence[Sample], timeout_s: float | None = None) -> tuple[list[float], dict[str, float]]:
+        """One reward per sample, in order, plus the means of the extra metrics the server sent. `timeout_s`
+        (a function's deadline) is not this scorer's: each request has `self.timeout_s` (reward.timeout_s)."""
         values = _run_coroutine(self._score_all(list(samples)))
         who = f"reward server {self.url}"
         split = [split_value(who, i, s.prompt, s.response, v) for i, (s, v) in enumerate(zip(samples, values))]
         return [r for r, _ in split], metric_means([e for _, e in split])
+
+    def describe(self) -> str:
+        return f"reward.url: {self.url}"
+
+    def check(self, sample: Sample, timeout_s: float) -> None:
+        """Asked once, without retries."""
+        dataclasses.replace(self, retries=0).score([sample])
+
+    def check_failed(self, source: str, error: str) -> str:
+        return (f"reward.url={self.url!r} did not score the first row of {source} with an empty response: {error}. "
+                f"Start the server, or fix reward.url / its answer (the contract is in reflow.rl.reward_http)")
 
     async def _score_all(self, samples: list[Sample]) -> list[Any]:
         limit = asyncio.Semaphore(self.max_concurrency)
@@ -118,14 +131,9 @@ def _rewards(r: httpx.Response, n: int, where: str) -> list[Any]:
     return rewards
 
 
-def reward_source(reward: Any, function: str) -> str | HttpReward:
-    """What scores the samples, from a `reward:` config section: `function` (data.reward_fn, given as
-    `function`), a built-in verifier's `module:function`, or a reward server whose token is read from
-    the driver's environment (reward.token_env) and handed to the scoring task only."""
-    if reward.type == "function":
-        return function
-    if reward.type == "builtin":
-        return BUILTINS[reward.builtin]
+def http_scorer(reward: Any) -> HttpReward:
+    """The reward server of a `reward:` config section (reward.type: http), its token read from the
+    driver's environment (reward.token_env) and handed to the scoring task only."""
     token = None
     if reward.token_env is not None:
         token = os.environ.get(reward.token_env)

@@ -26,13 +26,9 @@ from reflow.infra.store import lineage, signing
 from reflow.infra.store.storage import ExperimentStore
 from reflow.tasks import report
 from reflow.tasks.faults import fault_point, fault_raise
+from reflow.tasks.state import RunState, run_state
 
 CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a checkpoint
-
-
-# experiment -> the checkpoint the live trainer weights continue (None: model.path). Set by `restore`
-# (the one place that knows what was loaded) and by each save; read by the next save's lineage.
-_parents: dict[str, lineage.Parent | None] = {}
 
 
 class CheckpointSaveError(RuntimeError):
@@ -157,7 +153,7 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
     reused = any(n.startswith("policy-trainer-") for n in rt.reused)
     if reused and found and _holds(rt.trainers, *found[0]):
         log.info("trainer ranks from the previous flow run hold %s exactly: not loading it again", found[0][0].url)
-        _parents[cfg.experiment] = lineage.parent_of(*found[0])
+        run_state(cfg).parent = lineage.parent_of(*found[0])
         if rt.critic is not None:  # the critic is never reused: load it alone
             ck, files = found[0]
             if (why := _load(ck, _parts(ck, files, rt.trainers, rt.critic)[1:])) is not None:
@@ -166,10 +162,10 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
     if not found:
         if reused:  # they trained past the (missing) checkpoint: start them again from model.path
             recreate_trainers(cfg)
-        _parents[cfg.experiment] = None
+        run_state(cfg).parent = None
         return {"step": 0, "loaded": reused}
     ck = load_first_valid(rt.trainers, found, cfg.trainer.num_ranks, rt.critic)
-    _parents[cfg.experiment] = lineage.parent_of(ck, next(files for c, files in found if c == ck))
+    run_state(cfg).parent = lineage.parent_of(ck, next(files for c, files in found if c == ck))
     log.info("resumed from %s: %d iterations done", ck.url, ck.step)
     return {"step": ck.step, "loaded": True}
 
@@ -228,30 +224,27 @@ class SaveInFlight:
     future: PrefectFuture
 
 
-_in_flight: dict[str, SaveInFlight] = {}  # experiment -> its checkpoint being committed (at most one)
-
-
 def start_save(cfg: RunConfig, step: int) -> None:
     """Queue the ranks' writes of checkpoint `step` now, then commit it in a background task run; a save
-    still in flight is finished first (`_parents` then names the checkpoint this one continues)."""
-    finish_save(cfg.experiment)
-    rt = get_runtime(cfg)
+    still in flight is finished first (the run's `parent` then names the checkpoint this one continues)."""
+    finish_save(cfg)
+    rt, state = get_runtime(cfg), run_state(cfg)
     queued = queue_save(rt.trainers, rt.store, step, rt.critic, checksum=True)
-    parent = _parents.get(cfg.experiment)
-    runs = _flow_runs(cfg.experiment, 0 if parent is None else parent.step, step)  # this flow run's context
-    _in_flight[cfg.experiment] = SaveInFlight(step, save_checkpoint.submit(cfg, step, queued, runs))
+    runs = _flow_runs(state, 0 if state.parent is None else state.parent.step, step)  # this flow run's context
+    state.save_in_flight = SaveInFlight(step, save_checkpoint.submit(cfg, step, queued, runs))
 
 
-def save_pending(experiment: str) -> int | None:
-    """The step of the experiment's save in flight, or None (none, or one already finished: see `finish_save`)."""
-    f = _in_flight.get(experiment)
+def save_pending(cfg: RunConfig) -> int | None:
+    """The step of the run's save in flight, or None (none, or one already finished: see `finish_save`)."""
+    f = run_state(cfg).save_in_flight
     return None if f is None or f.future.wrapped_future.done() else f.step
 
 
-def finish_save(experiment: str, raise_errors: bool = True) -> tuple[int, str] | None:
-    """Wait for the experiment's save in flight: (step, URL) once committed, None when there was none. Its
+def finish_save(cfg: RunConfig, raise_errors: bool = True) -> tuple[int, str] | None:
+    """Wait for the run's save in flight: (step, URL) once committed, None when there was none. Its
     error is raised (`raise_errors=False`: logged, and None returned: the checkpoint stays uncommitted)."""
-    f = _in_flight.pop(experiment, None)
+    state = run_state(cfg)
+    f, state.save_in_flight = state.save_in_flight, None
     if f is None:
         return None
     try:
@@ -272,12 +265,12 @@ def save_checkpoint(cfg: RunConfig, step: int, queued: QueuedSave, runs: dict[st
     rt = get_runtime(cfg)
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
     state["weights_sha256"] = ray.get(queued.checksum)[0]  # lets a reused trainer skip a reload
-    config_yaml, parent = dump_config(cfg), _parents.get(cfg.experiment)
+    config_yaml, parent = dump_config(cfg), run_state(cfg).parent
     initial = cfg.model.path if "://" in cfg.model.path else os.path.abspath(cfg.model.path)
     doc = lineage.record(parent, initial, config_yaml, _data_lineage(cfg, parent, step), runs)
     url = commit_queued(queued, rt.store, state, config_yaml, cfg.checkpoint.keep_last, keys=keyring(cfg),
                         lineage_doc=doc)
-    _parents[cfg.experiment] = lineage.Parent(url, step, lineage.manifest_sha256(ckpt.at_step(rt.store, step)), doc)
+    run_state(cfg).parent = lineage.Parent(url, step, lineage.manifest_sha256(ckpt.at_step(rt.store, step)), doc)
     _link_runs(cfg.experiment, url, step, runs)
     return url
 
@@ -292,11 +285,10 @@ def _data_lineage(cfg: RunConfig, parent: lineage.Parent | None, step: int) -> d
                                cfg.rollout.prompts_per_iteration)
 
 
-def _flow_runs(experiment: str, first: int, step: int) -> dict[str, object]:
+def _flow_runs(state: RunState, first: int, step: int) -> dict[str, object]:
     """The Prefect runs that made a checkpoint: this `train` flow run and the `iteration` flow runs of
-    iterations [first, step) that ran in this process (earlier ones belong to the parent's runs)."""
-    its = {str(i): report.ITERATION_RUNS[(experiment, i)] for i in range(first, step)
-           if (experiment, i) in report.ITERATION_RUNS}
+    iterations [first, step) that ran in it (earlier ones belong to the parent's runs)."""
+    its = {str(i): state.iteration_runs[i] for i in range(first, step) if i in state.iteration_runs}
     return {"train": str(runtime.flow_run.id) if runtime.flow_run.id else None, "iterations": its}
 
 

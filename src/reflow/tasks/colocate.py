@@ -34,7 +34,7 @@ def _each_engine(rt, call) -> None:
 @task(name="colocate-to-trainer", cache_policy=NO_CACHE)
 def to_trainer(cfg: RunConfig) -> dict[str, float]:
     rt = get_runtime(cfg)
-    wait_for_eval_generation(rt.namespace)  # an eval may still generate on the engines (tasks/evaluate.py)
+    wait_for_eval_generation(rt)  # an eval may still generate on the engines (tasks/evaluate.py)
     t0 = time.perf_counter()
     _each_engine(rt, lambda c: c.release_memory_occupation(list(cfg.cluster.release_tags)))
     critic = rt.critic.reload_states() if rt.critic is not None else []  # PPO: the critic takes turns too

@@ -36,12 +36,10 @@ from reflow.infra.inputs.eval_sets import EvalSet
 from reflow.infra.store import checkpoint as ckpt
 from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.metrics import eval_summary
-from reflow.rl.reward_http import HttpReward
+from reflow.rl.scorers import Scorer
 from reflow.rl.types import RolloutBatch
 from reflow.tasks.report import artifact_key
 from reflow.tasks.rollout import uses_adapter
-
-_GENERATING: dict[str, list[ray.ObjectRef]] = {}  # runtime namespace -> eval generations its engines still serve
 
 
 def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold: float) -> pd.DataFrame:
@@ -62,7 +60,7 @@ def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold
 
 
 @ray.remote(num_cpus=0)
-def _eval_set(generation: tuple, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
+def _eval_set(generation: tuple, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
               prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
     """One set's eval in one Ray task: generate (`generation`: `rollout_stages.generate`'s arguments), then
     score and record. Scoring in a task of its own, chained on the generation's ref, waited 1.4-2.2 s for
@@ -72,7 +70,7 @@ def _eval_set(generation: tuple, name: str, reward_fn: str | HttpReward, thresho
                              fn_timeout_s)
 
 
-def _score_and_record(batch: RolloutBatch, name: str, reward_fn: str | HttpReward, threshold: float, ks: list[int], n: int,
+def _score_and_record(batch: RolloutBatch, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
                       prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
     """Score one set's samples (a reward function's calls within `fn_timeout_s` each, reward.fn_timeout_s),
     compute its metrics and write its records (inside Ray: the batch never reaches the driver). Returns the summary."""
@@ -92,7 +90,7 @@ class PendingEval:
 
     version: int
     out_dir: str
-    namespace: str  # of the runtime whose engines generate it
+    generating: list[ray.ObjectRef]  # its runtime's `eval_generating`: the eval generations its engines still serve
     summaries: dict[str, ray.ObjectRef] = field(default_factory=dict)  # each set's one task: the engines' reader
 
     def done(self) -> bool:
@@ -114,18 +112,18 @@ def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: f
 
 def launch(rt: Runtime, version: int, out_dir: str) -> PendingEval:
     """Start every eval set of `rt` against the weights its engines hold now (policy `version`)."""
-    pending = PendingEval(version, out_dir, rt.namespace)
+    pending = PendingEval(version, out_dir, rt.eval_generating)
     for es in rt.eval_sets:
         pending.summaries[es.name] = _launch_set(rt, es, version, out_dir, rt.cfg.rollout.request_timeout_s)
-    _GENERATING.setdefault(rt.namespace, []).extend(pending.summaries.values())  # readers until scored too
+    rt.eval_generating.extend(pending.summaries.values())  # readers until scored too
     return pending
 
 
-def wait_for_eval_generation(namespace: str) -> float:
-    """Block until the engines of the runtime in `namespace` have finished every eval generation
-    launched on them (call before changing or releasing their weights); returns the seconds waited.
-    Failures are not raised here: they surface when the eval is recorded."""
-    refs = _GENERATING.pop(namespace, [])
+def wait_for_eval_generation(rt: Runtime) -> float:
+    """Block until the runtime's engines have finished every eval generation launched on them (call
+    before changing or releasing their weights); returns the seconds waited. Failures are not raised
+    here: they surface when the eval is recorded."""
+    refs, rt.eval_generating[:] = list(rt.eval_generating), []
     t0 = time.perf_counter()
     if refs:
         ray.wait(refs, num_returns=len(refs), fetch_local=False)
@@ -150,8 +148,8 @@ def record_eval(cfg: RunConfig, pending: PendingEval, where: str = "") -> dict[s
     """Wait for one launched eval; log it and add its table artifact. Returns {set: summary}."""
     names = list(pending.summaries)
     results = dict(zip(names, ray.get([pending.summaries[n] for n in names])))
-    if pending.namespace in _GENERATING:  # done generating too: stop holding its batches
-        _GENERATING[pending.namespace] = [r for r in _GENERATING[pending.namespace] if r not in pending.summaries.values()]
+    done = set(pending.summaries.values())  # done generating too: stop holding its batches
+    pending.generating[:] = [r for r in pending.generating if r not in done]
     log = get_run_logger()
     for name, s in results.items():
         passes = " ".join(f"{k} {v:.3f}" for k, v in s.items() if k.startswith("pass@"))

@@ -32,6 +32,7 @@ from reflow.infra.config.schema import RunConfig
 from reflow.infra.store import metric_views as views
 from reflow.rl.types import RolloutBatch
 from reflow.tasks.rollout import BatchRef, write_table
+from reflow.tasks.state import run_state
 
 log = logging.getLogger("reflow.records")
 
@@ -124,13 +125,10 @@ def _samples_artifact(experiment: str, iteration: int, flow_run_id: UUID, rows_r
                     f"{experiment} iteration {iteration}: sample generations", flow_run_id)
 
 
-ITERATION_RUNS: dict[tuple[str, int], str] = {}  # (experiment, iteration) -> its flow run id, for checkpoint lineage
-
-
 def publish_metrics(cfg: RunConfig, iteration: int, metrics: dict[str, float], flow_run) -> None:
     """Queue metrics.json (every metric and timing), the metrics table (key metrics first), the timings
     table (shares of the whole iteration) and the one-line summary in the iteration flow run's log."""
-    ITERATION_RUNS[(cfg.experiment, iteration)] = str(flow_run.id)
+    run_state(cfg).iteration_runs[iteration] = str(flow_run.id)  # for the checkpoints' lineage
     RECORDS.submit(_write_metrics, cfg, iteration, dict(metrics), flow_run)
 
 

@@ -7,7 +7,6 @@ because an ObjectRef is not a meaningful cache key.
 from __future__ import annotations
 
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from logging import Logger
 
@@ -97,15 +96,14 @@ def generate(cfg: RunConfig, iteration: int) -> BatchRef:
 
 def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, log: Logger | None = None) -> BatchRef:
     """Iteration `iteration`'s rollouts (its prompts, its sampling seeds) by the engines' policy `version`:
-    by default the iteration's own, after recreating engines that died (the `generate` task); an
-    asynchronous run's prefetcher (flows/async_rollout.py) passes the version the engines serve."""
+    by default the iteration's own, after recreating engines that died (the `generate` task); the run's
+    rollout source (tasks/rollout_source.py) generates ahead of the iteration and passes the version the
+    engines serve."""
     rt = get_runtime(cfg)
-    if (cached := _cached(rt, iteration, "generated", log)) is not None:
-        drop_started_generation(cfg)  # a batch of an earlier flow run of this iteration goes first
+    if (cached := _cached(rt, iteration, "generated", log)) is not None:  # an earlier flow run's batch
         return cached
-    if version is None and (adopted := _adopt_started(rt, iteration, log)) is not None:
-        return adopted
     recreated: list[str] = []
+    ahead = version is not None
     if version is None:
         # An engine lost since the last push (or during this task's previous attempt: the retry comes
         # back here) is recreated and given the current weights now, not after the retries are spent.
@@ -113,17 +111,8 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
     ref, timing, prompts = _launch(rt, iteration, version)
     # A failed rollout (an engine lost mid-request) raises here, inside this task's retries; the batch stays in Ray.
     engine_s = ray.get(timing)
-    return _generated(rt, ref, prompts, iteration, version, len(recreated), None, engine_s)
-
-
-def _generated(rt: Runtime, ref: ray.ObjectRef, prompts: list[Prompt], iteration: int, version: int,
-               recreated: int, ahead_s: float | None, engine_s: dict[str, float]) -> BatchRef:
-    """A generated batch's stats and its stage record started. `ahead_s`: how long before the task its
-    generation was launched (None: by the task itself); `engine_s`: how long the engines took (`_generate_timed`)."""
-    stats = {**engine_s, "prompts": len(prompts),
-             "engines_recreated_before_generate": float(recreated),
-             "rollout_policy_version": float(version), "generate_started_ahead": float(ahead_s is not None),
-             "generate_ahead_s": ahead_s or 0.0}
+    stats = {**engine_s, "prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated)),
+             "rollout_policy_version": float(version), "generate_started_ahead": float(ahead)}
     return _persist(rt, BatchRef(ref, stats, iteration), "generated")
 
 
@@ -138,54 +127,6 @@ def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, r
                            cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg),
                            seed_key=iteration)
     return ref, timing, prompts
-
-
-# ---------------------------------------------------------------- the synchronous loop's generation ahead
-
-# experiment -> (iteration, its generation, its seconds (`_generate_timed`), its prompts, when it was launched)
-_started: dict[str, tuple[int, ray.ObjectRef, ray.ObjectRef, list[Prompt], float]] = {}
-
-
-def start_generation(cfg: RunConfig, iteration: int) -> bool:
-    """Launch iteration `iteration`'s generation now, ahead of its flow run; its `generate` task then waits
-    for it instead of launching its own. The parent flow calls this right after iteration - 1's flow run,
-    whose push left the engines serving policy `iteration`: the same prompts, seeds and policy as the task
-    would use, so the batch is the same; only Prefect's bookkeeping between the two flow runs (ending one,
-    the records, starting the next) and a checkpoint due then overlap the engines' work instead of
-    preceding it. The synchronous loop only (rollout.max_staleness = 0: the asynchronous one generates
-    ahead anyway) and unless `rollout.generate_ahead` is off. Returns whether it launched."""
-    if cfg.rollout.max_staleness or not cfg.rollout.generate_ahead:
-        return False
-    rt = get_runtime(cfg)
-    ref, timing, prompts = _launch(rt, iteration, iteration)
-    _started[cfg.experiment] = (iteration, ref, timing, prompts, time.perf_counter())
-    return True
-
-
-def drop_started_generation(cfg: RunConfig) -> None:
-    """Forget a generation launched ahead (the run ends before its iteration, or a recovery restores other
-    weights), after it leaves the engines: the next push never lands under it."""
-    started = _started.pop(cfg.experiment, None)
-    if started is not None:
-        ray.wait([started[1]], timeout=cfg.rollout.request_timeout_s)
-
-
-def _adopt_started(rt: Runtime, iteration: int, log: Logger | None) -> BatchRef | None:
-    """The generation launched ahead for this iteration, once done; None when there is none (or another
-    iteration's: dropped) or it failed (the caller then generates the batch the usual way)."""
-    started = _started.get(rt.cfg.experiment)
-    if started is None or started[0] != iteration:
-        drop_started_generation(rt.cfg)
-        return None
-    _, ref, timing, prompts, launched = _started.pop(rt.cfg.experiment)
-    ahead_s = time.perf_counter() - launched
-    try:
-        engine_s = ray.get(timing)
-    except Exception as e:  # deliberate: any failure (an engine lost mid-request) falls back to the usual path
-        (log or get_run_logger()).warning("iteration %d: its generation launched ahead failed (%s); generating it "
-                                          "again", iteration, next(iter(str(e).splitlines()), type(e).__name__))
-        return None
-    return _generated(rt, ref, prompts, iteration, iteration, 0, ahead_s, engine_s)
 
 
 def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:

@@ -15,22 +15,22 @@ from reflow.infra.config.settings import loss_settings, push_settings
 from reflow.tasks.evaluate import wait_for_eval_generation
 from reflow.tasks.faults import fault_point
 from reflow.tasks.rollout import BatchRef
+from reflow.tasks.state import run_state
 
 _attach_values = ray.remote(num_cpus=0)(attach_values)
-_started: dict[str, tuple[str, list]] = {}  # experiment -> (batch object id, its update's refs): submitted ahead
 
 
 def start_update(cfg: RunConfig, batch: BatchRef) -> None:
     """Submit the policy update on `batch` now; the `train` task given the same batch waits for it
     instead of submitting another (an asynchronous run starts an update before its flow run: see
-    flows/async_rollout.Prefetcher.start_next). The ranks run calls in order, so nothing submitted
+    tasks/rollout_source.RolloutSource.start_next). The ranks run calls in order, so nothing submitted
     after this (a checkpoint) sees the weights before it."""
-    _started[cfg.experiment] = (batch.ref.hex(), _submit_update(cfg, batch))
+    run_state(cfg).update_ahead = (batch.ref.hex(), _submit_update(cfg, batch))
 
 
 def drop_started_update(cfg: RunConfig) -> None:
     """Forget an update submitted ahead (its trainer group was rebuilt, or the run ends without it)."""
-    _started.pop(cfg.experiment, None)
+    run_state(cfg).update_ahead = None
 
 
 def _submit_update(cfg: RunConfig, batch: BatchRef) -> list:
@@ -42,7 +42,8 @@ def _submit_update(cfg: RunConfig, batch: BatchRef) -> list:
 @task(name="train", cache_policy=NO_CACHE)
 def train(cfg: RunConfig, batch: BatchRef) -> dict[str, float]:
     """PPO-clip update(s) on every trainer rank; every rank returns the same reduced metrics."""
-    ahead = _started.pop(cfg.experiment, None)
+    state = run_state(cfg)
+    ahead, state.update_ahead = state.update_ahead, None
     if ahead is not None and ahead[0] != batch.ref.hex():  # the ranks would train twice in one iteration
         raise RuntimeError(f"iteration {batch.iteration}: an update on another batch was submitted ahead of this "
                            f"flow run; not training on both (a bug in the asynchronous loop: please report it)")
@@ -84,7 +85,7 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
     """Trainer -> every engine, inside a weight session, then verified against the engines. First
     waits for evals still generating on the engines' current weights (tasks/evaluate.py)."""
     rt = get_runtime(cfg)
-    eval_wait = wait_for_eval_generation(rt.namespace)
+    eval_wait = wait_for_eval_generation(rt)
     recreated = ensure_engines(cfg)  # an engine lost mid-rollout (the router finished its work) comes back here
     t0 = time.perf_counter()
     results = ray.get(rt.trainers.push_weights(rt.engine_urls, str(version), push_settings(cfg), api_key=rt.api_key))

@@ -15,17 +15,12 @@ graphs dynamo built so far (the trainer's `compile_graphs` metric), so a recompi
 """
 from __future__ import annotations
 
-import fcntl
 import logging
-import os
-import time
 from typing import Literal
 
 import torch
 
 log = logging.getLogger("reflow.trainer")
-WARMUP_LOCK_ENV = "REFLOW_COMPILE_WARMUP_LOCK"  # a compile warm-up's lock file (infra/cluster/compile_warmup.py)
-WARMUP_WAIT_S = 120.0  # a warm-up takes ~20-30 s from the command's start; one that hangs must not hold a run long
 
 CompileMode = Literal["auto", "on", "off"]
 MIN_BUCKET = 16
@@ -101,31 +96,7 @@ def compiled_graphs() -> int:
 
 
 def compile_cache_hits() -> int:
-    """Graphs inductor took from its on-disk cache in this process so far (a compile warm-up's, or an earlier run's)."""
+    """Graphs inductor took from its on-disk cache in this process so far (an earlier run's)."""
     from torch._dynamo.utils import counters
 
     return int(counters["inductor"]["fxgraph_cache_hit"])
-
-
-def wait_for_warmup(timeout_s: float = WARMUP_WAIT_S) -> float:
-    """In a trainer rank before its first step: wait (up to timeout_s) while a warm-up named by WARMUP_LOCK_ENV
-    compiles the same graphs (infra/cluster/compile_warmup.py).
-    Returns the seconds waited (0.0 without one)."""
-    path = os.environ.get(WARMUP_LOCK_ENV)
-    if not path or not os.path.exists(path):
-        return 0.0
-    t0 = time.perf_counter()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.perf_counter() - t0 > timeout_s:
-                    log.warning("the compile warm-up still runs after %.0f s: compiling here instead", timeout_s)
-                    break
-                time.sleep(0.05)
-    finally:
-        os.close(fd)
-    return time.perf_counter() - t0

@@ -83,8 +83,7 @@ class CriticRank(DeepSpeedRank):
         s = settings
         self.zero_stage, self.model_path, self.storage = s.zero_stage, model_path, s.storage
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
-        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention,
-                    s.tf32)
+        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.tf32)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         self._build_engine(load_value_model(model_path, weights_precision(s.precision), s.seed, s.storage), cfg, s.lr, s.weight_decay, lambda _: 1.0)

@@ -179,22 +179,14 @@ def _rows(t: dict[str, torch.Tensor], start: int, end: int, round_up=None) -> di
             for k, v in out.items()}
 
 
-def set_attention_kernels(cudnn: bool) -> None:
-    """Whether torch's scaled_dot_product_attention may use cuDNN's kernels in this process (the rank's own; torch
-    prefers them on Hopper). A process-wide flag, set before any model runs (compiled graphs trace their kernel
-    choice once). On the H200 neither choice was faster beyond the spread between processes (RESULTS.md 26)."""
-    torch.backends.cuda.enable_cudnn_sdp(cudnn)
-
-
 class DeepSpeedRank:
     """One DeepSpeed data-parallel rank. Collective methods must be called on every rank together."""
 
     def _start(self, rank: int, world_size: int, master_addr: str, master_port: int, backend: str,
-               threads: int, seed: int, cudnn_attention: bool = True, tf32: bool = False) -> None:
+               threads: int, seed: int, tf32: bool = False) -> None:
         """Seed this process and join the process group (before any model is built)."""
         self.rank, self.world_size, self.iteration = rank, world_size, 0
         torch.set_num_threads(threads)
-        set_attention_kernels(cudnn_attention)
         set_tf32(tf32)
         random.seed(seed)
         torch.manual_seed(seed)

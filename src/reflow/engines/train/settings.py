@@ -56,7 +56,6 @@ class RankSettings:
     zero3_param_persistence_threshold: int = 100_000  # ZeRO-3: parameters this small stay unpartitioned
     compile: Literal["auto", "on", "off"] = "off"  # compiled decoder layers (engines/train/compiled.py); auto: on CUDA
     compile_backend: str = "inductor"  # torch.compile backend (tests use aot_eager: same wiring, no codegen)
-    cudnn_attention: bool = True  # torch's SDPA may pick cuDNN's kernels (ds_rank.set_attention_kernels)
     # "auto": when the policy cannot have changed since the rollout (one mini-batch, no advantage
     # finishing), old log-probs are the training forward's own, detached; "always": a separate pass.
     old_logprob_pass: Literal["auto", "always"] = "auto"

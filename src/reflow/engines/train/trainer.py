@@ -32,7 +32,6 @@ Updates of earlier mini-batches of the same call stay applied; the lr schedule d
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import itertools
 import logging
 import math
@@ -52,7 +51,6 @@ from reflow.engines.train.compiled import (
     compiled_graphs,
     length_bucket,
     use_compile,
-    wait_for_warmup,
 )
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
 from reflow.engines.train.memory import activation_bytes
@@ -60,24 +58,26 @@ from reflow.engines.train.settings import RankSettings, weights_precision
 from reflow.engines.weights.settings import PushSettings
 from reflow.engines.weights.verify import verify_due
 from reflow.rl.algorithms.base import AlgorithmBase
-from reflow.rl.losses import (
-    LossSettings,
-    aggregate,
-    kl_estimate,
-    logprobs_and_entropy,
-    policy_loss,
-    tis_weights,
-    token_logprobs,
-)
+from reflow.rl.losses import LossSettings, logprobs_and_entropy, tis_weights, token_logprobs
+from reflow.rl.objectives import PolicyObjective, PolicyTerms
 from reflow.rl.types import RolloutBatch, to_train_tensors
 
 log = logging.getLogger("reflow.trainer")
 
-# Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated).
-_SUM_KEYS = ("loss", "pg_loss", "kl", "entropy", "clip_frac", "ratio_mean", "approx_kl", "tis_weight", "tis_capped",
-             "tokens", "mismatch_sum", "mismatch_tokens", "forward_tokens", "sample_tokens")
-_MAX_KEYS = ("ratio_max", "neg_ratio_min", "logprob_mismatch_max", "tis_weight_max", "step_time_s",
-             "old_logprob_time_s")
+# Local sums all-reduced with SUM, and maxima with MAX (minima are sent negated): the trainer's own, around
+# those of the policy objective (reflow.rl.objectives), which `_metric_keys` adds.
+_SUM_KEYS = ("tis_weight", "tis_capped", "tokens", "mismatch_sum", "mismatch_tokens", "forward_tokens", "sample_tokens")
+_MAX_KEYS = ("logprob_mismatch_max", "tis_weight_max", "step_time_s", "old_logprob_time_s")
+
+
+def _metric_keys(obj: PolicyObjective) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(summed, maximised) accumulator keys of a step with objective `obj`."""
+    clash = set(obj.metric_names()) & {"loss", *_SUM_KEYS, *_MAX_KEYS}
+    if clash:
+        raise ValueError(f"policy objective {type(obj).__name__} reports {sorted(clash)}, names the trainer keeps "
+                         f"for its own metrics: rename them")
+    return (("loss", *obj.means, *obj.token_means, *_SUM_KEYS),
+            (*obj.maxima, *(f"neg_{k}" for k in obj.minima), *_MAX_KEYS))
 
 
 def _units(mask: torch.Tensor, agg_mode: str) -> torch.Tensor:
@@ -134,11 +134,9 @@ class TrainerRank(DeepSpeedRank):
         self.micro_batch_size, self.precision = s.micro_batch_size, s.precision
         self.max_tokens = s.max_tokens_per_micro_batch  # packed token-budget micro-batches (packing.py); None: padded
         self._plan: packing.PackPlan | None = None  # this iteration's packing, when packed
-        self._shm_lost: str | None = None  # why tensor pushes go through disk (buckets.SharedMemoryUnavailable)
-        self._ipc_lost: str | None = None  # why GPU tensor pushes stage through host memory (no CUDA IPC)
+        self._transports: dict = {}  # weight transports by factory, built at their first push (_transport)
         self.probes_made = 0  # logprob probes computed for pushes (_logprob_probe; tests read it)
-        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.cudnn_attention,
-                    s.tf32)
+        self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.tf32)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
         # Packed rows on CUDA: flex_attention, whose block mask skips what the samples of a row cannot see (SDPA
@@ -192,9 +190,6 @@ class TrainerRank(DeepSpeedRank):
         (default: none) finishes the batch's advantages here when its spec says so (REINFORCE++ with
         KL in the reward: per-sequence scores -> token-level advantages after the reference pass).
         """
-        # The first step of compiled layers waits for a compile warm-up that is making the same graphs (its caches
-        # then serve this compile); 0.0 without one.
-        warm_wait = wait_for_warmup() if self.iteration == 0 and self._round_up is not None else 0.0
         t0 = time.perf_counter()
         self.iteration += 1
         finish = algorithm.spec.finish_advantages if algorithm is not None and algorithm.kl_reward_coef > 0 else None
@@ -207,8 +202,9 @@ class TrainerRank(DeepSpeedRank):
                              "(advantages computed with kl_in_reward > 0), not finished advantages")
         with record_function("reflow.shard"):
             shard = self._shard(batch, minibatches, pad_id)
-        acc = dict.fromkeys(_SUM_KEYS + _MAX_KEYS, 0.0)
-        acc["neg_ratio_min"] = -math.inf
+        sum_keys, max_keys = _metric_keys(loss.objective)
+        acc = dict.fromkeys(sum_keys + max_keys, 0.0)
+        acc.update(dict.fromkeys([*loss.objective.maxima, *(f"neg_{k}" for k in loss.objective.minima)], -math.inf))
         # One mini-batch and nothing to finish before training: the policy that scores the batch is
         # the one the training forward runs, so that forward's log-probs (detached) are the old ones.
         reuse = self.old_logprob_pass == "auto" and minibatches == 1 and finish is None
@@ -224,11 +220,11 @@ class TrainerRank(DeepSpeedRank):
             grad_norms.append(self._train_minibatch(mb, float(units[k]), k, minibatches, loss, acc))
         acc["step_time_s"] = time.perf_counter() - t0
         with record_function("reflow.metrics"):
-            out = self._reduce_metrics(acc, minibatches)
+            out = self._reduce_metrics(acc, minibatches, loss.objective)
         out.update(grad_norm=sum(grad_norms) / len(grad_norms), lr=lrs[-1], samples=float(len(batch)),
                    old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()),
                    activation_checkpointing=float(self.activation_checkpointing),
-                   compile_cache_hits=float(compile_cache_hits()), compile_warmup_wait_s=warm_wait, **finished)
+                   compile_cache_hits=float(compile_cache_hits()), **finished)
         return out
 
     def _shard(self, batch: RolloutBatch, minibatches: int, pad_id: int) -> dict[str, torch.Tensor]:
@@ -413,9 +409,9 @@ class TrainerRank(DeepSpeedRank):
         return 0, pk.scatter(lp, rows, width), (pk.scatter(ent, rows, width) if ent is not None else None)
 
     def _micro_loss(self, mb: dict, units_global: float, hp: LossSettings, acc: dict) -> torch.Tensor:
-        """pg + kl_coef * kl - entropy_coef * entropy of one micro-batch, scaled for the global mean."""
-        agg, norm_len = hp.loss_agg, hp.loss_norm_len
-        # One pass over the logits for both; the entropy is a metric unless there is a bonus.
+        """hp.objective's loss of one micro-batch, scaled for the global mean; its metrics accumulated."""
+        obj = hp.objective
+        # One pass over the logits for both; the entropy is a metric unless the objective asks its gradient.
         first, logp, ent_tok = self._token_logprobs(self.engine, mb, hp.temperature, entropy=True)  # [b, W] each
         assert ent_tok is not None
         acc["forward_tokens"] = acc["forward_tokens"] + self._forward_tokens(mb)
@@ -430,24 +426,18 @@ class TrainerRank(DeepSpeedRank):
             _mismatch(acc, mb["rollout_logprobs"], old, mask)
         isw = tis_weights(old, mb["rollout_logprobs"], mask, hp.tis_cap) \
             if hp.tis_cap is not None else None  # [b, L-1]
-        pg, pm = policy_loss(logp, old, mb["advantages"], mask, hp.clip_eps_low,
-                             hp.clip_eps_high, agg, norm_len=norm_len, dual_clip_c=hp.dual_clip_c,
-                             is_weights=isw, ratio_level=hp.ratio_level)
-        kl = aggregate(kl_estimate(logp, mb["ref_logprobs"], hp.kl_estimator), mask, agg, norm_len) \
-            if hp.kl_coef > 0 else torch.zeros(())
-        # The entropy of the distribution actually trained on (logits / T); without a bonus it is
-        # only a metric, so its gradient is never asked for.
-        ent = aggregate(ent_tok if hp.entropy_coef > 0 else ent_tok.detach(), mask, agg, norm_len)
-        total = pg + hp.kl_coef * kl - hp.entropy_coef * ent
+        total, metrics = obj.loss(PolicyTerms(logp, old, mb["advantages"], mask, ent_tok, mb.get("ref_logprobs"), isw),
+                                  hp)
         # This micro-batch's share of the global mini-batch aggregate (see the module docstring).
         # Metrics stay device tensors (no host round trip per micro-batch: on a GPU each one would
         # stall the launch queue); _reduce_metrics reads them once.
-        share = _units(mask, agg).double() / max(units_global, 1.0)  # []
-        for key, v in (("loss", total), ("pg_loss", pg), ("kl", kl), ("entropy", ent)):
-            acc[key] = acc[key] + v.detach().double() * share
+        share = _units(mask, hp.loss_agg).double() / max(units_global, 1.0)  # []
+        acc["loss"] = acc["loss"] + total.detach().double() * share
+        for key in obj.means:
+            acc[key] = acc[key] + metrics[key].detach().double() * share
         n_tok = mask.sum().double()  # []
-        for key in ("clip_frac", "ratio_mean", "approx_kl"):
-            acc[key] = acc[key] + pm[key].double() * n_tok  # token-weighted, divided by all tokens at the end
+        for key in obj.token_means:
+            acc[key] = acc[key] + metrics[key].double() * n_tok  # token-weighted, divided by all tokens at the end
         acc["tis_weight"] = acc["tis_weight"] + ((isw * mask).sum().double() if isw is not None else n_tok)
         if isw is not None:  # how far the rollout's policy was from the trainer's, and how often the cap cut it
             acc["tis_capped"] = acc["tis_capped"] + ((isw >= hp.tis_cap) & (mask != 0)).sum().double()
@@ -455,28 +445,27 @@ class TrainerRank(DeepSpeedRank):
                                                   (isw * mask).max().double())
         acc["tokens"] = acc["tokens"] + n_tok
         seen = n_tok > 0  # a micro-batch without response tokens leaves the extremes alone
-        acc["ratio_max"] = torch.where(seen, torch.maximum(torch.as_tensor(acc["ratio_max"]).to(share),
-                                                           pm["ratio_max"].double()), acc["ratio_max"])
-        acc["neg_ratio_min"] = torch.where(seen, torch.maximum(torch.as_tensor(acc["neg_ratio_min"]).to(share),
-                                                               -pm["ratio_min"].double()), acc["neg_ratio_min"])
+        for key, sign in [(k, 1.0) for k in obj.maxima] + [(k, -1.0) for k in obj.minima]:
+            slot = key if sign > 0 else f"neg_{key}"
+            acc[slot] = torch.where(seen, torch.maximum(torch.as_tensor(acc[slot]).to(share),
+                                                        sign * metrics[key].double()), acc[slot])
         return total * (share * self.world_size).to(total.dtype)  # DeepSpeed divides gradients by world_size
 
-    def _reduce_metrics(self, acc: dict, minibatches: int) -> dict[str, float]:
+    def _reduce_metrics(self, acc: dict, minibatches: int, obj: PolicyObjective) -> dict[str, float]:
+        sum_keys, max_keys = _metric_keys(obj)
         sums, maxs = (torch.stack([torch.as_tensor(acc[k], dtype=torch.float64).cpu() for k in keys])
-                      for keys in (_SUM_KEYS, _MAX_KEYS))
+                      for keys in (sum_keys, max_keys))
         dist.all_reduce(sums)
         dist.all_reduce(maxs, op=dist.ReduceOp.MAX)
-        s, m = dict(zip(_SUM_KEYS, sums.tolist())), dict(zip(_MAX_KEYS, maxs.tolist()))
+        s, m = dict(zip(sum_keys, sums.tolist())), dict(zip(max_keys, maxs.tolist()))
         tokens = max(s["tokens"], 1.0)
         return {
-            "loss": s["loss"] / minibatches, "pg_loss": s["pg_loss"] / minibatches,
-            "kl": s["kl"] / minibatches, "entropy": s["entropy"] / minibatches,
-            "clip_frac": s["clip_frac"] / tokens, "ratio_mean": s["ratio_mean"] / tokens,
-            "approx_kl": s["approx_kl"] / tokens, "tis_weight_mean": s["tis_weight"] / tokens,
+            "loss": s["loss"] / minibatches, **{k: s[k] / minibatches for k in obj.means},
+            **{k: s[k] / tokens for k in obj.token_means}, "tis_weight_mean": s["tis_weight"] / tokens,
             "tis_weight_max": m["tis_weight_max"] or 1.0,  # 0: no TIS, every weight 1
             "tis_capped_frac": s["tis_capped"] / tokens,
-            "ratio_min": -m["neg_ratio_min"] if s["tokens"] else 1.0,
-            "ratio_max": m["ratio_max"] if s["tokens"] else 1.0,
+            **{k: -m[f"neg_{k}"] if s["tokens"] else empty for k, empty in obj.minima.items()},
+            **{k: m[k] if s["tokens"] else empty for k, empty in obj.maxima.items()},
             "logprob_mismatch": s["mismatch_sum"] / max(s["mismatch_tokens"], 1.0),
             "logprob_mismatch_max": m["logprob_mismatch_max"], "response_tokens": s["tokens"],
             "step_time_s": m["step_time_s"], "old_logprob_time_s": m["old_logprob_time_s"],
@@ -487,13 +476,13 @@ class TrainerRank(DeepSpeedRank):
     # ---------------------------------------------------------------- weights
 
     def push_weights(self, urls: list[str], version: str, settings: PushSettings, api_key: str | None = None) -> dict:
-        """Every rank gathers; rank 0 pushes to the engines at `urls` (reflow.engines.weights.push, mode
-        tensor|distributed|disk) with their `api_key`, and returns the report. Collective."""
-        # On a GPU, mode=tensor hands the engines CUDA IPC handles (colocated: same GPU, no host copy), unless
-        # an engine could not open them before (another GPU): host shared memory from then on. On CPU the
+        """Every rank gathers; rank 0 pushes to the engines at `urls` with their `api_key` through the transport
+        the runtime chose (reflow.engines.weights.transport; its fallbacks hold for the life of this rank), and
+        returns the report. Collective."""
+        transport = self._transport(settings)
+        # On a GPU, mode=tensor hands the engines CUDA IPC handles (colocated: same GPU, no host copy); on CPU the
         # bucket is packed straight from the parameters (below ZeRO-3 they are whole: no gathered copy).
-        ipc = settings.mode == "tensor" and self.engine.device.type == "cuda" and self._ipc_lost is None
-        direct = ipc or (settings.mode == "tensor" and self.engine.device.type == "cpu")
+        direct = transport.gather_on_device(self.engine.device)
         named = self._gathered(keep=self.rank == 0, on_device=direct)
         due = settings.verify != "off" and verify_due(version, settings.verify_every)
         # The probe (a forward pass) only where an engine is checked by logprobs: made on demand by rank 0, except
@@ -505,43 +494,26 @@ class TrainerRank(DeepSpeedRank):
         import ray
 
         from reflow.engines.rollout_client import EngineClient
-        from reflow.engines.weights.buckets import SharedMemoryUnavailable
-        from reflow.engines.weights.push import publish_weights, push_weights
+        from reflow.engines.weights.transport import PushJob
 
-        clients = [EngineClient(u, api_key=api_key) for u in urls]
-        if self.lora is not None:  # adapter-only push, verified against the effective weights
-            from reflow.engines.weights.adapter_push import push_adapter
+        adapter = None
+        if self.lora is not None:  # what an adapter-only push sends, and the effective weights it is verified against
+            part, effective = lora.split(named, self.lora)
+            adapter = (part, lora.config(self.lora, self.model_path), effective)
+        return transport.push(PushJob(
+            [EngineClient(u, api_key=api_key) for u in urls], named, version, settings, device=self.engine.device,
+            master_address=ray.util.get_node_ip_address(), probe=probe,
+            stable=direct and self.zero_stage < 3,  # the parameters themselves: engines may map them once (map_once)
+            write_hf=self._write_hf, adapter=adapter))
 
-            adapter, effective = lora.split(named, self.lora)
-            return push_adapter(clients, adapter, lora.config(self.lora, self.model_path), effective, version,
-                                settings, master_address=ray.util.get_node_ip_address(), probe=probe)
+    def _transport(self, settings: PushSettings):
+        """The transport of `settings`, built at its first push and kept (a fallback it took holds)."""
+        from reflow.engines.weights.transport import build, choose
 
-        live = direct and self.zero_stage < 3  # the parameters themselves: engines may map them once (map_once)
-
-        def push(s: PushSettings) -> dict:
-            disk = None
-            if s.mode == "disk":  # HF safetensors the engines reload (checking the digests), as a checkpoint is saved
-                disk = publish_weights(lambda out: self._write_hf(named, out), s.disk_dir, version, s.storage)
-            return push_weights(clients, named, version, s, model_path=disk.path if disk else None,
-                                model_files=disk.files if disk else None, master_address=ray.util.get_node_ip_address(),
-                                probe=probe, stable=live)
-
-        if settings.mode == "tensor" and self._shm_lost is not None:
-            return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
-        try:
-            try:
-                return {**push(settings), "ipc": ipc}
-            except RuntimeError as e:  # an engine's 400 (EngineError) naming a GPU it cannot open
-                if not ipc or not any(m in str(e) for m in ("not visible to this engine", "this engine has no GPU")):
-                    raise
-                self._ipc_lost = f"CUDA IPC refused ({e}); pushing through host shared memory from now on"
-                log.warning("weight push %s: %s", version, self._ipc_lost)
-                named, live = [(n, t.to("cpu")) for n, t in named], False
-                return {**push(settings), "ipc": False, "fallback": self._ipc_lost}
-        except SharedMemoryUnavailable as e:  # lost for the life of this process: disk from now on
-            self._shm_lost = f"shared memory unavailable, pushing through disk from now on: {e}"
-            log.warning("weight push %s: %s", version, self._shm_lost)
-            return {**push(dataclasses.replace(settings, mode="disk")), "fallback": self._shm_lost}
+        factory = settings.transport or choose("adapter" if self.lora is not None else settings.mode)
+        if factory not in self._transports:
+            self._transports[factory] = build(factory)
+        return self._transports[factory]
 
     def named_weights(self) -> list[tuple[str, torch.Tensor]]:
         """(HF name, full CPU tensor) of the weights the engines compute with (LoRA: merged). Collective."""

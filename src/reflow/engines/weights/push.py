@@ -1,6 +1,6 @@
 """Trainer -> engines weight sync over SGLang's HTTP API, then proof that it landed.
 
-Per SGLANG_API.md (and slime/miles), every push is pause -> flush -> begin session -> updates ->
+Per docs/ENGINE_CONTRACT.md (and slime/miles), every push is pause -> flush -> begin session -> updates ->
 end session -> continue (`update_window`; the disk mode needs no session in SGLang). Modes:
 - tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
   <= bucket_bytes; each bucket is packed once into one shared buffer and pickled once per receiver
@@ -49,10 +49,9 @@ from reflow.engines.rollout_client import EngineClient, EngineError
 from reflow.engines.storage_access import StorageAccess, is_local, sha256_file
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import BUFFERS, SharedBucket
-from reflow.engines.weights.mapped import MAPPED
+from reflow.engines.weights.mapped import MAPPED  # noqa: F401 - re-exported (tests read MAPPED through this module)
 from reflow.engines.weights.settings import DEFAULT_PUSH, PushSettings
 from reflow.engines.weights.verify import (  # noqa: F401 - WeightSyncError, verify_weights: re-exported
-    VERIFY_MODES,
     LogprobProbe,
     Named,
     ProbeSource,
@@ -383,9 +382,6 @@ def update_window(clients: list[EngineClient], pause_mode: str = "abort", sessio
             raise WeightSyncError("weights were sent but closing the update failed: " + "; ".join(errors))
 
 
-MODES = ("tensor", "distributed", "disk")
-
-
 def push_weights(clients: list[EngineClient], named_tensors: Named, version: str,
                  settings: PushSettings = DEFAULT_PUSH, *, model_path: str | None = None,
                  model_files: dict[str, dict] | None = None, master_address: str = "127.0.0.1",
@@ -401,40 +397,15 @@ def push_weights(clients: list[EngineClient], named_tensors: Named, version: str
     mode=tensor to engines that advertise it (reflow's embedded engine) with settings.map_once: through
     the mapping each engine keeps (reflow.engines.weights.mapped), one call per engine; `stable`: the
     tensors are the trainer's live ones (the engine may map them where they are).
+    One push through the mode's transport as asked, without a fallback (the trainer's pushes go through
+    the transport the runtime chose: reflow.engines.weights.transport).
     """
-    s = settings
-    if s.verify not in VERIFY_MODES:  # before anything is sent
-        raise ValueError(f"verify must be one of {VERIFY_MODES}, got {s.verify!r}")
-    if s.mode not in MODES:
-        raise ValueError(f"weight push mode must be one of {MODES}, got {s.mode!r}")
-    if s.mode == "disk" and not model_path:
-        raise ValueError("mode='disk' needs model_path: the HF folder (or URL) the trainer saved")
-    if s.mode == "tensor":
-        check_same_host(clients, master_address)
-    device = group_device(s.backend) if s.mode == "distributed" else None  # before any engine is paused
-    group_reused, extra = False, {}
-    t0 = time.perf_counter()
-    if s.mode == "tensor" and s.map_once and MAPPED.supports(clients):
-        extra = MAPPED.push(clients, named_tensors, version, s.pause_mode, stable)  # pauses and resumes itself
-        buckets = extra.pop("buckets")
-    else:
-        with update_window(clients, s.pause_mode, session=s.mode != "disk"):
-            if s.mode == "tensor":
-                buckets = _send_buckets(clients, named_tensors, s.bucket_bytes, version)
-            elif s.mode == "distributed":
-                buckets, group_reused = _send_distributed(clients, named_tensors, s.bucket_bytes, version,
-                                                          master_address, s.backend, device)
-            else:
-                buckets, extra["disk_files_checked"] = 0, _send_disk(clients, model_path, version, model_files)
-    seconds = time.perf_counter() - t0
-    checked = check_pushed(clients, named_tensors, version, s, probe)
-    nbytes = extra.pop("bytes", None)  # the mapped push knows it already (a walk over every tensor otherwise)
-    if nbytes is None:
-        nbytes = sum(t.numel() * t.element_size() for _, t in named_tensors)
-    return {"mode": s.mode, "bytes": nbytes, "seconds": seconds,
-            "buckets": buckets, "engines": len(clients), **extra, **checked, **({"group_reused": group_reused}
-                                                                         if s.mode == "distributed" else {}),
-            "verify_seconds": time.perf_counter() - t0 - seconds}
+    # transport.py builds on this module's wire work, so it is imported here, not at the top
+    from reflow.engines.weights.transport import PushJob, one_step
+
+    return one_step(settings.mode).push(PushJob(clients, named_tensors, version, settings,
+                                                master_address=master_address, probe=probe, stable=stable,
+                                                model_path=model_path, model_files=model_files))
 
 
 def group_device(backend: str) -> torch.device:

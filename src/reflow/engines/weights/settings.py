@@ -2,8 +2,9 @@
 and passed down whole, from the push task through the trainer ranks to `push.push_weights`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from reflow.engines.storage_access import StorageAccess
 
@@ -25,6 +26,9 @@ class PushSettings:
     pause_mode: str = "abort"  # what engines do with in-flight requests during the update
     map_once: bool = True  # mode=tensor to engines that offer it: map once, one call a push (weights/mapped.py)
     storage: StorageAccess | None = None  # mode=disk: how disk_dir in object storage is reached (None: defaults)
+    # The trainer's transport, chosen once by the runtime (weight_sync.transport, else the mode's): a factory of
+    # a reflow.engines.weights.transport.WeightTransport; None: `mode`'s (trainer.lora: the adapter's).
+    transport: Callable[[], Any] | None = None
 
 
 DEFAULT_PUSH = PushSettings()

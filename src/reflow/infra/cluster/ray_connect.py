@@ -33,7 +33,7 @@ _QUIET: list[bool] = [False]  # the CLI asked for a quiet terminal (ops/console.
 # at s3:// URLs reach the same server from every actor; credentials stay with the AWS chain.
 _WORKER_ENV_KEYS = ("TORCH_EXTENSIONS_DIR", "REFLOW_CACHE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE",
                     "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_DEFAULT_REGION", "AWS_REGION",
-                    "TORCHINDUCTOR_CACHE_DIR", "REFLOW_COMPILE_WARMUP_LOCK")
+                    "TORCHINDUCTOR_CACHE_DIR")
 
 
 def namespace_for(prefix: str, experiment: str) -> str:

@@ -74,6 +74,8 @@ class Runtime:
     placement: Any = None  # colocated mode's placement group (infra/cluster/placement.py)
     critic: Any = None  # reflow.engines.train.critic.CriticGroup when the algorithm needs a critic
     api_key: str = field(default="", repr=False)  # engines' and router's bearer token (`runtime_api_key`)
+    # eval generations the engines still serve: a push or a hand-over waits for them (tasks/evaluate.py)
+    eval_generating: list[Any] = field(default_factory=list)
 
 
 _RUNTIMES: dict[str, Runtime] = {}

@@ -33,6 +33,7 @@ from reflow.infra.config.guards import (
 )
 from reflow.rl.algorithms import SPECS, AlgorithmConfig, GRPOConfig
 from reflow.rl.algorithms.base import StrictModel as _Strict
+from reflow.rl.registry import spec_problem
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 
 CREDENTIALS = "credentials_in_url"  # the pydantic error type of a value that embeds credentials
@@ -107,7 +108,8 @@ class RewardConfig(_Strict):
     """How samples are scored: `function` (data.reward_fn), `builtin` (reflow.rl.verifiers) or `http`
     (a reward-model server, reflow.rl.reward_http: its wire contract, retries and errors)."""
 
-    type: Literal["function", "http", "builtin"] = Field("function", description="`function`: data.reward_fn; `builtin`: the verifier named by `builtin`; `http`: POST batches of samples to `url`.")
+    type: Literal["function", "http", "builtin", "custom"] = Field("function", description="`function`: data.reward_fn; `builtin`: the verifier named by `builtin`; `http`: POST batches of samples to `url`; `custom`: the scorer named by `scorer`.")
+    scorer: str | None = Field(None, description="type=custom: a scorer registered with reflow.rl.scorers.register_scorer, or `package.module:Class` (a reflow.rl.scorers.Scorer subclass built as Class(reward, data.reward_fn)).")
     builtin: Literal["exact_match", "math"] = Field("exact_match", description="type=builtin: `exact_match` (stripped response == label) or `math` (final answer equal to the label by math-verify; pip install 'reflow[math]').")
     url: str | None = Field(None, description="type=http: the reward server's endpoint (http:// or https://).")
     token_env: str | None = Field(None, min_length=1, description="type=http: environment variable (on the driver) holding a bearer token sent to the server; the token itself never goes into the config.")
@@ -123,6 +125,13 @@ class RewardConfig(_Strict):
         if self.type == "http" and not (self.url or "").startswith(("http://", "https://")):
             raise ValueError(f"reward.type=http needs reward.url, an http:// or https:// URL "
                              f"(got {_shown(repr(self.url))})")
+        if (self.type == "custom") != (self.scorer is not None):
+            raise ValueError("reward.type=custom needs reward.scorer (a registered scorer name or "
+                             "'package.module:Class')" if self.type == "custom" else
+                             f"reward.scorer={self.scorer!r} is read only with reward.type=custom: set "
+                             f"reward.type=custom, or remove reward.scorer")
+        if self.scorer is not None and (why := spec_problem(self.scorer, "reward.scorer", "scorer")):
+            raise ValueError(why)
         return self
 
 
@@ -158,8 +167,8 @@ class RolloutConfig(_Strict):
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
-    generate_ahead: bool = Field(True, description="Synchronous loop (max_staleness 0): launch the next iteration's generation right after the push, before its flow run starts, so Prefect's bookkeeping between iterations (and a checkpoint due then) overlaps the engines' work. Same prompts, seeds and policy, hence the same batch; false waits for the iteration's own generate task.")
-    update_ahead: bool | None = Field(None, description="Synchronous loop with generate_ahead: also score the next batch and submit its update before its flow run starts (flows/async_rollout.py), so the bookkeeping between flow runs overlaps the trainer's work too; the same batch and update. Null (auto): on where the run uses GPUs; on 2 CPU cores one short run measured 0.91x the iteration time with it (bench/RESULTS.md 21), not yet enough to turn it on there. Not with cluster.hand_over (the update waits for the hand-over in its flow run).")
+    generate_ahead: bool = Field(True, description="Synchronous loop (max_staleness 0): the rollout source launches each iteration's batch right after the push of its policy and scores it in the background, so Prefect's bookkeeping between iterations (and a checkpoint due then) overlaps the engines' work. Same prompts, seeds and policy, hence the same batch. False: each iteration generates and scores in its own flow run's tasks (visible as task runs in the UI).")
+    update_ahead: bool | None = Field(None, description="Synchronous loop with generate_ahead: the rollout source also computes the next batch's advantages and submits its update before its flow run starts, so the bookkeeping between flow runs overlaps the trainer's work too; the same batch and update. Null (auto): on where the run uses GPUs, where it measured faster; off on CPU, where it did not. Never with cluster.hand_over (the update waits for the hand-over in its flow run) or a critic (it must score the batch first).")
     max_staleness: int = Field(0, ge=0, le=8, description="Asynchronous rollout: 0 is the synchronous loop (generate, then train); k >= 1 lets the engines generate the next batches while the trainer trains, each batch by a policy at most k versions behind the one it trains (a push waits for the batch being generated, so every batch has one version, recorded per sample). Stale batches are corrected by truncated importance sampling at algorithm.tis_cap (2.0 when unset). Needs engines that stay resident (not colocated with hand-overs).")
 
 
@@ -183,7 +192,7 @@ class LoraConfig(_Strict):
 class TrainerConfig(_Strict):
     num_ranks: int = Field(1, ge=1, description="Data-parallel trainer ranks (Ray actors).")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
-    precision: Literal["fp32", "bf16", "bf16-mixed"] = Field("fp32", description="Training precision. fp32; bf16: DeepSpeed's bf16 (the model's weights, activations and gradients in bf16, fp32 master weights in the optimizer; needs zero_stage >= 1); bf16-mixed: the weights stay fp32 and torch.autocast runs the matmuls in bf16 (norms, softmax and the residual stream in fp32), as HF Trainer's and TRL's bf16=True do; the engines then hold the fp32 weights too. On the GPU demo fp32 learned more per update than bf16 (0.924 vs 0.854 after 300 iterations, one lease: bench/RESULTS.md 28); with tf32 it trains at about bf16's speed on NVIDIA GPUs (RESULTS 29). See also fp32_lm_head and tf32.")
+    precision: Literal["fp32", "bf16", "bf16-mixed"] = Field("fp32", description="Training precision. fp32; bf16: DeepSpeed's bf16 (the model's weights, activations and gradients in bf16, fp32 master weights in the optimizer; needs zero_stage >= 1); bf16-mixed: the weights stay fp32 and torch.autocast runs the matmuls in bf16 (norms, softmax and the residual stream in fp32), as HF Trainer's and TRL's bf16=True do; the engines then hold the fp32 weights too. fp32 weights learn more per update than bf16 ones; on NVIDIA GPUs, fp32 with tf32=true trains at about bf16's speed. See also fp32_lm_head and tf32.")
     fp32_lm_head: bool = Field(False, description="Compute the LM head (hidden state -> vocabulary logits) in float32 in the trainer and the embedded engines, whatever trainer.precision: bf16 logits carry ~3 significant digits into every log-prob, importance ratio and sampled token. Costs a float32 copy of the head's weight per forward. Not with rollout.backend=sglang (SGLang 0.5.23 has no such option).")
     tf32: bool = Field(False, description="On NVIDIA GPUs, float32 matrix products in the trainer ranks and the embedded engines run on TF32 tensor cores (inputs rounded to a 10-bit mantissa, float32 sums, range and everything between the products: torch.set_float32_matmul_precision('high')), for precision=fp32 (every product) and bf16-mixed (the products autocast leaves in float32, and fp32_lm_head's). No effect on CPU or with precision=bf16. torch's default is off.")
     lr: float = Field(1e-4, gt=0.0, description="Peak learning rate.")
@@ -199,8 +208,6 @@ class TrainerConfig(_Strict):
     node_resources: NodeResources = Field(default_factory=dict, description="Ray custom resources each trainer (and critic) rank asks for, e.g. {reflow_trainer_node: 0.01}: ranks then run only on nodes started with them; empty: any node. Rank 0's node hosts the process group's rendezvous. docs/scale-out.md.")
     total_steps_hint: int | None = Field(None, ge=1, le=MAX_STEPS, description="Steps for decaying schedules; defaults to num_iterations * minibatches_per_iteration.")
     compile: AutoOnOff = Field("auto", description="torch.compile each decoder layer (static shapes; micro-batch lengths padded to 4 buckets per octave). auto: on when the trainer runs on CUDA, off on CPU. The compile_graphs metric counts what was compiled.")
-    compile_warmup: AutoOnOff = Field("off", description="With compiled layers: compile the trainer's graphs ahead in a process of its own while the run starts (a one-layer model of the same config on the first iteration's shapes), so the first step finds them in inductor's on-disk caches instead of compiling. auto: where the trainer compiles on this machine's NVIDIA GPU; on: also with trainer.compile=on on CPU (14.5 s -> 2.0 s in bench/compile_cache_probe.py); off (default): never. On an H200 the first step took 3.2-3.4 s with 5 graphs from the caches against 8.8-14 s of compiling in earlier runs, but the loop did not start sooner in those runs (bench/RESULTS.md 27): off until one lease compares both. `train`/`demo` commands only.")
-    cudnn_attention: bool = Field(True, description="Let torch's attention use cuDNN's kernels (torch's first choice on Hopper; false: flash/memory-efficient kernels only). Measured on the H200 (bench/RESULTS.md 26, bench/gpu.py --variants cudnn vs default, one process each): no difference beyond the ~20 % spread between processes, at the GPU demo's shape or Qwen2.5-0.5B's.")
     old_logprob_pass: Literal["auto", "always"] = Field("auto", description="auto: with one mini-batch per iteration (and no advantages finished in the trainer), old log-probs come from the training forward itself, saving a full forward; always: a separate no-grad pass first.")
     grad_accum_dtype: Literal["fp32", "bf16"] = Field("fp32", description="precision=bf16: dtype micro-batch gradients are summed in (bf16 is cheaper but rounds away small gradients over many micro-batches).")
     immediate_grad_update: bool = Field(False, description="precision=bf16, ZeRO-1, grad_accum_dtype=fp32: fold each gradient into fp32 as backward produces it (DeepSpeed's BF16_Optimizer option).")
@@ -209,15 +216,23 @@ class TrainerConfig(_Strict):
 
 class WeightSyncConfig(_Strict):
     verify: Literal["full", "sample", "logprobs", "off"] = Field("sample", description="Check engines after each push (each also checks weight_version). full/sample: read every tensor, or a sample, back through /get_weights_by_name and compare (bit-exact at verify_atol=0: proves the values read); engines that cannot answer it whole (SGLang's Qwen2/Qwen3 classes, TP > 1) are checked by logprobs instead, reported in the push stats (verify_method, verify_fallback; metrics push_logprob_engines, push_logprob_max_diff). logprobs: every engine scores a fixed probe batch and its logprobs must match the trainer's at the pushed weights within the coarser dtype's noise (proves the engine computes with the pushed model, for any model and TP size; cannot see differences below that noise). off: no check.")
-    verify_every: int = Field(1, ge=1, description="Run the `verify` check on policy versions divisible by this (version 0, the initial push, always); the other pushes check weight_version only. Reading 4 sampled tensors back cost ~0.17 s a push at 64 rows for a 113M model on an H200 (bench/RESULTS.md section 21), a large share of a short iteration.")
+    verify_every: int = Field(1, ge=1, description="Run the `verify` check on policy versions divisible by this (version 0, the initial push, always); the other pushes check weight_version only. Raise it when the check is a large share of a short iteration (a read-back through /get_weights_by_name is JSON).")
     verify_sample: int = Field(4, ge=1, description="Tensors compared when verify=sample.")
-    verify_rows: int | None = Field(8, ge=1, description="verify=sample: compare the first this many rows of each sampled tensor, bit for bit (SGLang's truncate_size). The answer is JSON: 64 rows of a 3072-wide tensor took ~190 ms to encode and decode on this project's 2-core VM, 8 rows ~25 ms (bench/RESULTS.md 21), and whole embedding matrices cost seconds; null compares them whole.")
+    verify_rows: int | None = Field(8, ge=1, description="verify=sample: compare the first this many rows of each sampled tensor, bit for bit (SGLang's truncate_size). The answer is JSON, so its cost grows with the rows compared (whole embedding matrices take seconds); null compares them whole.")
     bucket_mb: int = Field(512, ge=1, description="Flattened bucket size of a tensor or distributed push.")
     mode: Literal["tensor", "distributed", "disk"] = Field("tensor", description="tensor: update_weights_from_tensor with buckets in shared memory (/dev/shm) of trainer rank 0's host, or on its GPU as CUDA IPC handles when it trains on one (colocated engines, which must see that GPU), so engines must run on that host (a push to another host is refused); distributed: a broadcast group + update_weights_from_distributed (engines on other GPUs); disk: the trainer writes HF safetensors, engines reload them.")
+    transport: str | None = Field(None, description="A weight transport of one's own instead of the mode's (and of LoRA's adapter push): one registered with reflow.engines.weights.transport.register_transport, or `package.module:Class` (a WeightTransport subclass). null: the mode's (tensor: CUDA IPC, else shared memory, falling back to disk; distributed; disk).")
     map_once: bool = Field(True, description="mode=tensor to reflow's embedded engines: each engine maps the trainer's weights once (on a GPU the parameters themselves, by CUDA IPC; on CPU one shared-memory buffer the trainer packs at each push) and a push is then one call per engine (pause, copy, set the version, resume) instead of SGLang's pause, flush, begin, a handle per bucket, end and continue. false: SGLang's calls, as SGLang engines always get. reflow.engines.weights.mapped.")
     backend: Literal["gloo", "nccl"] = Field("gloo", description="Process-group backend of mode=distributed: gloo on CPU, nccl between GPUs (buckets are then packed on the trainer's CUDA device; a trainer without one is refused).")
     disk_dir: str | None = Field(None, description="mode=disk: folder or storage URL (file://, s3://) the engines can read. reflow writes only into its own subfolder `reflow-weight-push/` (one `v<version>` folder per push) and deletes only versions it wrote there. Default: a local temp folder (one node only).")
     verify_atol: float = Field(0.0, ge=0.0, description="Absolute tolerance of the weight check; 0 = bit-exact. Raise it for quantised engines (fp8/int4).")
+
+    @model_validator(mode="after")
+    def _transport_named(self) -> WeightSyncConfig:
+        if self.transport is not None and (why := spec_problem(self.transport, "weight_sync.transport",
+                                                               "weight transport")):
+            raise ValueError(why)
+        return self
 
 
 class ClusterConfig(_Strict):
@@ -228,10 +243,10 @@ class ClusterConfig(_Strict):
     placement_timeout_s: float = Field(120.0, gt=0.0, le=86400.0, description="How long an engine or trainer rank may wait for a node that can host it (its node_resources, CPUs, GPUs) before the run fails naming the actor and the nodes that offer them; a lost node then ends the run instead of leaving it pending.")
     gpu_memory_gib: float | None = Field(None, gt=0.0, le=1e5, description="Memory of one GPU of the cluster, for the preflight's check that a trainer rank fits (weights, gradients and optimizer state by ZeRO stage, one micro-batch's activations, a colocated engine that keeps its memory). None: what the preflight's own process sees on its first GPU, or no check where it sees none (a driver without GPUs).")
     gpus: AutoOnOff = Field("auto", description="Whether trainer ranks and embedded engines run on GPUs. auto: when the Ray cluster has GPUs (each trainer rank, critic rank and engine takes one; colocated: one per placement-group bundle, shared); on: the same, refused when the cluster has too few; off: CPU only (SGLang engines always take GPUs).")
-    start_early: bool | None = Field(None, description="`reflow train` / `reflow demo` with a local cluster of their own: start Ray while the preflight runs (stopped again if it fails) and the run's actors as soon as it passed, while Prefect's server and the flow run start (the flow takes them): Ray's start-up and the flow's first steps overlap the preflight and the actors' loading (bench/RESULTS.md 25). Null (auto): on where this machine has an NVIDIA GPU and cluster.gpus is not off. Never on a long-lived cluster (RAY_ADDRESS) or while the experiment's lease file exists.")
-    gc_freeze: bool = Field(True, description="Freeze what each long-lived process holds once set up out of Python's full garbage collections (engines/gc_freeze.py): the engines and trainer ranks once ready (not in colocated mode with hand_over), the task workers after their imports, the driver during its loop. A full collection walked ~467k objects in 0.26-0.32 s inside every ~7th rollout of an H200 engine, 5 ms frozen (bench/RESULTS.md 27). false: Python's default.")
+    start_early: bool | None = Field(None, description="`reflow train` / `reflow demo` with a local cluster of their own: start Ray while the preflight runs (stopped again if it fails) and the run's actors as soon as it passed, while Prefect's server and the flow run start (the flow takes them): Ray's start-up and the flow's first steps overlap the preflight and the actors' loading. Null (auto): on where this machine has an NVIDIA GPU and cluster.gpus is not off. Never on a long-lived cluster (RAY_ADDRESS) or while the experiment's lease file exists.")
+    gc_freeze: bool = Field(True, description="Freeze what each long-lived process holds once set up out of Python's full garbage collections (engines/gc_freeze.py): the engines and trainer ranks once ready (not in colocated mode with hand_over), the task workers after their imports, the driver during its loop, so a full collection no longer walks every object of torch, transformers and the model inside a rollout or a step. false: Python's default.")
     colocate: bool = Field(False, description="Engines and trainers share GPUs: engines release memory during training (release_memory_occupation) and the trainer offloads its state during rollout.")
-    hand_over: bool = Field(True, description="colocate: engines release their memory and trainers offload their optimizer state at each hand-over (needed when the GPU cannot hold both at once); false keeps both resident, saving the hand-overs (~0.2 s an iteration for a 113M model on an H200) when it can.")
+    hand_over: bool = Field(True, description="colocate: engines release their memory and trainers offload their optimizer state at each hand-over (needed when the GPU cannot hold both at once); false keeps both resident and saves each iteration's release and resume, where the GPU holds both.")
     release_tags: list[Literal["weights", "kv_cache", "cuda_graph"]] = Field(["weights", "kv_cache", "cuda_graph"], min_length=1, description="colocate: what engines release between rollout and train (SGLang's memory tags); resumed weights first, then the rest.")
 
 
@@ -341,6 +356,7 @@ class RunConfig(_Strict):
     num_iterations: int = Field(20, ge=0, le=MAX_STEPS, description="Total rollout iterations of the run (a target: a resumed run stops when this many iterations are done in total, not this many more).")
     resume: str = Field("auto", min_length=1, description="`auto`: continue from the latest committed checkpoint of the experiment (if any); `never`: start fresh (refused if the experiment already has checkpoints); or a checkpoint URL.")
     debug_exit_after: int | None = Field(None, ge=1, le=MAX_STEPS, description="Stop after this many iterations of this invocation (debugging).")
+    max_train_minutes: float | None = Field(None, gt=0.0, le=1e7, description="Wall-clock budget of this invocation, counted from the train flow's start: the iteration that ends past it becomes the run's last (saved, evaluated, COMPLETED; the log says the budget ended it), as `reflow ctl stop` would. For scheduled retraining and side-by-side comparisons; a resumed run gets the whole budget again; null: none.")
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
@@ -357,21 +373,6 @@ class RunConfig(_Strict):
     control: ControlConfig = ControlConfig()
     debug: DebugConfig = DebugConfig()
     fault_tolerance: FaultToleranceConfig = FaultToleranceConfig()
-
-    @model_validator(mode="before")
-    @classmethod
-    def _legacy_eval_keys(cls, data: Any) -> Any:
-        """Top-level `eval_before_train` / `eval_interval` (older files and checkpoints) become eval.*."""
-        if not isinstance(data, dict) or not {"eval_before_train", "eval_interval"} & data.keys():
-            return data
-        data, section = dict(data), dict(data.get("eval") or {})
-        for old, new in (("eval_before_train", "before_train"), ("eval_interval", "interval")):
-            if old in data:
-                if new in section:
-                    raise ValueError(f"{old} and eval.{new} are both set; keep eval.{new}")
-                section[new] = data.pop(old)
-        data["eval"] = section
-        return data
 
     @model_validator(mode="after")
     def _check_eval_k(self) -> RunConfig:

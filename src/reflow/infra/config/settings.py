@@ -7,8 +7,10 @@ from typing import Literal
 from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.settings import LoraSettings, RankSettings
 from reflow.engines.weights.settings import PushSettings
+from reflow.engines.weights.transport import choose as choose_transport
 from reflow.infra.config.schema import RunConfig
 from reflow.rl.losses import LossSettings
+from reflow.rl.objectives import build_objective
 
 
 def storage_access(cfg: RunConfig) -> StorageAccess:
@@ -24,7 +26,9 @@ def loss_settings(cfg: RunConfig) -> LossSettings:
         temperature=cfg.rollout.temperature, clip_eps_low=a.clip_eps_low, clip_eps_high=a.clip_eps_high,
         kl_coef=a.kl_coef, kl_estimator=a.kl_estimator, entropy_coef=a.entropy_coef, loss_agg=a.loss_agg,
         loss_norm_len=a.loss_norm_len or cfg.rollout.max_new_tokens, dual_clip_c=a.dual_clip_c,
-        tis_cap=tis_cap(cfg), ratio_level=a.spec.ratio_level)
+        tis_cap=tis_cap(cfg), ratio_level=a.spec.ratio_level,
+        objective=build_objective(a.objective or a.spec.objective,
+                                  "algorithm.objective" if a.objective else f"the {a.type} spec's objective"))
 
 
 ASYNC_TIS_CAP = 2.0  # the off-policy correction of an asynchronous run whose algorithm.tis_cap is unset
@@ -60,7 +64,7 @@ def policy_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
         grad_clip=t.grad_clip, micro_batch_size=t.micro_batch_size, threads=t.threads_per_rank, seed=cfg.seed,
         max_tokens_per_micro_batch=t.max_tokens_per_micro_batch, compile=t.compile,
         activation_checkpointing=t.activation_checkpointing, max_micro_batch_tokens=t.max_tokens_per_micro_batch or
-        t.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), cudnn_attention=t.cudnn_attention, old_logprob_pass=t.old_logprob_pass,
+        t.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens), old_logprob_pass=t.old_logprob_pass,
         grad_accum_dtype=t.grad_accum_dtype,
         immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg),
         lora=LoraSettings(t.lora.rank, t.lora.alpha, tuple(t.lora.target_modules)) if t.lora.rank else None)
@@ -73,13 +77,16 @@ def critic_rank_settings(cfg: RunConfig, gpus: bool = False) -> RankSettings:
         zero_stage=t.zero_stage, precision=t.precision, lr=c.lr, weight_decay=t.weight_decay,
         grad_clip=t.grad_clip, micro_batch_size=c.micro_batch_size or t.micro_batch_size,
         threads=t.threads_per_rank, seed=cfg.seed, grad_accum_dtype=t.grad_accum_dtype,
-        immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg), cudnn_attention=t.cudnn_attention,
-        tf32=t.tf32)
+        immediate_grad_update=t.immediate_grad_update, storage=storage_access(cfg), tf32=t.tf32)
 
 
 def push_settings(cfg: RunConfig) -> PushSettings:
+    """The push options, with the trainer's transport chosen here, once: weight_sync.transport, else the
+    LoRA adapter's (trainer.lora.rank > 0), else weight_sync.mode's (reflow.engines.weights.transport)."""
     w = cfg.weight_sync
+    name = w.transport or ("adapter" if cfg.trainer.lora.rank else w.mode)
+    transport = choose_transport(name, "weight_sync.transport" if w.transport else "weight_sync.mode")
     return PushSettings(mode=w.mode, bucket_bytes=w.bucket_mb << 20, verify=w.verify, verify_sample=w.verify_sample,
                         verify_rows=w.verify_rows, verify_atol=w.verify_atol, verify_every=w.verify_every,
                         backend=w.backend, disk_dir=w.disk_dir, map_once=w.map_once,
-                        storage=storage_access(cfg))
+                        storage=storage_access(cfg), transport=transport)

@@ -11,8 +11,7 @@ from dataclasses import dataclass
 from reflow.infra.config.schema import EvalSetConfig, RunConfig
 from reflow.infra.config.settings import storage_access
 from reflow.rl.data import PromptFormat, Reader, read_rows, tokenize_prompts
-from reflow.rl.reward_http import HttpReward, reward_source
-from reflow.rl.rewards import load_reward_fn
+from reflow.rl.scorers import FunctionScorer, Scorer, reward_source
 from reflow.rl.types import Prompt
 
 
@@ -22,7 +21,7 @@ class EvalSet:
 
     name: str
     prompts: list[Prompt]
-    reward_fn: str | HttpReward  # `module:function`, or a reward server
+    reward_fn: Scorer  # the set's own `module:function`, or the run's scorer (reward_source)
     correct_threshold: float
     n: int  # samples per prompt
     temperature: float
@@ -65,10 +64,12 @@ def load_eval_sets(cfg: RunConfig, tokenizer, heldout: list[Prompt]) -> list[Eva
     for i, s in enumerate(cfg.eval.sets):
         where = f"eval.sets.{i}"
         # the set's own reward_fn, or the run's reward (reward.type: data.reward_fn, a builtin, a server)
-        reward_fn = s.reward_fn or reward_source(cfg.reward, cfg.data.reward_fn)
-        if isinstance(reward_fn, str):  # errors name the field the user set
-            load_reward_fn(reward_fn, f"{where}.reward_fn ({s.name})" if s.reward_fn else
-                           f"data.reward_fn (used by {where}: {s.name})")
+        if s.reward_fn:
+            reward_fn: Scorer = FunctionScorer(s.reward_fn, f"{where}.reward_fn ({s.name})")
+            reward_fn.load()
+        else:
+            reward_fn = reward_source(cfg.reward, cfg.data.reward_fn)
+            reward_fn.load(used_by=f"{where}: {s.name}")
         sp = s.sampling(cfg.rollout)
         out.append(EvalSet(name=s.name, prompts=_prompts(s, where, cfg, tokenizer, heldout, read), reward_fn=reward_fn,
                            correct_threshold=s.correct_threshold, n=sp["n"], temperature=sp["temperature"],

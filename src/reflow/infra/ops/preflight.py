@@ -167,26 +167,29 @@ def check_data(cfg: RunConfig, tokenizer, access: StorageAccess):
 
 
 def check_reward_source(cfg: RunConfig, prompt, source: str) -> str:
-    """The `reward:` section's scorer (data.reward_fn, a built-in verifier, or the reward server,
-    asked once without retries) scores `prompt` with an empty response; returns what it is."""
-    from reflow.rl.reward_http import HttpReward, reward_source
-    from reflow.rl.rewards import RewardError
+    """The `reward:` section's scorer (data.reward_fn, a built-in verifier, the reward server asked once
+    without retries, or reward.scorer's) scores `prompt` with an empty response; returns what it is."""
+    from reflow.rl.scorers import reward_source
 
     try:
         scorer = reward_source(cfg.reward, cfg.data.reward_fn)
-    except ValueError as e:  # reward.token_env not set
+    except ValueError as e:  # reward.token_env not set; reward.scorer not found
         raise PreflightError(one_line(e)) from e
-    if not isinstance(scorer, HttpReward):
-        field = "data.reward_fn" if cfg.reward.type == "function" else "reward.builtin"
-        check_reward(scorer, field, prompt, source, cfg.reward.fn_timeout_s)
-        return f"{field}: {scorer}"
+    check_scorer(scorer, prompt, source, cfg.reward.fn_timeout_s)
+    return scorer.describe()
+
+
+def check_scorer(scorer, prompt, source: str, timeout_s: float) -> None:
+    """`scorer` returns a finite float for `prompt` with an empty response (a policy can answer with nothing
+    at all, so a reward must handle it) within `timeout_s` (reward.fn_timeout_s, for functions)."""
+    from reflow.rl.rewards import RewardError
+
     try:
-        dataclasses.replace(scorer, retries=0).score([_empty_answer(prompt)])
+        scorer.check(_empty_answer(prompt), timeout_s)
+    except ValueError as e:  # a function that does not import: the message names the field
+        raise PreflightError(one_line(e)) from e
     except RewardError as e:
-        raise PreflightError(f"reward.url={scorer.url!r} did not score the first row of {source} with an empty "
-                             f"response: {one_line(e, 400)}. Start the server, or fix reward.url / its answer "
-                             f"(the contract is in reflow.rl.reward_http)") from e
-    return f"reward.url: {scorer.url}"
+        raise PreflightError(scorer.check_failed(source, one_line(e, 400))) from e
 
 
 def _empty_answer(prompt):
@@ -196,20 +199,11 @@ def _empty_answer(prompt):
 
 
 def check_reward(spec: str, field: str, prompt, source: str, timeout_s: float) -> None:
-    """`spec` imports and returns a finite float for `prompt` with an empty response (a policy can
-    answer with nothing at all, so a reward must handle it) within `timeout_s` (reward.fn_timeout_s)."""
-    from reflow.rl.rewards import RewardError, compute_rewards, load_reward_fn
+    """`spec` (a `module:function` named by `field`) imports and returns a finite float for `prompt` with an
+    empty response within `timeout_s` (reward.fn_timeout_s)."""
+    from reflow.rl.scorers import FunctionScorer
 
-    try:
-        fn = load_reward_fn(spec, field)
-    except ValueError as e:
-        raise PreflightError(one_line(e)) from e
-    empty = _empty_answer(prompt)
-    try:
-        compute_rewards(fn, [prompt.text], [""], [prompt.label], [empty], timeout_s)
-    except RewardError as e:
-        raise PreflightError(f"{field}={spec!r} fails on the first row of {source} with an empty response: "
-                             f"{one_line(e, 400)}. Make it return a float for any response") from e
+    check_scorer(FunctionScorer(spec, field), prompt, source, timeout_s)
 
 
 def check_eval_set(cfg: RunConfig, i: int, tokenizer, heldout: list, access: StorageAccess) -> str:

@@ -94,10 +94,12 @@ def _generated_key(directory: Path, experiment: str) -> bytes:
             f.write(secrets.token_hex(32) + "\n")
         try:
             os.link(tmp, path)
-            log.warning("checkpoint signing: generated key %s for experiment %s in %s. Resuming its checkpoints "
-                        "on another machine needs this key there: set %s to the file's content (or name a Prefect "
-                        "Secret block in checkpoint.signing_key_secret)",
-                        key_id(_read_key_file(path)), experiment, path, KEY_ENV)
+            # Information, not a warning: a new experiment gets its key this way by design (the CLI's summary
+            # says where it is too).
+            log.info("checkpoint signing: experiment %s's checkpoints are signed with a new key (id %s) kept in %s, "
+                     "readable by you only; it proves on resume that a checkpoint was saved here. To resume on "
+                     "another machine, copy the file there or set %s to its content there.",
+                     experiment, key_id(_read_key_file(path)), path, KEY_ENV)
         except FileExistsError:  # deliberate: another process generated it first; use that one
             pass
         finally:
@@ -168,6 +170,16 @@ def keyring(experiment: str, secret_block: str | None = None, trust_unsigned: bo
         source = f"${KEY_ENV}"
         configured = _usable(os.environ.get(KEY_ENV) or _HELD[0], source)
     return Keyring(experiment, keys_dir(), configured, source, trust_unsigned)
+
+
+def key_location(experiment: str, secret_block: str | None = None) -> str:
+    """Where the key that signs `experiment`'s checkpoints is kept, as `keyring` would choose it (for a summary: no
+    key material, and nothing is loaded or created)."""
+    if secret_block:
+        return f"Prefect Secret block {secret_block!r}"
+    if os.environ.get(KEY_ENV) or _HELD:
+        return f"${KEY_ENV}"
+    return str(keys_dir() / f"{experiment}.key")
 
 
 def _secret_value(name: str, source: str) -> str:

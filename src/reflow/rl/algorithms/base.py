@@ -11,12 +11,13 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from torch import Tensor
 
+from reflow.rl.registry import spec_problem
 from reflow.rl.types import RolloutBatch
 
 Stats = dict[str, float]
@@ -38,9 +39,6 @@ class AlgorithmBase(StrictModel):
     Subclasses add a `type` literal and their own fields; docs/ALGORITHMS.md maps each to its paper."""
 
     type: str
-    # Fields every `type` of the old single AlgorithmConfig class had; see `_own_fields_only`.
-    LEGACY_DEFAULTS: ClassVar[dict[str, Any]] = {"normalize_std": True, "kl_in_reward": 0.0, "gamma": 1.0,
-                                                 "lam": 0.95, "value_clip": 0.2}
 
     clip_eps_low: float = Field(0.2, ge=0.0, le=1.0, description="PPO clip: lower ratio bound is 1 - clip_eps_low.")
     clip_eps_high: float = Field(0.2, ge=0.0, le=10.0, description="PPO clip: upper ratio bound is 1 + clip_eps_high (DAPO clip-higher when > clip_eps_low).")
@@ -55,22 +53,24 @@ class AlgorithmBase(StrictModel):
     max_sampling_rounds: int = Field(3, ge=1, description="Dynamic sampling: most generation rounds per iteration (the first included).")
     overlong_buffer: int = Field(0, ge=0, description="DAPO soft overlong punishment: penalise responses longer than max_new_tokens - this; 0 disables.")
     overlong_penalty: float = Field(1.0, ge=0.0, description="Overlong punishment at max_new_tokens (the penalty ramps linearly from 0 to -this over the buffer).")
+    objective: str | None = Field(None, description="The policy objective the trainer minimises: one registered with reflow.rl.objectives.register_objective, or `package.module:Class` (a reflow.rl.objectives.PolicyObjective); null: the algorithm's own (ppo_clip, with its options above).")
+
+    @field_validator("objective")
+    @classmethod
+    def _objective_named(cls, v: str | None) -> str | None:
+        if v is not None and (why := spec_problem(v, "algorithm.objective", "policy objective")):
+            raise ValueError(why)
+        return v
 
     @model_validator(mode="before")
     @classmethod
     def _own_fields_only(cls, data: Any) -> Any:
-        """A field of another algorithm type is refused with a message naming the type it belongs to.
-        Exception: a whole config dumped by reflow before the per-type split carries every type's
-        fields; those still at their old default are dropped, so such files keep loading."""
+        """A field of another algorithm type is refused with a message naming the type it belongs to."""
         if not isinstance(data, dict):
             return data
-        foreign = sorted(set(data) - set(cls.model_fields))
-        legacy_dump = set(AlgorithmBase.LEGACY_DEFAULTS) <= set(data)
-        data = {k: v for k, v in data.items()
-                if not (k in foreign and legacy_dump and AlgorithmBase.LEGACY_DEFAULTS.get(k, object()) == v)}
         owners = _owners()
-        for key in foreign:
-            if key in data and key in owners:
+        for key in sorted(set(data) - set(cls.model_fields)):
+            if key in owners:
                 raise ValueError(f"{key} is an option of algorithm.type={'/'.join(owners[key])}, not of "
                                  f"type={data.get('type', cls.model_fields['type'].default)}: remove it or change the type")
         return data
@@ -116,6 +116,7 @@ class AlgorithmSpec:
     advantages: BatchAdvantages
     needs_critic: bool = False  # a value model: critic values before `advantages`, a critic update before the actor's
     ratio_level: Literal["token", "sequence"] = "token"  # importance ratio per token, or per sequence (GSPO)
+    objective: str = "ppo_clip"  # what the trainer minimises: a name in reflow.rl.objectives.OBJECTIVES
     # Whether the config's kl_reward_coef > 0 can fold a per-token KL penalty into the reward; then
     # `advantages` leaves per-sequence scores and the trainer finishes them after its reference
     # pass with `finish_advantages` (it has the reference logprobs).
