@@ -8,6 +8,7 @@ import pytest
 
 from reflow.engines import rollout_stages as ro
 from reflow.engines.hf_io import load_tokenizer
+from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.config.schema import load_config
 from reflow.infra.inputs.eval_sets import load_eval_sets
 from reflow.rl.data import PromptFormat, load_prompt_rows, tokenize_prompts
@@ -52,8 +53,8 @@ def test_rendering_is_the_same_in_training_eval_rollout_and_trainer(chat_policy,
     assert [p.input_ids for p in train] == [tok(p.text, add_special_tokens=False)["input_ids"] for p in train]
     [chat_set] = load_eval_sets(cfg, tok, [])
     assert [p.input_ids for p in chat_set.prompts] == [p.input_ids for p in train]
-    batch = ro.generate([engine.url()], train, ro.sampling_params(1.0, 1.0, -1, 3, None), 2, 0, 60.0, seed=1,
-                        api_key=KEY)
+    batch = ro.generate(RolloutSettings([engine.url()], ro.sampling_params(1.0, 1.0, -1, 3, None), 2, 60.0, KEY, seed=1),
+                        BatchRequest(train, 0))
     assert batch.prompt_ids == [p.input_ids for p in train for _ in range(2)]
     assert batch.prompt_text == [p.text for p in train for _ in range(2)]  # what the reward function sees
     ids = to_train_tensors(batch.with_(advantages=[0.0] * len(batch)), pad_id=0)["input_ids"]

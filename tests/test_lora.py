@@ -110,7 +110,7 @@ def test_adapter_versions_are_named_and_requests_name_them(fresh_engine, tiny_po
     from reflow.engines import rollout_stages as ro
     from reflow.engines.rollout_client import generate_batch
     from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
-    from reflow.engines.rollout_fns import rollout_with_fn
+    from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, rollout_with_fn
     from reflow.rl.types import Prompt
 
     c = EngineClient(fresh_engine.url(), api_key=KEY)
@@ -130,12 +130,14 @@ def test_adapter_versions_are_named_and_requests_name_them(fresh_engine, tiny_po
     assert e.value.status == 400
     # The rollout stage names the version it samples: batched, and through a rollout function's engine.
     prompts = [Prompt(0, "1+2=", [5, 6, 7])]
-    assert len(ro.generate([c.url], prompts, sp, 2, 4, 60.0, api_key=KEY, adapter=True)) == 2
+    two = RolloutSettings([c.url], sp, 2, 60.0, KEY, adapter=True)
+    assert len(ro.generate(two, BatchRequest(prompts, 4))) == 2
     with pytest.raises(EngineError, match="'reflow-v3'"):
-        ro.generate([c.url], prompts, sp, 2, 3, 60.0, api_key=KEY, adapter=True)
-    assert len(rollout_with_fn(DEFAULT_ROLLOUT_FN, [c.url], prompts, sp, 1, 4, 60.0, None, KEY, lora_path="reflow-v4")) == 1
+        ro.generate(two, BatchRequest(prompts, 3))
+    one = RolloutSettings([c.url], sp, 1, 60.0, KEY, DEFAULT_ROLLOUT_FN)
+    assert len(rollout_with_fn(one, BatchRequest(prompts, 4), lora_path="reflow-v4")) == 1
     with pytest.raises(EngineError, match="'reflow-v3'"):
-        rollout_with_fn(DEFAULT_ROLLOUT_FN, [c.url], prompts, sp, 1, 3, 60.0, None, KEY, lora_path="reflow-v3")
+        rollout_with_fn(one, BatchRequest(prompts, 3), lora_path="reflow-v3")
     shared = SharedBucket(adapter)
     try:
         sums = {**lora.checksums(adapter), adapter[0][0]: "0" * 64}

@@ -12,6 +12,7 @@ import pytest
 from reflow.engines import rollout_stages as ro
 from reflow.engines.embedded.sampling import SamplingConfig
 from reflow.engines.hf_io import load_tokenizer
+from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.rl.demo_task import reward as plain_reward
 from reflow.rl.rewards import compute_rewards, wants_sample
 from reflow.rl.types import Prompt, Sample
@@ -54,8 +55,8 @@ def test_finish_reason_and_decoding_options_reach_the_reward(engine, tiny_policy
     prompts = [Prompt(i, t, tok(t)["input_ids"], str(sum(map(int, t[:-1].split("+")))))
                for i, t in enumerate(["12+34=", "5+6="])]
     every = list(range(len(tok)))
-    runs = {name: ro.generate([engine.url()], prompts, ro.sampling_params(0.0, 1.0, -1, 3, stop, skip, keep),
-                              2, 0, 60.0, seed=0, api_key=KEY)
+    runs = {name: ro.generate(RolloutSettings([engine.url()], ro.sampling_params(0.0, 1.0, -1, 3, stop, skip, keep), 2,
+                                              60.0, KEY, seed=0), BatchRequest(prompts, 0))
             for name, stop, skip, keep in (("trimmed", every, True, False), ("kept", every, True, True),
                                            ("raw", every, False, True), ("length", None, True, False))}
     assert [s.response for s in runs["trimmed"].samples()] == [""] * 4

@@ -9,7 +9,14 @@ import torch
 
 from reflow.engines import rollout_stages as ro
 from reflow.engines.hf_io import load_tokenizer
-from reflow.engines.rollout_fns import DEFAULT, RolloutFnError, TurnLimits, rollout_with_fn
+from reflow.engines.rollout_fns import (
+    DEFAULT,
+    BatchRequest,
+    RolloutFnError,
+    RolloutSettings,
+    TurnLimits,
+    rollout_with_fn,
+)
 from reflow.rl.types import Prompt, to_train_tensors
 from tests.rollout_fixtures import TOOL_TOKENS
 from tests.test_engine import KEY
@@ -26,14 +33,14 @@ def prompts(tiny_policy) -> list[Prompt]:
 
 def _generate(engine, prompts, fn: str, n: int = 2, seed: int | None = 3):
     sp = ro.sampling_params(1.0, 1.0, -1, 4, None)
-    return ro.generate([engine.url()], prompts, sp, n, 5, 60.0, seed=seed, api_key=KEY, generate_fn=fn)
+    return ro.generate(RolloutSettings([engine.url()], sp, n, 60.0, KEY, fn, seed=seed), BatchRequest(prompts, 5))
 
 
 def test_single_turn_function_samples_what_the_batched_path_samples(engine, prompts):
     batched = _generate(engine, prompts, DEFAULT)
     seeds = ro.sample_seeds(3, 5, len(prompts) * 2)
-    per_sample = rollout_with_fn(DEFAULT, [engine.url()], prompts, ro.sampling_params(1.0, 1.0, -1, 4, None), 2, 5,
-                                 60.0, seeds, KEY)
+    per_sample = rollout_with_fn(RolloutSettings([engine.url()], ro.sampling_params(1.0, 1.0, -1, 4, None), 2, 60.0, KEY,
+                                                 DEFAULT), BatchRequest(prompts, 5), seeds)
     assert per_sample.response_ids == batched.response_ids and len(set(map(tuple, batched.response_ids))) > 1
     assert per_sample.response_text == batched.response_text
     assert per_sample.finish_reason == batched.finish_reason
@@ -87,8 +94,8 @@ def test_the_calculator_rollout_runs_on_a_real_engine(engine, prompts):
     """The tools demo's function against the embedded engine: its tokenizer comes from /model_info,
     ")" is a stop token next to eos, and whatever the random policy writes ends in a valid trajectory."""
     sp = ro.sampling_params(1.0, 1.0, -1, 6, [2])
-    batch = ro.generate([engine.url()], prompts, sp, 4, 0, 60.0, seed=7, api_key=KEY,
-                        generate_fn="reflow.engines.tool_rollout:calculator_rollout", limits=TurnLimits(3, 20, 5.0))
+    batch = ro.generate(RolloutSettings([engine.url()], sp, 4, 60.0, KEY, "reflow.engines.tool_rollout:calculator_rollout",
+                                        limits=TurnLimits(3, 20, 5.0), seed=7), BatchRequest(prompts, 0))
     assert len(batch) == 12 and all(len(m) == len(r) <= 20 for m, r in zip(batch.response_mask, batch.response_ids))
     for ids, info in zip(batch.response_ids, batch.reward_info):
         assert 1 <= info["turns"] <= 3 and ("answer" in info or "tool_error" in info or len(ids) == 20

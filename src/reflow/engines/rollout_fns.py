@@ -33,6 +33,7 @@ from reflow.rl.rewards import _fn_name, _run_coroutine, _short, load_reward_fn
 from reflow.rl.types import Prompt, RolloutBatch
 
 FINISH_REASONS = ("stop", "length", "abort")
+DEFAULT = "reflow.engines.rollout_fns:single_turn"
 
 
 class RolloutFnError(RuntimeError):
@@ -50,6 +51,33 @@ class TurnLimits:
 
 
 ONE_TURN = TurnLimits()  # the default: single-turn functions ignore the limits
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How a run (or one eval set) asks the engines for samples: the same for each of its batches."""
+
+    urls: list[str]  # where /generate goes: the engines, or a router URL per engine
+    sampling: dict[str, Any]  # SGLang's sampling_params (rollout_stages.sampling_params)
+    n: int  # samples per prompt
+    timeout_s: float  # per request
+    api_key: str | None = None  # the runtime's bearer token
+    generate_fn: str = DEFAULT  # rollout.generate_fn
+    max_concurrent: int = 256  # per-sample requests in flight (a rollout function's)
+    limits: TurnLimits = ONE_TURN
+    adapter: bool = False  # the engines hold each policy version as a LoRA adapter that requests name
+    seed: int | None = None  # per-sample sampling seeds derive from it (None: the engines' own random state)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One batch: `prompts` (n samples each, prompt-major) by the engines' policy `version`. Per-sample
+    seeds are keyed by `seed_key` (default `version`: an asynchronous run keys them by the batch's
+    iteration, as several batches may share a version)."""
+
+    prompts: list[Prompt]
+    version: int
+    seed_key: int | None = None
 
 
 @dataclass(frozen=True)
@@ -144,7 +172,6 @@ async def single_turn(request: RolloutRequest, engine: AsyncEngine) -> Trajector
 
 
 RolloutFn = Callable[[RolloutRequest, AsyncEngine], Awaitable[Trajectory]]
-DEFAULT = "reflow.engines.rollout_fns:single_turn"
 
 
 def load_rollout_fn(spec: str) -> RolloutFn:
@@ -216,25 +243,24 @@ def requests_for(prompts: list[Prompt], sp: dict[str, Any], n: int, seeds: list[
             for j, p in enumerate(p for p in prompts for _ in range(n))]
 
 
-def rollout_with_fn(spec: str, urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
-                    timeout: float, seeds: list[int] | None, api_key: str | None,
-                    max_concurrent: int = 256, limits: TurnLimits = ONE_TURN,
+def rollout_with_fn(settings: RolloutSettings, batch: BatchRequest, seeds: list[int] | None = None,
                     lora_path: str | None = None) -> RolloutBatch:
-    """n trajectories per prompt from the rollout function `spec`, as a RolloutBatch with a
-    response_mask; the generated tokens' log-probs are spread over the response (0.0 on tool tokens).
-    `lora_path`: the LoRA adapter every /generate request of the function names."""
-    if not urls:
+    """n trajectories per prompt from the rollout function `settings.generate_fn`, as a RolloutBatch with
+    a response_mask; the generated tokens' log-probs are spread over the response (0.0 on tool tokens).
+    `seeds`: one sampling_seed per sample; `lora_path`: the LoRA adapter every request names."""
+    s = settings
+    if not s.urls:
         raise ValueError("a rollout needs at least one engine URL")
-    fn = load_rollout_fn(spec)
-    reqs = requests_for(prompts, sp, n, seeds, limits)
-    trajs = _run_coroutine(_run_all(fn, urls, reqs, timeout, api_key, max_concurrent, lora_path))
+    fn = load_rollout_fn(s.generate_fn)
+    reqs = requests_for(batch.prompts, s.sampling, s.n, seeds, s.limits)
+    trajs = _run_coroutine(_run_all(fn, s.urls, reqs, s.timeout_s, s.api_key, s.max_concurrent, lora_path))
     masks = [t.loss_mask if t.loss_mask is not None else [1] * len(t.response_ids) for t in trajs]
-    gi = [i // n for i in range(len(reqs))]
+    gi = [i // s.n for i in range(len(reqs))]
     return RolloutBatch(
         group_index=gi, prompt_text=[r.prompt_text for r in reqs], prompt_ids=[list(r.prompt_ids) for r in reqs],
         response_text=[t.response_text for t in trajs], response_ids=[list(t.response_ids) for t in trajs],
         rollout_logprobs=[_spread(t.rollout_logprobs, m) for t, m in zip(trajs, masks)],
-        finish_reason=[t.finish_reason for t in trajs], label=[r.label for r in reqs], policy_version=version,
+        finish_reason=[t.finish_reason for t in trajs], label=[r.label for r in reqs], policy_version=batch.version,
         response_mask=[list(m) for m in masks], reward_info=[dict(t.reward_info) for t in trajs])
 
 

@@ -9,19 +9,20 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 import pandas as pd
 
 from reflow.engines.rollout_client import EngineClient, generate_batch
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
-from reflow.engines.rollout_fns import ONE_TURN, TurnLimits, result_logprobs, rollout_with_fn
+from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, result_logprobs, rollout_with_fn
 from reflow.engines.weights.lora import adapter_name
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 from reflow.rl.scorers import Scorer, as_scorer, score_samples
-from reflow.rl.types import Prompt, RolloutBatch
+from reflow.rl.types import RolloutBatch
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, max_new_tokens: int,
@@ -46,40 +47,37 @@ def sample_seeds(seed: int, version: int, count: int) -> list[int]:
     return [one(j) for j in range(count)]
 
 
-def generate(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int,
-             timeout: float, seed: int | None = None, api_key: str | None = None,
-             generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
-             limits: TurnLimits = ONE_TURN, adapter: bool = False, seed_key: int | None = None) -> RolloutBatch:
-    """n samples per prompt, prompt-major, by the engines' policy `version`. With `seed`, every sample
-    gets its own sampling_seed (see `sample_seeds`; keyed by `seed_key`, default `version`: an
-    asynchronous run keys them by the batch's iteration, as several batches may share a version);
-    without, the engines' own random state decides. `api_key`: the runtime's.
-    `generate_fn` (rollout.generate_fn): the default single-turn rollout goes as one batched request
-    per engine; any other function runs once per sample (engines/rollout_fns.py). `adapter`: the
-    engines hold policy `version` as a LoRA adapter (trainer.lora.rank > 0), which every request names."""
-    seeds = sample_seeds(seed, version if seed_key is None else seed_key, len(prompts) * n) if seed is not None else None
-    lora_path = adapter_name(version) if adapter else None
+def generate(settings: RolloutSettings, batch: BatchRequest) -> RolloutBatch:
+    """n samples per prompt, prompt-major, by the engines' policy `batch.version`. With `settings.seed`,
+    every sample gets its own sampling_seed (see `sample_seeds`; keyed by `batch.seed_key`, default the
+    version); without, the engines' own random state decides. `settings.generate_fn` (rollout.generate_fn):
+    the default single-turn rollout goes as one batched request per engine; any other function runs once
+    per sample (engines/rollout_fns.py). `settings.adapter`: the engines hold the version as a LoRA
+    adapter (trainer.lora.rank > 0), which every request names."""
+    s, version = settings, batch.version
+    key = version if batch.seed_key is None else batch.seed_key
+    seeds = sample_seeds(s.seed, key, len(batch.prompts) * s.n) if s.seed is not None else None
+    lora_path = adapter_name(version) if s.adapter else None
     t0 = time.perf_counter()
-    if generate_fn != DEFAULT_ROLLOUT_FN:
-        batch = rollout_with_fn(generate_fn, urls, prompts, sp, n, version, timeout, seeds, api_key, max_concurrent,
-                                limits, lora_path)
+    if s.generate_fn != DEFAULT_ROLLOUT_FN:
+        out = rollout_with_fn(s, batch, seeds, lora_path)
     else:
-        batch = _one_turn(urls, prompts, sp, n, version, timeout, seeds, api_key, lora_path)
+        out = _one_turn(s, batch, seeds, lora_path)
     # how long the engines took, wherever it ran: a generation launched ahead or in the background is
     # waited for by its `generate` task for less (time_generate), and throughput is counted over this
-    batch.extra["generate_s"] = time.perf_counter() - t0
-    return batch
+    out.extra["generate_s"] = time.perf_counter() - t0
+    return out
 
 
-def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int, version: int, timeout: float,
-              seeds: list[int] | None, api_key: str | None, lora_path: str | None) -> RolloutBatch:
+def _one_turn(s: RolloutSettings, batch: BatchRequest, seeds: list[int] | None, lora_path: str | None) -> RolloutBatch:
     """The default rollout: one batched request per engine."""
-    clients = [EngineClient(u, timeout=timeout, api_key=api_key) for u in urls]
-    outs = generate_batch(clients, [p.input_ids for p in prompts], sp, n, seeds=seeds, lora_path=lora_path)
+    prompts, n = batch.prompts, s.n
+    clients = [EngineClient(u, timeout=s.timeout_s, api_key=s.api_key) for u in s.urls]
+    outs = generate_batch(clients, [p.input_ids for p in prompts], s.sampling, n, seeds=seeds, lora_path=lora_path)
     if len(outs) != len(prompts) * n:
         raise RuntimeError(f"engines returned {len(outs)} samples for {len(prompts)} prompts x n={n}")
     gi = [i // n for i in range(len(outs))]
-    batch = RolloutBatch(
+    out = RolloutBatch(
         group_index=gi,
         prompt_text=[prompts[g].text for g in gi],
         prompt_ids=[prompts[g].input_ids for g in gi],
@@ -88,10 +86,10 @@ def _one_turn(urls: list[str], prompts: list[Prompt], sp: dict[str, Any], n: int
         rollout_logprobs=[result_logprobs(o) for o in outs],
         finish_reason=[o["meta_info"]["finish_reason"]["type"] for o in outs],
         label=[prompts[g].label for g in gi],
-        policy_version=version,
+        policy_version=batch.version,
     )
-    batch.extra["server_s"] = max((float(o["meta_info"].get("e2e_latency") or 0.0) for o in outs), default=0.0)
-    return batch
+    out.extra["server_s"] = max((float(o["meta_info"].get("e2e_latency") or 0.0) for o in outs), default=0.0)
+    return out
 
 
 def score(batch: RolloutBatch, reward_fn: Scorer | str, max_new_tokens: int = 0, overlong_buffer: int = 0,
@@ -118,24 +116,20 @@ def score(batch: RolloutBatch, reward_fn: Scorer | str, max_new_tokens: int = 0,
     return batch.with_(rewards=[r + p for r, p in zip(rewards, penalty)]), stats
 
 
-def dynamic_fill(first: RolloutBatch, urls: list[str], extra_prompts: list[list[Prompt]], sp: dict[str, Any],
-                 n: int, version: int, timeout: float, reward_fn: Scorer | str, score_kw: dict[str, Any],
-                 target_groups: int, seed: int | None = None, api_key: str | None = None,
-                 generate_fn: str = DEFAULT_ROLLOUT_FN, max_concurrent: int = 256,
-                 limits: TurnLimits = ONE_TURN, adapter: bool = False,
-                 seed_key: int | None = None) -> tuple[RolloutBatch, dict[str, float]]:
-    """DAPO dynamic sampling: generate and score the rounds of `extra_prompts` one by one until the
-    scored `first` batch plus the extra rounds hold `target_groups` groups with reward spread (or
-    the rounds run out), then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`).
-    With `seed`, round r samples with seed + 7919 * r, so a resumed run redraws the same rounds."""
+def dynamic_fill(first: RolloutBatch, settings: RolloutSettings, rounds: list[BatchRequest], reward_fn: Scorer | str,
+                 score_kw: dict[str, Any], target_groups: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """DAPO dynamic sampling: generate and score the extra `rounds` one by one until the scored `first`
+    batch plus the extra rounds hold `target_groups` groups with reward spread (or the rounds run out),
+    then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`). With
+    `settings.seed`, round r samples with seed + 7919 * r, so a resumed run redraws the same rounds."""
+    extra = rounds
     rounds = [first]
     informative = len(groups_with_spread(first)[0])
-    for r, prompts in enumerate(extra_prompts, start=1):
+    for r, request in enumerate(extra, start=1):
         if informative >= target_groups:
             break
-        round_seed = None if seed is None else seed + 7919 * r
-        scored, _ = score(generate(urls, prompts, sp, n, version, timeout, round_seed, api_key, generate_fn,
-                                   max_concurrent, limits, adapter, seed_key), reward_fn, **score_kw)
+        round_settings = settings if settings.seed is None else replace(settings, seed=settings.seed + 7919 * r)
+        scored, _ = score(generate(round_settings, request), reward_fn, **score_kw)
         rounds.append(scored)
         informative += len(groups_with_spread(scored)[0])
     batch, filler = fill_groups(rounds, target_groups)

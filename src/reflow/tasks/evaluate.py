@@ -30,6 +30,7 @@ from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from reflow.engines import rollout_stages as ro
+from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.cluster.runtime import Runtime, get_eval_runtime, get_runtime
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.inputs.eval_sets import EvalSet
@@ -60,13 +61,12 @@ def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold
 
 
 @ray.remote(num_cpus=0)
-def _eval_set(generation: tuple, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
+def _eval_set(settings: RolloutSettings, batch: BatchRequest, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
               prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
-    """One set's eval in one Ray task: generate (`generation`: `rollout_stages.generate`'s arguments), then
-    score and record. Scoring in a task of its own, chained on the generation's ref, waited 1.4-2.2 s for
+    """One set's eval in one Ray task: generate (`rollout_stages.generate`), then score and record. Scoring in a task of its own, chained on the generation's ref, waited 1.4-2.2 s for
     a worker in 3 of 4 evals of a 25M run (Ray's timeline: the generation done, every worker idle or
     generating the next rollout); here it follows the generation in the same worker."""
-    return _score_and_record(ro.generate(*generation), name, reward_fn, threshold, ks, n, prompt_index, store, out_dir,
+    return _score_and_record(ro.generate(settings, batch), name, reward_fn, threshold, ks, n, prompt_index, store, out_dir,
                              fn_timeout_s)
 
 
@@ -104,9 +104,9 @@ def _launch_set(rt: Runtime, es: EvalSet, version: int, out_dir: str, timeout: f
     r = rt.cfg.rollout  # eval sets roll out with the run's rollout function too
     # An eval-only runtime (no trainers) serves a LoRA checkpoint merged (tasks/checkpoint.resolve_checkpoint): no adapter.
     adapter = rt.trainers is not None and uses_adapter(rt.cfg)
-    generation = (rt.generate_urls, es.prompts, sp, es.n, version, timeout, es.seed, rt.api_key, r.generate_fn,
-                  r.max_concurrent_requests, r.turn_limits(), adapter)
-    return _eval_set.remote(generation, es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
+    settings = RolloutSettings(rt.generate_urls, sp, es.n, timeout, rt.api_key, r.generate_fn, r.max_concurrent_requests,
+                               r.turn_limits(), adapter, es.seed)
+    return _eval_set.remote(settings, BatchRequest(es.prompts, version), es.name, es.reward_fn, es.correct_threshold, es.ks, es.n,
                             [p.index for p in es.prompts], rt.store, out_dir, rt.cfg.reward.fn_timeout_s)
 
 

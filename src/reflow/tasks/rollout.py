@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.engines import rollout_stages as ro
+from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.cluster.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.store.storage import ExperimentStore
@@ -63,10 +64,14 @@ def uses_adapter(cfg: RunConfig) -> bool:
     return cfg.trainer.lora.rank > 0
 
 
-def _sp(rt: Runtime) -> dict:
-    r = rt.cfg.rollout
-    return ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
-                              r.skip_special_tokens, r.no_stop_trim)
+def rollout_settings(rt: Runtime) -> RolloutSettings:
+    """How the run's training batches are asked of its engines (rollout.*)."""
+    r, cfg = rt.cfg.rollout, rt.cfg
+    sampling = ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
+                                  r.skip_special_tokens, r.no_stop_trim)
+    return RolloutSettings(rt.generate_urls, sampling, r.n_samples_per_prompt, r.request_timeout_s, rt.api_key,
+                           r.generate_fn, r.max_concurrent_requests, r.turn_limits(), uses_adapter(cfg),
+                           cfg.seed if r.seeded_sampling else None)  # per-sample seeds: exact resume
 
 
 def _cached(rt: Runtime, iteration: int, stage: str, log: Logger | None = None) -> BatchRef | None:
@@ -121,11 +126,7 @@ def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, r
     (the batch, its generation seconds, the prompts)."""
     cfg = rt.cfg
     prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
-    seed = cfg.seed if cfg.rollout.seeded_sampling else None  # per-sample seeds: exact resume
-    ref, timing = _generate.remote(rt.generate_urls, prompts, _sp(rt), cfg.rollout.n_samples_per_prompt,
-                           version, cfg.rollout.request_timeout_s, seed, rt.api_key, cfg.rollout.generate_fn,
-                           cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(), adapter=uses_adapter(cfg),
-                           seed_key=iteration)
+    ref, timing = _generate.remote(rollout_settings(rt), BatchRequest(prompts, version, seed_key=iteration))
     return ref, timing, prompts
 
 
@@ -156,14 +157,11 @@ def score_batch(cfg: RunConfig, batch: BatchRef, log: Logger | None = None) -> B
         if batch.iteration is None:
             raise ValueError("dynamic sampling needs the batch's iteration (a BatchRef from the generate task)")
         rt = get_runtime(cfg)
-        ref, ds = _dynamic_fill.remote(ref, rt.generate_urls, extra_prompt_rounds(cfg, rt.train_prompts, batch.iteration),
-                                       _sp(rt), cfg.rollout.n_samples_per_prompt,
-                                       int(batch.stats.get("rollout_policy_version", batch.iteration)),
-                                       cfg.rollout.request_timeout_s, reward_source(cfg.reward, cfg.data.reward_fn), score_kw,
-                                       cfg.rollout.prompts_per_iteration,
-                                       cfg.seed if cfg.rollout.seeded_sampling else None, rt.api_key,
-                                       cfg.rollout.generate_fn, cfg.rollout.max_concurrent_requests, cfg.rollout.turn_limits(),
-                                       adapter=uses_adapter(cfg), seed_key=batch.iteration)
+        version = int(batch.stats.get("rollout_policy_version", batch.iteration))
+        rounds = [BatchRequest(prompts, version, seed_key=batch.iteration)
+                  for prompts in extra_prompt_rounds(cfg, rt.train_prompts, batch.iteration)]
+        ref, ds = _dynamic_fill.remote(ref, rollout_settings(rt), rounds, reward_source(cfg.reward, cfg.data.reward_fn),
+                                       score_kw, cfg.rollout.prompts_per_iteration)
         refs.append(ds)
     merged = {k: v for d in ray.get(refs) for k, v in d.items()}
     out = BatchRef(ref, {**batch.stats, **merged}, batch.iteration, batch.saving)
