@@ -15,6 +15,7 @@ for its training loop only and thaws after it. Only processes that used CUDA col
 from __future__ import annotations
 
 import gc
+import sys
 
 
 def freeze_long_lived(collect: bool = True) -> int:
@@ -30,7 +31,6 @@ def freeze_actor(_actor) -> int:
     """`freeze_long_lived` inside a Ray actor, whatever its class: `handle.__ray_call__.remote(freeze_actor)`. It
     collects first where the process has used CUDA (set-up garbage there may hold device memory); elsewhere what
     garbage the set-up left is host memory, kept, and the collection's ~0.3-0.5 s on 2 cores is saved."""
-    import sys
 
     torch = sys.modules.get("torch")
     return freeze_long_lived(collect=torch is not None and torch.cuda.is_initialized())

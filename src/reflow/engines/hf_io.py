@@ -24,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from reflow.engines.storage_access import ChecksumError, StorageAccess, is_local, sha256_file
 
@@ -193,7 +194,6 @@ def fp32_lm_head(model):
     in bf16 otherwise computes logits with ~3 significant digits (spaced 0.125 near 20), which every log-prob,
     importance ratio and sampled token inherits. Costs a float32 copy of the head's weight per forward (LoRA
     adapters on the head are not supported: the base layer alone would be upcast). Returns `model`."""
-    import torch.nn.functional as F
 
     head = model.get_output_embeddings()
     if not isinstance(head, torch.nn.Linear):

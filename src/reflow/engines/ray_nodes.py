@@ -12,6 +12,7 @@ import time
 from collections.abc import Mapping
 
 import ray
+from ray._private import state
 
 
 class ActorNotPlaced(RuntimeError):
@@ -32,7 +33,6 @@ def label(node_id: str, ip: str) -> str:
 def actor_record(handle) -> dict:
     """{state, pid, node_id, ip, placed} of an actor; `placed` once a worker on some node hosts it
     (its constructor may still run: Ray says PENDING_CREATION for both)."""
-    from ray._private import state
 
     info = state.actors(handle._actor_id.hex()) or {}
     address = info.get("Address") or {}

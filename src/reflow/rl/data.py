@@ -17,11 +17,15 @@ Sources (`load_prompt_rows`):
 """
 from __future__ import annotations
 
+import io
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from reflow.rl.types import Prompt
 
@@ -44,7 +48,6 @@ def _parse_jsonl(data: bytes, path: str, label_key: str | None = None, label_fie
     """One JSON object per line (blank lines skipped); a bad line is named by its 1-based number. A label
     (`label_key`) written as NaN or Infinity (Python's json writes them; they are not JSON) is refused:
     read, it would become a missing label (None) without a word."""
-    import json
 
     import pandas as pd
 
@@ -71,7 +74,6 @@ def _parse_jsonl(data: bytes, path: str, label_key: str | None = None, label_fie
 
 
 def _read_table(path: str, section: str = "data", read: Reader = read_local, label_key: str | None = None):
-    import io
 
     import pandas as pd
 
@@ -274,7 +276,6 @@ class PromptSampler:
         self._order = self._permutation(0)
 
     def _permutation(self, epoch: int) -> list[int]:
-        import torch
 
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)  # stable across runs and machines
         return torch.randperm(len(self.prompts), generator=g).tolist()

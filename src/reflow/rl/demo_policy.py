@@ -6,9 +6,12 @@ trainer and engines load it exactly like a user's own checkpoint.
 from __future__ import annotations
 
 import inspect
+import json
+import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 # Characters of the synthetic arithmetic task; special tokens come first.
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -97,9 +100,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
     "seconds"}.
     """
-    import time
 
-    from tqdm import tqdm
 
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -198,8 +199,6 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
     The problems are `reflow.rl.demo_task.make_problems(seed, num_train, num_eval, digits)`: an RL run
     keeps its held-out split unseen only if it uses the same data.seed / num_eval / digits.
     """
-    import json
-    import time
 
     from reflow.rl.demo_task import make_problems
 

@@ -14,6 +14,7 @@ finite float; raising or returning a non-number is an error that stops the run (
 """
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -66,7 +67,6 @@ def write_demo_data(folder: str | Path, seed: int = 0, num_train: int = 5000, nu
     set of configs/demo.yaml), and `incoming/batch-000.jsonl`, `new_rows` problems that are in neither
     split (make_problems draws its held-out split first and its pairs in a fixed order, so the rows
     after the first `num_train` of a longer draw are new). Returns {"heldout": file, "incoming": folder}."""
-    import json
 
     out = Path(folder)
     (out / "incoming").mkdir(parents=True, exist_ok=True)

@@ -25,7 +25,7 @@ import inspect
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING, Any
 
 from reflow.rl.deadline import Call, Terminated
@@ -238,7 +238,6 @@ def _run_coroutine(coro):
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(max_workers=1) as pool:
         return pool.submit(asyncio.run, coro).result()
 

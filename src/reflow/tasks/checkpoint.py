@@ -9,9 +9,13 @@ each task from the config, so the key is never a Prefect parameter or result.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import ray
 from prefect import get_run_logger, runtime, task
@@ -330,10 +334,6 @@ def _merged(config: RunConfig, ck: ckpt.Checkpoint) -> str:
     process, in a folder only this user can enter (mkdtemp, 0700), removed when the process exits. A name
     fixed by the digest (it was /tmp/reflow-merged-<digest>, reused when it existed) could be made first by
     another local user, whose folder would then be evaluated as the model."""
-    import atexit
-    import shutil
-    import tempfile
-    from pathlib import Path
 
     from reflow.infra.store.export import export_merged
 

@@ -15,6 +15,7 @@ from uuid import UUID
 
 from prefect import get_run_logger
 from prefect.artifacts import create_progress_artifact
+from prefect.client.schemas.actions import ArtifactUpdate
 from prefect.runtime import flow_run
 
 from reflow.infra.cluster.runtime import get_runtime
@@ -52,7 +53,6 @@ def plot_curves(cfg: RunConfig, run_id: UUID | None, artifact_id: UUID | None = 
 
 
 def _update_artifact(artifact_id: UUID, data: str, description: str) -> None:
-    from prefect.client.schemas.actions import ArtifactUpdate
 
     # also updates the key's "latest" when this is it
     api_call(lambda client: client.update_artifact(artifact_id, ArtifactUpdate(data=data, description=description)))
@@ -84,7 +84,6 @@ class Progress:
         RECORDS.submit(self._update, done, dict(metrics), dict(evals))
 
     def _update(self, done: int, metrics: dict[str, float], evals: dict[int, dict[str, dict]]) -> None:
-        from prefect.client.schemas.actions import ArtifactUpdate
 
         progress = 100.0 * done / max(self.total, 1)
         RECORDS.api_turn()

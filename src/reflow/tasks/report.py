@@ -23,9 +23,19 @@ from concurrent.futures import wait as wait_all
 from typing import Any
 from uuid import UUID
 
+import certifi
+import httpx
 import ray
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactCreate
 from prefect.context import SettingsContext
 from prefect.logging.loggers import flow_run_logger
+from prefect.settings import (
+    PREFECT_API_KEY,
+    PREFECT_API_SSL_CERT_FILE,
+    PREFECT_API_TLS_INSECURE_SKIP_VERIFY,
+    PREFECT_API_URL,
+)
 
 from reflow.infra.cluster.runtime import get_runtime
 from reflow.infra.config.schema import RunConfig
@@ -155,7 +165,6 @@ def _write_metrics(cfg: RunConfig, iteration: int, metrics: dict[str, float], fl
 def create_artifact(kind: str, key: str, data: str | list[dict], description: str, flow_run_id: UUID | None) -> UUID:
     """An artifact of the flow run `flow_run_id`, created from any thread (Prefect's own helpers take
     the run from the calling thread's context, which a background writer does not have). Returns its id."""
-    from prefect.client.schemas.actions import ArtifactCreate
 
     text = data if isinstance(data, str) else json.dumps(data)  # table cells: finite numbers or text
     RECORDS.api_turn()
@@ -170,7 +179,6 @@ def api_call(call: Callable[[Any], Any]) -> Any:
     """`call(client)` with this thread's Prefect client for the current API, kept open between records: a
     new client fetched a CSRF token first (one more request for the server, 5 an iteration) and set up its
     connection. A client whose server went away (a temporary server restarted) is replaced once."""
-    import httpx
 
     try:
         return call(_thread_client())
@@ -181,8 +189,6 @@ def api_call(call: Callable[[Any], Any]) -> Any:
 
 def _thread_client() -> Any:
     """This thread's open client for the current API URL and key (a new one when either changed)."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_KEY, PREFECT_API_URL
 
     api = (PREFECT_API_URL.value(), PREFECT_API_KEY.value())  # URL None: this process's temporary server
     held = getattr(_CLIENTS, "held", None)
@@ -207,8 +213,6 @@ def _tls_context() -> ssl.SSLContext:
     client (PREFECT_API_TLS_INSECURE_SKIP_VERIFY, else PREFECT_API_SSL_CERT_FILE or certifi's bundle): that
     costs ~17 ms of CPU (loading the CA bundle) per client (bench/RESULTS.md 12); `api_call` keeps one client
     per thread and makes a new one after a lost connection, and they all share this context."""
-    import certifi  # Prefect's own CA bundle source (a dependency of prefect and httpx)
-    from prefect.settings import PREFECT_API_SSL_CERT_FILE, PREFECT_API_TLS_INSECURE_SKIP_VERIFY
 
     key = (bool(PREFECT_API_TLS_INSECURE_SKIP_VERIFY.value()), PREFECT_API_SSL_CERT_FILE.value() or certifi.where())
     if key not in _TLS:

@@ -8,6 +8,7 @@ import ray
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from reflow.engines.rollout_client import EngineClient
 from reflow.engines.train.critic import attach_values
 from reflow.infra.cluster.runtime import ensure_engines, get_runtime
 from reflow.infra.config.schema import RunConfig
@@ -97,7 +98,6 @@ def push_weights(cfg: RunConfig, version: int) -> dict[str, float]:
 
 def engines_hold(rt, version: int) -> bool:
     """Whether every engine was reused from an earlier flow run and serves policy `version`."""
-    from reflow.engines.rollout_client import EngineClient
 
     names = [f"engine-{i}" for i in range(len(rt.engine_urls))]
     if not all(n in rt.reused for n in names):

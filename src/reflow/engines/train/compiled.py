@@ -19,6 +19,7 @@ import logging
 from typing import Literal
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger("reflow.trainer")
 
@@ -75,7 +76,6 @@ def checkpoint_layers(model: torch.nn.Module) -> int:
     (call after compile_layers: the recompute replays the compiled graph). Under no_grad the layer runs plainly.
     HF's own switch (gradient_checkpointing_enable) acts only in train mode, and the ranks keep their model in
     eval mode (no dropout: the old-logprob pass and the update must score the same function). Returns how many."""
-    from torch.utils.checkpoint import checkpoint
 
     layers = decoder_layers(model)
     for layer in layers:

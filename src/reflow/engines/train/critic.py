@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import ray
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -171,7 +172,6 @@ class CriticGroup(TrainerGroup):
 
     def compute_values(self, batch, pad_id: int) -> list:
         """One ref per rank: that rank's per-sample values (samples r, r+W, ...); see `attach_values`."""
-        import ray
 
         ref = batch if isinstance(batch, ray.ObjectRef) else ray.put(batch)
         return self._all("compute_values", ref, pad_id)

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from reflow.engines.hf_io import fp32_lm_head, load_causal_lm, load_tokenizer
+from reflow.engines.rollout_client import EngineClient
 from reflow.engines.train import lora, packing
 from reflow.engines.train.compiled import (
     checkpoint_layers,
@@ -56,7 +57,7 @@ from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _row
 from reflow.engines.train.memory import activation_bytes
 from reflow.engines.train.settings import RankSettings, weights_precision
 from reflow.engines.weights.settings import PushSettings
-from reflow.engines.weights.verify import verify_due
+from reflow.engines.weights.verify import LogprobProbe, probe_prompts, verify_due
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.losses import LossSettings, logprobs_and_entropy, tis_weights, token_logprobs
 from reflow.rl.objectives import PolicyObjective, PolicyTerms
@@ -493,7 +494,6 @@ class TrainerRank(DeepSpeedRank):
             return {}
         import ray
 
-        from reflow.engines.rollout_client import EngineClient
         from reflow.engines.weights.transport import PushJob
 
         adapter = None
@@ -532,7 +532,6 @@ class TrainerRank(DeepSpeedRank):
         """The policy's logprobs of the fixed probe batch at the weights being pushed, for the logprob
         check of engines that cannot read weights back (reflow.engines.weights.verify). Collective: a
         forward under ZeRO-3."""
-        from reflow.engines.weights.verify import LogprobProbe, probe_prompts
 
         self.probes_made += 1
         module = self.engine.module  # always in eval mode (DeepSpeedRank._build_engine)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import builtins
 import copyreg
 import io
 import pickle
@@ -46,6 +47,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 import torch.multiprocessing  # registers torch's ForkingPickler reductions
 import torch.multiprocessing.reductions
+import torch.multiprocessing.reductions as red
 
 SGLANG_META = ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata")
 # torch's own, taken at import: SGLang's monkey patch (when sglang runs in this process) swaps the module's
@@ -401,9 +403,7 @@ def rebuild_bucket(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.
 
 def _allowed_globals() -> dict[tuple[str, str], object]:
     """Exactly what torch's CPU shared-memory rebuild needs, plus plain containers."""
-    import builtins
 
-    import torch.multiprocessing.reductions as red
 
     allowed = {("builtins", n): getattr(builtins, n)
                for n in ("dict", "list", "tuple", "set", "frozenset", "int", "float", "str", "bool", "bytes")}

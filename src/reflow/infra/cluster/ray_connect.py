@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import ray
+from ray._private import auto_init_hook
 
 from reflow.infra.cluster.ray_head import (
     private_temp_dir,
@@ -174,7 +175,6 @@ class EarlyConnect:
 def _no_auto_init() -> None:
     """Ray starts a local cluster on a call made without one (`ray.get`, an actor's creation), unless told not to
     (RAY_ENABLE_AUTO_CONNECT=0, read once at import: the module's flag is set here, so it holds now)."""
-    from ray._private import auto_init_hook
 
     os.environ["RAY_ENABLE_AUTO_CONNECT"] = "0"
     auto_init_hook.enable_auto_connect = False

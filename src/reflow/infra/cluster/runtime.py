@@ -13,6 +13,7 @@ an argument; a later flow run that reuses detached actors asks them for it over 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import logging
 import threading
 import time
@@ -303,7 +304,6 @@ _WARM_WORKERS = 3
 
 @ray.remote(num_cpus=0)
 def _import_task_modules(freeze: bool) -> None:
-    import importlib
 
     for name in _TASK_MODULES:
         try:

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from reflow.infra.cluster import leases
 from reflow.infra.config.guards import check_segment
@@ -257,7 +258,6 @@ def token_path(experiment: str) -> Path:
 
 
 def _write_record(experiment: str, url: str, token: str, flow_run_id: str | None) -> None:
-    import psutil
 
     tf = token_path(experiment)
     tf.parent.mkdir(parents=True, exist_ok=True)

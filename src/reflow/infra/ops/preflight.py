@@ -13,12 +13,18 @@ A failure is a PreflightError: one line naming the config field, the file or URL
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from collections.abc import Callable
+from pathlib import Path
+
+import torch
 
 from reflow.engines.storage_access import StorageAccess, StorageError, UnsafeName
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.config.settings import storage_access
 from reflow.infra.store.storage import ExperimentStore
+from reflow.rl.rewards import RewardError
+from reflow.rl.types import Sample
 
 FIRST_ROWS = 16  # rows of each file that are validated and tokenized (the run checks them all)
 
@@ -182,7 +188,6 @@ def check_reward_source(cfg: RunConfig, prompt, source: str) -> str:
 def check_scorer(scorer, prompt, source: str, timeout_s: float) -> None:
     """`scorer` returns a finite float for `prompt` with an empty response (a policy can answer with nothing
     at all, so a reward must handle it) within `timeout_s` (reward.fn_timeout_s, for functions)."""
-    from reflow.rl.rewards import RewardError
 
     try:
         scorer.check(_empty_answer(prompt), timeout_s)
@@ -193,7 +198,6 @@ def check_scorer(scorer, prompt, source: str, timeout_s: float) -> None:
 
 
 def _empty_answer(prompt):
-    from reflow.rl.types import Sample
 
     return Sample(prompt.text, "", prompt.label, "stop", len(prompt.input_ids), 0)  # an immediate eos
 
@@ -268,7 +272,6 @@ OPTIMIZER_BYTES_PER_PARAM = 12
 
 def model_bytes(folder: str) -> tuple[int, int]:
     """(parameters, bytes of the weights as stored) of an HF folder's safetensors files, from their headers."""
-    from pathlib import Path
 
     from safetensors import safe_open
 
@@ -296,8 +299,6 @@ def check_disk(cfg: RunConfig, access: StorageAccess) -> str | None:
     """On a file:// root: room for checkpoint.keep_last checkpoints and the one being written (a 1.5B policy's is
     ~25 GB). A 3B run once learned only at its final save that the disk was full (issue 54). None elsewhere (a
     bucket has no free-space figure) and with LoRA (adapters only)."""
-    import shutil
-    from pathlib import Path
 
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     if not store.is_local or cfg.trainer.lora.rank:
@@ -335,7 +336,6 @@ def check_gpu_memory(cfg: RunConfig, access: StorageAccess) -> str | None:
     gpu = cfg.cluster.gpu_memory_gib * 2**30 if cfg.cluster.gpu_memory_gib else None
     if gpu is None and cfg.cluster.gpus != "off":
         try:
-            import torch
 
             if torch.cuda.is_available():
                 gpu = torch.cuda.get_device_properties(0).total_memory
