@@ -24,15 +24,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as C  # noqa: E402
 
-CASES = {
-    "grpo": [],
-    "rloo": ["algorithm.type=rloo", "algorithm.loss_agg=seq-mean-token-sum", "algorithm.tis_cap=2"],
-    "reinforce_pp": ["algorithm.type=reinforce_pp", "algorithm.kl_in_reward=0.01", "algorithm.kl_estimator=k1"],
-    "dapo": ["algorithm.type=grpo", "algorithm.clip_eps_high=0.28", "algorithm.dual_clip_c=3",
-             "algorithm.dynamic_sampling=true", "algorithm.max_sampling_rounds=3", "algorithm.overlong_buffer=2",
-             "algorithm.overlong_penalty=0.5"],
-    "ppo": ["algorithm.type=ppo", "critic.warmup_iterations=1", "algorithm.value_clip=0.2", "critic.lr=1e-3"],
-}
+sys.path.insert(0, str(C.ROOT))  # the cases are the e2e test's own (tests/ is a package of the checkout)
+from tests.test_algorithms_e2e import CASES as E2E_CASES  # noqa: E402
+
+CASES = {"grpo": [], **E2E_CASES}
 # Keys that measure the machine, not the algorithm: durations, rates, memory, utilisation, versions of code.
 TIMING = re.compile(r"(^|_)(s|ms|time|seconds|wait|per_s|tokens_per_s|samples_per_s|mfu|mem|memory|mib|gib|rss|"
                     r"peak|busy|idle|util|overhead|elapsed|latency|throughput|rate)($|_)|_s$|_ms$|^t_|timing|stage_")

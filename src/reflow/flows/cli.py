@@ -465,10 +465,14 @@ def _checkpoint_command(sub, name: str, fn, help_: str, description: str) -> arg
     return p
 
 
-def _result_args(p: argparse.ArgumentParser) -> None:
-    """A flow command ends with a short summary on stdout; these give its whole result as JSON."""
+def _flow_args(p: argparse.ArgumentParser, fn) -> None:
+    """What every flow command (demo, train, evaluate) takes last: the terminal's mode, the result as JSON
+    (it ends with a short summary on stdout otherwise), the config overrides; and what runs it."""
+    p.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
     p.add_argument("--json", action="store_true", help=JSON_HELP)
     p.add_argument("--result-file", default=None, metavar="PATH", help=RESULT_FILE_HELP)
+    p.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
+    p.set_defaults(fn=fn)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -489,10 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="addition (default) or tools: multi-turn 2-digit multiplication with a calculator "
                         "tool, configs/demo-tools.yaml")
     d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
-    d.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
-    _result_args(d)
-    d.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
-    d.set_defaults(fn=cmd_demo)
+    _flow_args(d, cmd_demo)
 
     t = sub.add_parser("train", help="run the train flow for an experiment file",
                        description="Run the `train` Prefect flow in this process: one flow run per iteration. "
@@ -501,10 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "whole result as JSON.")
     t.add_argument("--config", "-c", required=True, help="experiment YAML (see configs/)")
     t.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
-    t.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
-    _result_args(t)
-    t.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
-    t.set_defaults(fn=cmd_train)
+    _flow_args(t, cmd_train)
 
     e = sub.add_parser("evaluate", help="eval-only: run the eval sets against a saved checkpoint",
                        description="Run the `evaluate` Prefect flow: rollout engines load a checkpoint's model "
@@ -515,10 +513,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--checkpoint", default="latest", metavar="latest|URL",
                    help="latest (default): the experiment's newest committed checkpoint; or a checkpoint URL "
                         "(…/checkpoints/iter_NNNNNN)")
-    e.add_argument("--verbose", "-v", action="store_true", help=VERBOSE_HELP)
-    _result_args(e)
-    e.add_argument("overrides", nargs="*", help=OVERRIDES_HELP)
-    e.set_defaults(fn=cmd_evaluate)
+    _flow_args(e, cmd_evaluate)
 
     r = sub.add_parser("runs", help="inspect experiments from storage alone (no Prefect, no Ray)")
     rsub = r.add_subparsers(dest="runs_command", required=True, metavar="SUBCOMMAND")

@@ -11,7 +11,7 @@ import re
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from reflow.rl.rewards import _import
+from reflow.rl.rewards import load_callable
 
 F = TypeVar("F", bound=Callable[..., object])
 
@@ -56,12 +56,4 @@ class Registry(Generic[F]):
         if not _SPEC.match(value):
             raise ValueError(f"{field}={value!r} is not a registered {self.what} ({', '.join(self.names())}) nor "
                              f"'package.module:Name': {self.hint}")
-        mod_name, attr = value.split(":")
-        obj: object = _import(value, mod_name, field)
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"{field}={value!r}: module {mod_name!r} has no attribute {attr!r}")
-            obj = getattr(obj, part)
-        if not callable(obj):
-            raise ValueError(f"{field}={value!r}: {attr!r} is a {type(obj).__name__}, not a class or function")
-        return obj  # type: ignore[return-value]
+        return load_callable(value, field, "a class or function")  # type: ignore[no-any-return]

@@ -62,16 +62,20 @@ def load_reward_fn(spec: str, field: str = "data.reward_fn") -> RewardFn:
     field that named it) and say what to do."""
     if not isinstance(spec, str) or spec.count(":") != 1 or not all(spec.split(":")):
         raise ValueError(f"{field} must look like 'package.module:function', got {spec!r}")
+    return load_callable(spec, field, "a function")
+
+
+def load_callable(spec: str, field: str, kind: str) -> Any:
+    """The callable `module:attr[.attr...]` names (imported); errors name `field` and say it is not `kind`."""
     mod_name, attr = spec.split(":")
-    module = _import(spec, mod_name, field)
-    fn = module
+    obj: object = _import(spec, mod_name, field)
     for part in attr.split("."):
-        if not hasattr(fn, part):
+        if not hasattr(obj, part):
             raise ValueError(f"{field}={spec!r}: module {mod_name!r} has no attribute {attr!r}")
-        fn = getattr(fn, part)
-    if not callable(fn):
-        raise ValueError(f"{field}={spec!r}: {attr!r} is a {type(fn).__name__}, not a function")
-    return fn
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ValueError(f"{field}={spec!r}: {attr!r} is a {type(obj).__name__}, not {kind}")
+    return obj
 
 
 def _import(spec: str, mod_name: str, field: str):
