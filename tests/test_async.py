@@ -106,19 +106,30 @@ def test_synchronous_prefetcher_is_on_where_asked_and_trains_the_same_weights(ra
     assert final[0].read_bytes() == final[1].read_bytes() == final[2].read_bytes()
 
 
-def test_a_failure_ahead_of_the_flow_run_leaves_the_batch_to_the_flow_run():
-    """Whatever the background step raises (here taking the batch itself), the flow run's `take` gets
-    no batch and a fallback mark, so its own tasks generate and train; close() does not raise it."""
+def test_a_transient_failure_ahead_leaves_the_batch_to_the_flow_run_and_any_other_is_the_runs_error():
+    """An engine lost while the batch was made ahead of its flow run: the flow run's `take` gets no batch and a
+    fallback mark, so its own tasks generate (recreating the engine) and train. Anything else (a reward function
+    that raises, a bug) is raised by `take` as it came: the flow run's own tasks would only fail the same way
+    again, after logging it once more. close() raises neither."""
+    from concurrent.futures import Future
+
+    from reflow.engines.rollout_client import EngineError
     from reflow.tasks.rollout_source import RolloutSource
 
-    cfg = load_config(None, ["rollout.update_ahead=true"])
-    p = RolloutSource(cfg, 0, end=0)  # k = 0 and nothing left to generate: no batch is launched
+    def failed(e: Exception) -> Future:
+        f: Future = Future()
+        f.set_exception(e)
+        return f
 
-    def broken(i):
-        raise RuntimeError(f"iteration {i}: lost")
-    p._take = broken  # type: ignore[method-assign]
-    assert p.start_next(3)
-    batch, waits = p.take(3)
-    assert batch is None and waits["async_fallback"] == 1.0
-    assert p.start_next(4)
-    p.close()
+    cfg = load_config(None, ["rollout.update_ahead=true"])
+    for ahead in (True, False):  # the update submitted ahead (start_next), or only the batch taken (take)
+        p = RolloutSource(cfg, 0, end=0)  # k = 0 and nothing left to generate: no batch is launched
+        p.batches[3] = (0, failed(EngineError("http://127.0.0.1:1", "/generate", None, "iteration 3: lost")))
+        assert not ahead or p.start_next(3)
+        batch, waits = p.take(3)
+        assert batch is None and waits["async_fallback"] == 1.0
+        p.batches[4] = (0, failed(ValueError("iteration 4: the reward function returned nan")))
+        assert not ahead or p.start_next(4)
+        with pytest.raises(ValueError, match="iteration 4: the reward function returned nan"):
+            p.take(4)
+        p.close()

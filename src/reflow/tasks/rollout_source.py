@@ -30,8 +30,9 @@ its `train` task waits for that update (tasks/train.start_update). The flow-run 
 iterations (the records of one, creating the next run) then overlaps the update instead of leaving the
 trainer idle; the data, the order of calls on the ranks and what each checkpoint holds are the same.
 
-A batch that fails in the background (an engine lost mid-request) is generated again by the
-iteration's own `generate` task (its retries, its engine recreation) at the iteration's policy.
+A batch that fails in the background on a transient fault (an engine lost mid-request) is generated
+again by the iteration's own `generate` task (its retries, its engine recreation) at the iteration's
+policy; any other failure (a reward function that raises) is the iteration's error, raised as it came.
 
 The synchronous loop (k = 0) is the same source, on-policy: batch i + 1 launches right after the push of
 policy i + 1 (inside iteration i's flow run, once the engines serve it: after the hand-over back to them
@@ -57,6 +58,7 @@ import ray
 from reflow.infra.cluster import actors
 from reflow.infra.cluster.runtime import get_runtime, use_gpus
 from reflow.infra.config.schema import RunConfig
+from reflow.tasks.faults import is_transient_fault
 from reflow.tasks.rollout import BatchRef, advantages, generate_batch, score_batch
 from reflow.tasks.train import drop_started_update, start_update
 
@@ -156,8 +158,9 @@ class RolloutSource:
             return started[1]
         return self._take(i)
 
-    def _settle_started(self) -> tuple[int, tuple[BatchRef | None, dict[str, float]]] | None:
-        """What `start_next` started (iteration, (batch, waits)), once done; None when nothing is."""
+    def _settle_started(self, raise_errors: bool = True) -> tuple[int, tuple[BatchRef | None, dict[str, float]]] | None:
+        """What `start_next` started (iteration, (batch, waits)), once done; None when nothing is. Its batch's
+        own error is raised (`raise_errors=False`, when the source is dropped: logged)."""
         if self.started is None:
             return None
         i, fut = self.started
@@ -165,10 +168,12 @@ class RolloutSource:
         t0 = time.perf_counter()
         try:
             batch, waits = fut.result()  # _start catches what its own steps raise
-        except Exception as e:  # deliberate: anything else, too, leaves the batch to the flow run's tasks
+        except Exception as e:  # deliberate: a transient fault leaves the batch to the flow run's tasks
+            drop_started_update(self.cfg)
+            if not is_transient_fault(e) and raise_errors:
+                raise  # the batch's own error (see _take)
             log.warning("iteration %d: its batch and update ahead failed (%s: %s); the flow run makes them", i,
                         type(e).__name__, next(iter(str(e).splitlines()), ""))
-            drop_started_update(self.cfg)
             batch, waits = None, {"async_fallback": 1.0}
         return i, (batch, {**waits, "async_update_ahead_wait_s": time.perf_counter() - t0})
 
@@ -182,7 +187,9 @@ class RolloutSource:
         t0 = time.perf_counter()
         try:
             batch = fut.result()
-        except Exception as e:  # deliberate: any failure of the background batch falls back to the generate task
+        except Exception as e:  # deliberate: a transient fault (an engine lost) falls back to the generate task
+            if not is_transient_fault(e):
+                raise  # a reward or rollout function's error, a bug: the flow run's tasks would only fail again
             log.warning("iteration %d: its batch failed in the background (%s: %s); generating it now", i,
                         type(e).__name__, next(iter(str(e).splitlines()), ""))
             return None, {"async_trainer_wait_s": time.perf_counter() - t0, "async_fallback": 1.0, **idle}
@@ -217,7 +224,7 @@ class RolloutSource:
     def restart(self, version: int) -> None:
         """Drop what was launched (after waiting for it: never push under a running batch) and start
         again from `version` (a recovery restored the trainers to it)."""
-        self._settle_started()  # submitted nothing after this returns
+        self._settle_started(raise_errors=False)  # submitted nothing after this returns
         self.drain()
         self.batches.clear()
         drop_started_update(self.cfg)  # submitted to the ranks the recovery replaced
@@ -225,7 +232,7 @@ class RolloutSource:
         self.launch()
 
     def close(self) -> None:
-        self._settle_started()
+        self._settle_started(raise_errors=False)
         self.ahead.shutdown(wait=True)
         drop_started_update(self.cfg)
         self.drain()
