@@ -83,8 +83,13 @@ def run_full(args) -> dict:
     import ray
 
     import reflow.flows.train as ft
-    from reflow.infra.cluster.runtime import shutdown_runtime
-    from reflow.infra.config.schema import load_config
+
+    try:
+        from reflow.infra.cluster.runtime import shutdown_runtime
+        from reflow.infra.config.schema import load_config
+    except ImportError:  # a baseline tree from before infra/ was split by concern (issue 53)
+        from reflow.infra.config import load_config  # type: ignore[no-redef]
+        from reflow.infra.runtime import shutdown_runtime  # type: ignore[no-redef]
 
     try:  # the train flow calls run_iteration from its session (older trees: flows/recovery.py, or directly)
         from reflow.flows import session as recovery
