@@ -19,6 +19,9 @@
 # 26m19s against 32-33 min, the rest 1444 s and these 1345 s. Both processes are busy to the end: on 2 cores what is
 # left is CPU work, most of it Ray actor processes starting (imports, DeepSpeed's set-up: ~6 s of CPU a trainer
 # rank for the tiny policy) rather than training.
+# Session 31 (the engine conformance module, the extension-point runs, the rollout source's three-way check, the
+# time-budget run added; the compile warm-up tests gone): clean clone .ci/run 28m53s, the rest 1583 s (1020 passed),
+# these 1480 s.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
