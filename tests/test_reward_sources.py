@@ -12,9 +12,9 @@ import pytest
 
 from reflow.engines import rollout_stages as ro
 from reflow.infra.config.schema import load_config
-from reflow.rl.reward_http import HttpReward, reward_source
+from reflow.rl.reward_http import HttpReward
 from reflow.rl.rewards import RewardError
-from reflow.rl.scorers import FunctionScorer
+from reflow.rl.scorers import FunctionScorer, reward_source
 from reflow.rl.types import RolloutBatch, Sample
 from reflow.rl.verifiers import exact_match, math_answer
 

@@ -5,11 +5,11 @@ PPO's first `critic.warmup_iterations` train the critic alone.
 Colocated mode wraps train + push in the GPU hand-over (engines release memory, trainer reloads; then
 trainer offloads, engines resume weights, push, engines resume the rest).
 
-Run by the `train` flow, the iteration takes its scored batch from the run's prefetcher
-(tasks/rollout_source.py; `time_generate` is then the trainer's wait for it, its update usually submitted
-already). Asynchronous mode (rollout.max_staleness >= 1): before its push it waits for the batch the
-engines are generating (`time_await_rollouts`); the synchronous loop's prefetcher launches the next batch
-right after the push.
+Run by the `train` flow, the iteration takes its scored batch from the run's rollout source
+(tasks/rollout_source.py; `time_generate` is then the trainer's wait for it, its update submitted already
+where rollout.update_ahead asks). Asynchronous mode (rollout.max_staleness >= 1): before its push it waits
+for the batch the engines are generating (`time_await_rollouts`); in the synchronous loop the source
+launches the next batch once the engines serve the pushed policy.
 
 The parent flow calls `run_iteration`: it times the flow run from the parent's side (creating the
 run and setting its final state are part of the iteration's wall time and of `time_orchestration`),
@@ -81,9 +81,9 @@ def _iteration(config: RunConfig, iteration: int) -> dict[str, float]:
     ahead = run_state(config).rollouts  # batches generated (and updates started) ahead of their flow runs
     batch, waits = None, {}
     if ahead:
-        with timer("generate"):  # asynchronous: the trainer's wait for its (scored) batch
+        with timer("generate"):  # the trainer's wait for its (scored) batch
             batch, waits = ahead.take(iteration)
-    if batch is None:  # no rollout source (hand-overs, generate_ahead off, on its own), or a batch that failed
+    if batch is None:  # no rollout source (generate_ahead off, a flow run on its own), or a transient fault ahead
         with timer("generate"):
             batch = generate(config, iteration)
         with timer("reward"):  # reward and advantages: one Ray call each, so no task run of their own

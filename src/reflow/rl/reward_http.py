@@ -26,7 +26,7 @@ from typing import Any
 import httpx
 
 from reflow.rl.rewards import RewardError, _run_coroutine, metric_means, split_value
-from reflow.rl.scorers import Scorer, reward_source  # noqa: F401 - reward_source: re-exported
+from reflow.rl.scorers import Scorer
 from reflow.rl.types import Sample
 
 _RETRY_STATUS = (429, 500, 502, 503, 504)

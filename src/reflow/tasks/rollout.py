@@ -20,7 +20,7 @@ from reflow.infra.cluster.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.data import prompts_for_iteration
-from reflow.rl.reward_http import reward_source
+from reflow.rl.scorers import reward_source
 from reflow.rl.types import Prompt, RolloutBatch
 from reflow.tasks import stage_cache
 from reflow.tasks.faults import transient_fault
