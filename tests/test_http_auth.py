@@ -324,6 +324,32 @@ def test_sglang_router_gets_the_key_on_stdin_not_the_command_line():
         r.shutdown()
 
 
+@pytest.mark.skipif(importlib.util.find_spec("sglang_router") is None, reason="sglang-router is not installed")
+def test_sglang_routers_listen_on_loopback_only_and_two_run_at_once():
+    """sglang-router serves Prometheus metrics beside its API, by default on 0.0.0.0:29000: every interface of the
+    node, and a second router there (a second run's, a test's beside) panicked at its start ("failed to install
+    Prometheus metrics exporter ... Address already in use"). reflow gives the metrics the router's own host and a
+    port of their own: two routers run at once, and every socket either listens on is on loopback."""
+    import psutil
+
+    from reflow.engines.sglang.router import SGLangRouter
+
+    routers: list = []
+    try:
+        for _ in range(2):
+            routers.append(SGLangRouter([], api_key=KEY))
+            routers[-1].ready(timeout=60)
+        for r in routers:
+            proc = psutil.Process(r.proc.pid)
+            listening = {(c.laddr.ip, c.laddr.port) for p in (proc, *proc.children(recursive=True))
+                         for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN}
+            assert len(listening) >= 2, listening  # its API and its metrics
+            assert {ip for ip, _ in listening} == {"127.0.0.1"}, listening
+    finally:
+        for r in routers:
+            r.shutdown()
+
+
 def test_runtime_reuses_the_key_its_actors_hold(ray_cluster):
     import ray
 

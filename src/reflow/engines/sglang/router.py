@@ -291,12 +291,15 @@ def sglang_router_available() -> bool:
     return importlib.util.find_spec("sglang_router") is not None
 
 
-def sglang_router_command(worker_urls: list[str], host: str, port: int, python: str,
+def sglang_router_command(worker_urls: list[str], host: str, port: int, python: str, metrics_port: int,
                           log_level: str = "warn") -> list[str]:
     """sglang-router's launcher (cache-aware routing over the workers) through reflow.engines.sglang.keyed_router,
-    which reads `--api-key` (it guards the router and is what it sends to the workers it starts with) from stdin."""
+    which reads `--api-key` (it guards the router and is what it sends to the workers it starts with) from stdin.
+    Its Prometheus metrics listen on the router's own host, at `metrics_port`: by default they took 0.0.0.0:29000,
+    every interface of the node, and a second router there failed to start."""
     return [python, "-m", "reflow.engines.sglang.keyed_router", "--worker-urls", *worker_urls, "--host", host,
-            "--port", str(port), "--policy", "cache_aware", "--log-level", log_level]
+            "--port", str(port), "--prometheus-host", host, "--prometheus-port", str(metrics_port),
+            "--policy", "cache_aware", "--log-level", log_level]
 
 
 class SGLangRouter(WorkersClient):
@@ -308,9 +311,9 @@ class SGLangRouter(WorkersClient):
         from reflow.engines.sglang.launcher import allocate_ports  # node-wide port leases (see there)
 
         self.host, self._api_key = host, check_api_key(api_key)
-        self.port = allocate_ports(1, host)[0]
+        self.port, self.metrics_port = allocate_ports(2, host)
         self._initial = [u.rstrip("/") for u in worker_urls]
-        self.cmd = sglang_router_command(worker_urls, host, self.port, python)
+        self.cmd = sglang_router_command(worker_urls, host, self.port, python, self.metrics_port)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-router-{self.port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
