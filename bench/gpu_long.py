@@ -52,7 +52,9 @@ VARIANTS = ("packed", "padded", "plain-packed")
 # Precision (issue 54 point 4), packed as `packed`: bf16-mixed (fp32 weights, bf16 autocast) and fp32 with TF32 matmuls
 PRECISIONS = {"packed-mixed": {"precision": "bf16-mixed"}, "packed-tf32": {"precision": "fp32", "tf32": True},
               # attention over packed rows through FlexAttention's block mask (empty blocks skipped) instead of SDPA
-              "packed-flex": {"attn_implementation": "flex_attention"}}
+              "packed-flex": {"attn_implementation": "flex_attention"},
+              # packed-flex, DeepSpeed folding each bf16 gradient into fp32 as backward makes it (no bf16 sum per row)
+              "packed-flex-igu": {"attn_implementation": "flex_attention", "immediate_grad_update": True}}
 
 
 def _sync() -> None:
@@ -125,6 +127,27 @@ def _timed(step, steps: int) -> tuple[float, float, object]:
     return warm, (time.perf_counter() - t0) / steps, last
 
 
+def _profiled(step, args, name: str) -> None:
+    """--profile: one more step under torch.profiler; its kernels and reflow's ranges by device time (and the
+    call stacks' CPU time) into $OUT/profile-<variant>.txt, the top rows on stdout."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step()
+        _sync()
+    avg = prof.key_averages()
+    key = "device_time_total" if args.device == "cuda" else "cpu_time_total"
+    try:
+        by_device = avg.table(sort_by=key, row_limit=45, max_name_column_width=90)
+    except (AttributeError, KeyError, ValueError):  # older torch names it cuda_time_total
+        by_device = avg.table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=90)
+    text = f"# {name}: one step under torch.profiler\n{by_device}\n\n# by CPU time\n" + avg.table(
+        sort_by="cpu_time_total", row_limit=25, max_name_column_width=90)
+    (Path(os.environ.get("OUT") or ".") / f"profile-{name}.txt").write_text(text)
+    print(by_device[:6000], flush=True)
+
+
 def run_trainer(folder: Path, args, packed: bool, name: str = "") -> dict:
     import dataclasses
 
@@ -145,6 +168,8 @@ def run_trainer(folder: Path, args, packed: bool, name: str = "") -> dict:
     b = batch(args, cfg.vocab_size)
     kw = dict(minibatches=1, pad_id=0, loss=LossSettings(temperature=1.0, kl_estimator="k1"))
     warm, sec, m = _timed(lambda: trainer.train_iteration(b, **kw), args.steps)
+    if args.profile:
+        _profiled(lambda: trainer.train_iteration(b, **kw), args, name or "packed")
     forwards = (3 if m["old_logprobs_reused"] else 4) + (1 if m["activation_checkpointing"] else 0)
     if packed:
         seqs = [(p + r, r) for p, r in lengths(args)]
@@ -203,6 +228,8 @@ def run_plain(folder: Path, args, attn: str = "sdpa") -> dict:
         opt.zero_grad(set_to_none=True)
 
     warm, sec, _ = _timed(step, args.steps)
+    if args.profile:
+        _profiled(step, args, "plain-packed" + ("-flex" if attn == "flex_attention" else ""))
     fl = executed_flops(model.config, [(p + r, r) for p, r in lengths(args)], 3)
     return {"variant": "plain-packed" + ("-flex" if attn == "flex_attention" else ""), "s": sec, "warmup_s": warm, "tok_s": sum(ls) / sec, "tflops": fl / sec / 1e12,
             "mfu_executed": fl / sec / PEAK_BF16[args.device], "peak_gib": _peak_gib(), "forwards": 3,
@@ -235,6 +262,8 @@ def main() -> None:
     p.add_argument("--micro", type=int, default=2, help="padded: samples a micro-batch")
     p.add_argument("--steps", type=int, default=3, help="timed steps after the warm-up")
     p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--profile", action="store_true", help="one more step of each variant under torch.profiler "
+                   "(after the timed ones): $OUT/profile-<variant>.txt")
     p.add_argument("--variant", help=argparse.SUPPRESS)  # the child's one variant
     p.add_argument("--folder", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -247,6 +247,9 @@ def test_checkpoints_by_default_every_few_minutes_not_only_at_the_end(tmp_path):
     sentinel = tmp_path / "save-now"
     sentinel.touch()
     assert save_due(load_config(None, [f"checkpoint.sentinel={sentinel}"]), 3, 100, minutes_since_save=0.0)
+    # save_last=false with no interval or timer: nothing saves (a throughput run whose checkpoint cannot fit)
+    none = load_config(None, ["checkpoint.save_last=false", "checkpoint.save_every_minutes=null"])
+    assert not any(save_due(none, d, 100, minutes_since_save=1e6) for d in (3, 99, 100))
 
 
 def test_max_train_minutes_is_a_wall_clock_budget_checked_after_each_iteration():

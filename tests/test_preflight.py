@@ -291,6 +291,16 @@ def test_checkpoints_that_cannot_fit_the_disk_stop_the_run(capsys, good, small_d
     assert 0.9 * 382_000 < checkpoint_bytes(cfg, params) < 1.1 * 382_000, (params, checkpoint_bytes(cfg, params))
 
 
+def test_a_run_that_saves_nothing_is_not_refused_for_the_disk(capsys, good, small_disk):
+    """checkpoint.save_last=false without save_interval, save_every_minutes or a sentinel: no checkpoint is
+    scheduled, so checkpoints that could not fit are no reason to stop (a 7B throughput run on a 64 GB disk)."""
+    code, out, err = check(capsys, good, f"storage.root=file://{small_disk}", "checkpoint.keep_last=9",
+                           "checkpoint.save_last=false", "checkpoint.save_every_minutes=null",
+                           "checkpoint.save_interval=null")
+    assert code == 0, err
+    assert "disk: no checkpoint scheduled (checkpoint.save_last=false" in err, err
+
+
 def test_a_trainer_rank_that_cannot_fit_the_configured_gpu_stops_the_run(capsys, good):
     """cluster.gpu_memory_gib against the estimate (engines/train/memory.py) of the tiny policy's rank."""
     code, out, err = check(capsys, good, "cluster.gpu_memory_gib=80")

@@ -26,15 +26,18 @@ from reflow.engines.train.trainer import TrainerRank
 from tests.test_trainer import PROBLEMS, RANK_KW, _batch, _train_kw
 from reflow.engines.hf_io import load_tokenizer
 
-policy, offload = sys.argv[1], sys.argv[2] == "1"
+policy, offload, fold = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
 s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
 rank = TrainerRank(0, 1, "127.0.0.1", port, policy,
                    RankSettings(**(RANK_KW | dict(zero_stage=1, precision="bf16", lr=1e-2))))
+folded = "_update_hp_grad" in vars(rank.engine.optimizer)  # ds_rank.fold_grads_in_place
+if fold == "deepspeed":  # DeepSpeed's own fold (a float32 copy of each gradient first), for comparison
+    del rank.engine.optimizer._update_hp_grad
 pad = load_tokenizer(policy).pad_token_id
 batch = _batch(policy)
 rank.train_iteration(batch, **_train_kw(pad))
 opt = rank.engine.optimizer
-out = {"optimizer": type(opt).__name__, "deepspeed_offload": hasattr(opt, "offload_states")}
+out = {"optimizer": type(opt).__name__, "deepspeed_offload": hasattr(opt, "offload_states"), "folded": folded}
 if offload:
     storages = optimizer_storages(opt, rank.engine.device)
     digest = lambda: [hashlib.sha256(bytes(s.cpu())).hexdigest() for s in storages]  # noqa: E731
@@ -84,9 +87,9 @@ print("RESULT " + json.dumps(out))
 """
 
 
-def _run(policy: Path, offload: bool) -> dict:
+def _run(policy: Path, offload: bool, fold: str = "reflow") -> dict:
     repo = Path(__file__).resolve().parents[1]
-    p = subprocess.run([sys.executable, "-c", SCRIPT, str(policy), "1" if offload else "0"], cwd=repo,
+    p = subprocess.run([sys.executable, "-c", SCRIPT, str(policy), "1" if offload else "0", fold], cwd=repo,
                        capture_output=True, text=True, timeout=600)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert p.returncode == 0 and line, p.stderr[-3000:]
@@ -105,3 +108,41 @@ def test_bf16_zero1_optimizer_state_leaves_and_returns_bit_exact(tiny_policy):
     assert moved["saved_states_load"] >= 1 and moved["away_after_save"] and moved["restored_after_save"], moved
     # loaded while offloaded (a colocated resume): the saved state comes back and leaves again
     assert moved["away_after_load"] and moved["restored_after_load"], moved
+
+
+def test_bf16_gradients_fold_into_float32_in_place_with_deepspeeds_bits(tiny_policy):
+    """ds_rank.fold_grads_in_place: the micro-batches' bf16 gradients summed into float32 without DeepSpeed's
+    float32 copy of each (less memory traffic per micro-batch on a GPU) give exactly DeepSpeed's weights."""
+    ours, theirs = _run(tiny_policy, False), _run(tiny_policy, False, fold="deepspeed")
+    assert ours["folded"] and ours["optimizer"] == "BF16_Optimizer"
+    assert ours["weights"] == theirs["weights"]
+
+
+def test_moments_only_offload_leaves_the_master_weights_in_place():
+    """ZeRO-3's hand-over moves Adam's moments alone (ds_rank._move_states): a 7B policy's fp32 master partitions
+    stay on the GPU, where moving them too filled the H200 machine's host memory (bench/RESULTS.md 32)."""
+    import torch
+
+    from reflow.engines.train.offload import HostCopies, optimizer_storages
+
+    class Zero3Like:  # the shape optimizer_storages walks: float32 partitions in attributes, an inner optimizer
+        def __init__(self):
+            self.fp32_partitioned_groups_flat = [torch.zeros(6), torch.zeros(4)]
+            self.optimizer = torch.optim.AdamW(self.fp32_partitioned_groups_flat, lr=0.1)
+
+    opt = Zero3Like()
+    for p in opt.fp32_partitioned_groups_flat:
+        p.grad = torch.ones_like(p)
+    opt.optimizer.step()
+    every = optimizer_storages(opt, torch.device("cpu"))
+    moments = optimizer_storages(opt, torch.device("cpu"), moments_only=True)
+    masters = {p.untyped_storage().data_ptr() for p in opt.fp32_partitioned_groups_flat}
+    # the 2 partitions, their 2 moments each and AdamW's float32 step counts / the same without the partitions
+    assert len(every) == 8 and len(moments) == 6
+    assert masters <= {s.data_ptr() for s in every} and not masters & {s.data_ptr() for s in moments}
+    before = [p.clone() for p in opt.fp32_partitioned_groups_flat]
+    copies = HostCopies()
+    copies.offload(moments)
+    assert all(s.nbytes() == 0 for s in moments) and all(p.numel() for p in opt.fp32_partitioned_groups_flat)
+    copies.reload()
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.fp32_partitioned_groups_flat))

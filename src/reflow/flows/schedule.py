@@ -15,10 +15,10 @@ def eval_due(config: RunConfig, done: int, last: int) -> bool:
 
 
 def save_due(config: RunConfig, done: int, last: int, minutes_since_save: float) -> bool:
-    """After the last iteration, every `save_interval` iterations, once `save_every_minutes` have passed
-    since the run's start or its last save, or when the sentinel file appears."""
+    """After the last iteration (unless `save_last` is off), every `save_interval` iterations, once
+    `save_every_minutes` have passed since the run's start or its last save, or when the sentinel file appears."""
     c = config.checkpoint
-    return (done == last or (c.save_interval is not None and done % c.save_interval == 0)
+    return ((done == last and c.save_last) or (c.save_interval is not None and done % c.save_interval == 0)
             or (c.save_every_minutes is not None and minutes_since_save >= c.save_every_minutes)
             or ckpt.sentinel_present(c.sentinel))
 

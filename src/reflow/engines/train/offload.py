@@ -18,9 +18,9 @@ import torch
 _DEPTH = 3  # attributes hold tensors, lists of tensors, lists of lists (param groups) and dicts of state
 
 
-def optimizer_storages(optimizer, device: torch.device) -> list[torch.UntypedStorage]:
+def optimizer_storages(optimizer, device: torch.device, moments_only: bool = False) -> list[torch.UntypedStorage]:
     """The distinct float32 storages on `device` reachable from the optimizer's attributes and from its
-    inner optimizer's state (Adam moments), largest first."""
+    inner optimizer's state (Adam moments), largest first; `moments_only`: the inner state's alone."""
     found: dict[int, torch.UntypedStorage] = {}
 
     def visit(x, depth: int) -> None:
@@ -35,7 +35,7 @@ def optimizer_storages(optimizer, device: torch.device) -> list[torch.UntypedSto
             for y in x.values():
                 visit(y, depth + 1)
 
-    for value in vars(optimizer).values():
+    for value in [] if moments_only else vars(optimizer).values():
         visit(value, 0)
     inner = getattr(optimizer, "optimizer", None)
     if inner is not None and inner is not optimizer:

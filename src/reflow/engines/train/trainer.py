@@ -193,6 +193,9 @@ class TrainerRank(DeepSpeedRank):
         """
         t0 = time.perf_counter()
         self.iteration += 1
+        cuda = self.engine.device.type == "cuda"
+        if cuda:  # this call's own peak (gpu_mem_peak_gib), not the rank's since it started
+            torch.cuda.reset_peak_memory_stats(self.engine.device)
         finish = algorithm.spec.finish_advantages if algorithm is not None and algorithm.kl_reward_coef > 0 else None
         need_ref = loss.kl_coef > 0 or finish is not None
         if need_ref and self.ref_model is None:
@@ -226,6 +229,8 @@ class TrainerRank(DeepSpeedRank):
                    old_logprobs_reused=float(reuse), compile_graphs=float(compiled_graphs()),
                    activation_checkpointing=float(self.activation_checkpointing),
                    compile_cache_hits=float(compile_cache_hits()), **finished)
+        if cuda:  # what the train stage took on this rank's GPU at most (PyTorch's allocator; a CUDA context aside)
+            out["gpu_mem_peak_gib"] = torch.cuda.max_memory_allocated(self.engine.device) / 2**30
         return out
 
     def _shard(self, batch: RolloutBatch, minibatches: int, pad_id: int) -> dict[str, torch.Tensor]:

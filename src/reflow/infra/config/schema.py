@@ -260,8 +260,9 @@ class StorageConfig(_Strict):
 
 
 class CheckpointConfig(_Strict):
-    save_interval: int | None = Field(None, ge=1, le=MAX_STEPS, description="Save every this many completed iterations; a checkpoint is always saved after the last iteration.")
+    save_interval: int | None = Field(None, ge=1, le=MAX_STEPS, description="Save every this many completed iterations; a checkpoint is also saved after the last iteration unless save_last is false.")
     save_every_minutes: float | None = Field(10.0, gt=0.0, description="Also save when this many minutes have passed since the run's start or its last save (checked after each iteration), so a crash loses at most about this much work; null: only save_interval, the sentinel and the last iteration.")
+    save_last: bool = Field(True, description="Save after the run's last iteration. false: only save_interval, save_every_minutes, the sentinel and the control API save (null both for a run that saves nothing, e.g. a throughput measurement whose checkpoint would not fit the disk; the preflight's disk check then has nothing to check).")
     keep_last: int = Field(3, ge=1, description="Committed checkpoints kept; older ones are deleted (never the one `latest` points to).")
     sentinel: str | None = Field(None, description="Path or URL of a file whose appearance requests a checkpoint after the current iteration; it is removed after the save.")
     background_commit: bool = Field(True, description="Interval and timed saves: every rank's write is queued at once and the driver goes on (eval, the next iteration's flow run) while the ranks write, hash and upload their files and a background task run commits them (the ranks' next training call runs after their write; the next save, a recovery and the run's end wait for it; a crash before COMMITTED leaves it uncommitted, so a resume takes the one before). The last save, a sentinel's and one asked for over the control API are committed before the run goes on. false: every save is.")

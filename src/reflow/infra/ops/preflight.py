@@ -303,6 +303,10 @@ def check_disk(cfg: RunConfig, access: StorageAccess) -> str | None:
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     if not store.is_local or cfg.trainer.lora.rank:
         return None
+    c = cfg.checkpoint
+    if not (c.save_last or c.save_interval or c.save_every_minutes or c.sentinel):
+        return ("disk: no checkpoint scheduled (checkpoint.save_last=false, no save_interval, save_every_minutes "
+                "or sentinel): not checked")
     params, _ = model_bytes(str(_model_location(cfg, "model.path", cfg.model.path, access)))
     one = checkpoint_bytes(cfg, params)
     folder = Path(store._path("checkpoints"))
