@@ -12,10 +12,12 @@ included), offloads/reloads states for colocated mode and delegates checkpoints 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import os
 import random
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -112,6 +114,55 @@ def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_siz
     return cfg
 
 
+def import_deepspeed():
+    """`import deepspeed`, without two imports that cost a CPU trainer process ~3.5 s of its start-up for nothing.
+
+    `import deepspeed` tries `import mlflow` (its autotuner, unused here): ~1.1 s where MLflow is installed (reflow's
+    `tracking` extra). It is hidden while DeepSpeed imports, where MLflow is not imported already; the autotuner takes
+    the ImportError as "no MLflow". And DeepSpeed's ZeRO optimizers import its Muon optimizer at their first step,
+    whose module compiles three functions with torch.compile when it is imported, which imports inductor (~2 s; a
+    CPU rank never compiles otherwise): it is imported here with that decorator made lazy, compiling at a first call
+    that never comes (reflow steps its own AdamW). Measured on 2 cores: a tiny ZeRO-1 rank from start to its first
+    step 8.9 s of CPU at 95fda04, ~5 s with this."""
+    if "deepspeed" in sys.modules:
+        import deepspeed
+        return deepspeed
+    hide = "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
+    try:
+        import deepspeed
+    finally:
+        if hide and sys.modules.get("mlflow", ...) is None:
+            del sys.modules["mlflow"]
+    from deepspeed.runtime import compiler
+
+    eager = compiler.compile
+    compiler.compile = _lazy_compile
+    try:
+        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+    except ImportError:  # a DeepSpeed without Muon
+        pass
+    finally:
+        compiler.compile = eager
+    return deepspeed
+
+
+def _lazy_compile():
+    """A stand-in for deepspeed.runtime.compiler.compile: a decorator that calls torch.compile at the first call."""
+    def decorate(fn):
+        compiled = None
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            nonlocal compiled
+            if compiled is None:
+                compiled = torch.compile(fn)
+            return compiled(*args, **kwargs)
+        return call
+    return decorate
+
+
 def _deepspeed_offloads(optimizer) -> bool:
     """Whether DeepSpeed's own `offload_states` moves this ZeRO optimizer's state: ZeRO-1/2's, and ZeRO-3's only
     around DeepSpeed's FusedAdam (its stage 3 asserts that type, "Offloading is supported only for DeepSpeed
@@ -163,6 +214,7 @@ def _init_distributed(rank: int, world_size: int, master_addr: str, master_port:
     interface, unauthenticated. So the store comes from `weights.group.tcp_store`, the group is built on
     it here, and DeepSpeed adopts the initialized group. Backend and timeouts are those the rendezvous
     gave: gloo with DeepSpeed's default (DEEPSPEED_TIMEOUT, 10 min), "cpu:gloo,cuda:nccl" with torch's."""
+    import_deepspeed()  # first: without its MLflow and Muon imports (the imports below would make them)
     import deepspeed
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future
@@ -299,7 +300,10 @@ _TASK_MODULES = ("reflow.engines.rollout_stages", "reflow.tasks.stage_cache", "r
                  "reflow.tasks.evaluate")
 # The next rollout (launched ahead) and an eval set generate at once, with a stage record and the records'
 # tasks beside them. With 2, an eval waited 2-3 s for a worker in 2 of 4 evals of a 25M run (Ray's timeline).
-_WARM_WORKERS = 3
+# On a host of few cores their imports only compete with the actors' own start-up (~6 s of CPU a worker), and a
+# worker no task needs is CPU lost: in the CPU suite on 2 cores (a /proc sample of every process), 42 task workers
+# ran the warm-up and no task after it, ~240 s of CPU. One per core to spare, up to 3.
+_WARM_WORKERS = min(3, max(1, (os.cpu_count() or 1) - 1))
 
 
 @ray.remote(num_cpus=0)
