@@ -40,6 +40,7 @@ def chat_policy(tiny_policy, tmp_path_factory):
     return folder
 
 
+@pytest.mark.slow  # ~3 s of CPU: make test-fast stays under a minute
 def test_rendering_is_the_same_in_training_eval_rollout_and_trainer(chat_policy, engine, tmp_path):
     tok = load_tokenizer(str(chat_policy))
     data = tmp_path / "chat.jsonl"

@@ -110,6 +110,7 @@ for line in sys.stdin:  # one payload a line; each rebuilt, summed, freed before
 """
 
 
+@pytest.mark.slow  # ~4 s of CPU: make test-fast stays under a minute (receiver processes)
 def test_a_reused_buffer_serves_two_long_lived_receivers_for_three_buckets_in_a_row():
     """The regression of the withdrawn reuse: one pickle sent to every receiver let the shared segment's
     count fall to zero while the sender still used it, and the third rebuild found no file. With one

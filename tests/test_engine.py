@@ -536,6 +536,7 @@ def _rebuild_in_turn(tmp_path, payloads: list[str]) -> subprocess.CompletedProce
     return subprocess.run([sys.executable, "-c", code, *map(str, files)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # ~7 s of CPU in receiver processes: make test-fast stays under a minute
 def test_each_receiver_gets_its_own_payload_of_one_buffer(tmp_path):
     """A pickle adds one reference to the shared segment and a rebuild takes one: four payloads of one
     bucket (one buffer, no copy) serve four receivers, then the next bucket; one payload rebuilt three

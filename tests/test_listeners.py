@@ -110,10 +110,12 @@ def _check(out: dict) -> None:
     assert not off, f"listening off loopback: {off} (all: {sorted(everything)})"
 
 
+@pytest.mark.slow  # ~6 s of CPU in a child process: make test-fast stays under a minute
 def test_group_stores_listen_on_the_chosen_address():
     _check(_run([], HOSTS))
 
 
+@pytest.mark.slow  # ~5 s of CPU in namespaced children: make test-fast stays under a minute
 def test_gloo_stays_on_loopback_where_the_hostname_resolves_elsewhere(tmp_path):
     """In new net/UTS/mount namespaces: the hostname resolves (through a bind-mounted /etc/hosts) to the
     address of a veth end that exists only there, as a host's own name resolves to its LAN address."""

@@ -161,6 +161,7 @@ def test_default_push_folder_cannot_be_made_first_by_another_user():
         shutil.rmtree(squat, ignore_errors=True)
 
 
+@pytest.mark.slow  # ~2.3 s of CPU: make test-fast stays under a minute (a child process)
 def test_default_push_folder_is_private_reused_and_removed_at_exit():
     """One private folder per process for all its pushes (older versions go as before); gone when it exits."""
     code = textwrap.dedent("""

@@ -110,6 +110,7 @@ def test_packed_row_gives_the_padded_batchs_logprobs_and_gradients(tiny_policy, 
         torch.testing.assert_close(g_pack[name], g_pad[name], rtol=0, atol=1e-5, msg=name)
 
 
+@pytest.mark.slow  # ~9 s of CPU (flex_attention compiles): make test-fast stays under a minute
 def test_flex_attention_scores_a_packed_row_as_the_padded_batch(tiny_policy):
     """trainer.attn_implementation=flex_attention (its block mask skips what a packed row's samples cannot see): the
     forward's log-probs equal SDPA's on the padded batch. Forward only: torch has no FlexAttention backward on CPU."""

@@ -99,6 +99,7 @@ def other_policy(tiny_policy, tmp_path_factory) -> Path:
 # ---------------------------------------------------------------- point 7: every path, the config's endpoint
 
 
+@pytest.mark.slow  # ~2.5 s of CPU: make test-fast stays under a minute
 def test_prompt_files_come_from_the_configured_endpoint(s3, tiny_policy, tmp_path):
     from reflow.infra.inputs.prompts import load_prompts
 
@@ -171,6 +172,7 @@ def test_a_model_folder_comes_from_the_configured_endpoint_and_is_never_served_s
     assert _same(_weights(again), _weights(load_causal_lm(str(other_policy)))), "a stale cached copy was loaded"
 
 
+@pytest.mark.slow  # ~2.5 s of CPU: make test-fast stays under a minute
 def test_retrain_new_data_comes_from_the_configured_endpoint(s3, tiny_policy, tmp_path):
     """new_data listed and merged through the config's endpoint; the merged prompts (kept in the
     experiment's storage) are then read back as the run's training data."""
