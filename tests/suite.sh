@@ -22,6 +22,9 @@
 # Session 31 (the engine conformance module, the extension-point runs, the rollout source's three-way check, the
 # time-budget run added; the compile warm-up tests gone): clean clone .ci/run 28m53s, the rest 1583 s (1020 passed),
 # these 1480 s.
+# Session 32 (a trainer rank's start-up ~3.5 s of CPU less, fewer warmed task workers on 2 cores; the suite is CPU-bound:
+# a sample of every process's CPU over a run, 3,531 s in 31 min on 2 cores): clean clone .ci/run 27m54s, the rest
+# 1515 s (1025 passed), these 1432 s.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
