@@ -163,7 +163,7 @@ def _lazy_compile():
     return decorate
 
 
-def _deepspeed_offloads(optimizer) -> bool:
+def _deepspeed_offloads(optimizer, zero_stage: int) -> bool:
     """Whether DeepSpeed's own `offload_states` moves this ZeRO optimizer's state: ZeRO-1/2's, and ZeRO-3's only
     around DeepSpeed's FusedAdam (its stage 3 asserts that type, "Offloading is supported only for DeepSpeed
     FusedAdam"; reflow's ranks step a torch AdamW). The others go through reflow.engines.train.offload, which
@@ -171,9 +171,7 @@ def _deepspeed_offloads(optimizer) -> bool:
     parameter partitions stay for the push."""
     if not hasattr(optimizer, "offload_states"):
         return False
-    if type(optimizer).__name__ != "DeepSpeedZeroOptimizer_Stage3":
-        return True
-    return type(getattr(optimizer, "optimizer", None)).__name__ == "FusedAdam"
+    return zero_stage < 3 or type(getattr(optimizer, "optimizer", None)).__name__ == "FusedAdam"
 
 
 def fold_grads_in_place(optimizer) -> bool:
@@ -529,7 +527,7 @@ class DeepSpeedRank:
         from reflow.engines.train.offload import HostCopies, optimizer_storages
 
         opt = self.engine.optimizer
-        if _deepspeed_offloads(opt):
+        if _deepspeed_offloads(opt, self.zero_stage):
             if offload:
                 self.engine.offload_states()
             else:
@@ -539,7 +537,7 @@ class DeepSpeedRank:
             # ZeRO-3 (a 7B policy on one H200): Adam's moments only. Its fp32 master partitions stay for the rollout
             # (the GPU holds them beside the engine), while moving them too filled the host's 128 GiB: Ray's memory
             # monitor killed the trainer at the first hand-over (bench/RESULTS.md 32)
-            moments = type(opt).__name__ == "DeepSpeedZeroOptimizer_Stage3"
             self._host_states = HostCopies()
-            return self._host_states.offload(optimizer_storages(opt, self.engine.device, moments_only=moments))
+            return self._host_states.offload(optimizer_storages(opt, self.engine.device,
+                                                                moments_only=self.zero_stage == 3))
         return self._host_states.reload()
