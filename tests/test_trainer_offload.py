@@ -9,6 +9,7 @@ second step gives exactly the weights of a twin trainer that never offloaded.
 """
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -89,6 +90,7 @@ print("RESULT " + json.dumps(out))
 """
 
 
+@functools.cache  # one subprocess per variant: the plain run serves the offload test and the fold test alike
 def _run(policy: Path, offload: bool, fold: str = "reflow") -> dict:
     repo = Path(__file__).resolve().parents[1]
     p = subprocess.run([sys.executable, "-c", SCRIPT, str(policy), "1" if offload else "0", fold], cwd=repo,
