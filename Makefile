@@ -16,16 +16,13 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 .PHONY: setup demo lint test test-random test-fast bench clean
 
-# Installs go through uv where it can be had (`pip install uv`, a 17 MB wheel): a clean set-up takes
-# ~15 s instead of ~2.5 min with pip. Anything uv cannot do falls back to pip. uv does not read pip's
-# configuration, so pip's find-links (e.g. a local CPU build of torch) are passed on.
-# pip runs with --no-compile: its bytecode compilation of every installed file was most of its time;
-# Python compiles what is imported, once, on first import; for that it must be allowed to write .pyc
-# files, which an inherited PYTHONDONTWRITEBYTECODE=1 forbids (then every Ray worker recompiles torch).
+# Installs go through uv where it can be had (`pip install uv`, a 17 MB wheel), with pip's configuration
+# (tools/install.sh); anything uv cannot do falls back to pip. Python compiles what is imported, once, on first
+# import; for that it must be allowed to write .pyc files, which an inherited PYTHONDONTWRITEBYTECODE=1 forbids
+# (then every Ray worker recompiles torch).
 unexport PYTHONDONTWRITEBYTECODE
 PIP := $(BIN)/pip install -q --no-compile
-INSTALL = sh -c '$(BIN)/uv pip install -q --python $(BIN)/python $${PIP_FIND_LINKS:+--find-links $$PIP_FIND_LINKS} "$$@" \
-	|| $(PIP) "$$@"' install
+INSTALL = sh tools/install.sh $(BIN)
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
