@@ -75,18 +75,20 @@ def test_finished_rows_leave_and_waiting_rows_take_their_slots(tok, monkeypatch)
     model = _tiny("llama")
     gen = Generator(model, tok, max_batch_size=3, decoder="static")
     dec = gen.static_decoder()
-    admitted, moves = [], []
-    real_prefill, real_move = dec.prefill, dec.move_slots
-    monkeypatch.setattr(dec, "prefill", lambda p, slots, pad: admitted.append(list(slots)) or real_prefill(p, slots, pad))
-    monkeypatch.setattr(dec, "move_slots", lambda d, s, upto: moves.append((list(d), list(s))) or real_move(d, s, upto))
+    admitted, batches = [], []
+    real_prefill, real_decode = dec.prefill, dec.decode
+    monkeypatch.setattr(dec, "prefill", lambda p, starts, pad: admitted.append(list(starts)) or real_prefill(p, starts, pad))
+    monkeypatch.setattr(dec, "decode", lambda t, pos, starts: batches.append(list(starts)) or real_decode(t, pos, starts))
     sps = [{"temperature": 0.0, "max_new_tokens": m, "ignore_eos": True} for m in (2, 9, 4, 6, 1, 3, 8)]
     prompts = [[5 + i, 6, 7 + i] for i in range(7)]
     recs = gen.generate(prompts, sps)
     single = Generator(copy.deepcopy(model), tok, decoder="eager")
     assert [r["output_ids"] for r in recs] == [single.generate([p], [sp])[0]["output_ids"] for p, sp in zip(prompts, sps)]
-    assert admitted[0] == [0, 1, 2]  # the first three fill the slots
-    assert len(admitted) > 1 and all(s[0] >= 1 for s in admitted[1:])  # later rows join behind running ones
-    assert any(d and d[0] < s[0] for d, s in moves)  # a later row moved down into a finished row's slot
+    slot = dec.regions.granule  # default sizing: every region is a slot of the longest row's bucket
+    assert admitted[0] == [0, slot, 2 * slot]  # the first three fill the slots
+    assert len(admitted) > 1 and all(len(s) < 3 for s in admitted[1:])  # later rows join behind running ones
+    assert max(len(b) for b in batches) == 3 and any(b[0] != 0 for b in batches)  # a finished row's region reused
+    assert dec.regions.in_use == 0  # every region given back
 
 
 def test_pushed_weights_land_in_the_fused_tensors(tok):
@@ -150,9 +152,9 @@ def test_decoder_choice(tiny_policy, tok):
 def test_batch_buckets_and_cache_growth():
     assert [batch_bucket(n) for n in (1, 3, 5, 16, 17, 40, 64, 65, 200, 256)] == [1, 4, 8, 16, 32, 48, 64, 96, 224, 256]
     dec = StaticDecoder(_tiny("llama"), max_batch_size=4, graphs=False)
-    dec.reserve(100)
-    assert dec.capacity == 256 and dec.k.shape == (2, 4, 4, 256, 8)
-    dec.reserve(300)
-    assert dec.capacity == 512
+    dec.reserve(4 * 256, granule=256)
+    assert dec.capacity == 1024 and dec.k.shape == (2, 1025, 4, 8)  # [L, positions + scratch, H_kv, D]
+    dec.reserve(4 * 512, granule=512)
+    assert dec.capacity == 2048 and dec.regions.granule == 512
     dec.release()
     assert dec.capacity == 0 and dec.nbytes() == 0

@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 
 from reflow.engines.embedded.kv_cache import _new_cache, _PreallocLayer
+from reflow.engines.embedded.kv_pool import budget_positions, bytes_per_position
 from reflow.engines.embedded.sampling import (
     SAMPLING_EPS,
     TOP_K_ALL,
@@ -115,16 +116,30 @@ class _Row:
     out: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
+    kv_start: int = -1  # where its KV region starts in the static decoder's pool (kv_pool.py)
+
+
+def _pow2_bucket(n: int, floor: int) -> int:
+    """The power of two >= max(n, floor)."""
+    return max(floor, 1 << max(n - 1, 0).bit_length())
 
 
 class Generator:
     """Batched generation on a HF causal LM (see module docstring for semantics)."""
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None,
-                 decoder: str = "auto"):
+                 decoder: str = "auto", kv_mem_fraction: float | None = None, kv_tokens: int | None = None):
         """decoder: "eager" (HF forward with a growing cache), "static" (static KV cache, no graphs), "graphs"
         (static cache + CUDA graphs; CUDA only) or "auto": graphs on a GPU where the model's family allows
-        (reflow.engines.embedded.static_decode), eager otherwise."""
+        (reflow.engines.embedded.static_decode), eager otherwise.
+        The static decoder's KV pool (reflow.engines.embedded.kv_pool): `kv_tokens` positions, else
+        `kv_mem_fraction` of the GPU's memory for weights + KV (SGLang's mem_fraction_static), else (both None)
+        max_batch_size slots of the longest row of each generate call (rows never wait for KV room)."""
+        if kv_mem_fraction is not None and not 0.0 < kv_mem_fraction < 1.0:
+            raise ValueError(f"kv_mem_fraction must be in (0, 1), got {kv_mem_fraction}")
+        if kv_tokens is not None and kv_tokens < 1:
+            raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
+        self.kv_mem_fraction, self.kv_tokens = kv_mem_fraction, kv_tokens
         if decoder not in ("auto", "eager", "static", "graphs"):
             raise ValueError(f"decoder must be 'auto', 'eager', 'static' or 'graphs', got {decoder!r}")
         self.decoder = decoder
@@ -297,37 +312,41 @@ class Generator:
 
     @torch.inference_mode()
     def _run_static(self, dec: StaticDecoder, rows: list[_Row], checkpoint: Checkpoint | None) -> None:
-        """Continuous batching over the static cache: up to max_batch_size rows decode together, finished
-        rows leave after each step and waiting ones are prefilled into the freed slots.
+        """Continuous batching over the static cache: up to max_batch_size rows decode together, each in a
+        region of the KV pool (kv_pool.py); finished rows leave after each step and give their region back,
+        and waiting rows are admitted, in order, while a region fits (a row that does not fit waits).
 
         The next step is launched before the host reads this step's tokens (their copy is queued first):
         finish checks and bookkeeping run while the GPU decodes. Rows found finished have taken one step
-        too many, which is dropped with them (its K/V lies past their end)."""
-        dec.reserve(max(len(r.prompt) + r.max_new for r in rows))
-        waiting, active = deque(rows), []  # active[s] is the row in cache slot s
+        too many, which is dropped with them (its K/V lies inside their region, before its end)."""
+        self._size_pool(dec, rows)
+        assert dec.regions is not None
+        waiting, active = deque(rows), []  # active[b] is the row in batch row b
         logits: torch.Tensor | None = None
         params: SamplingTensors | None = None
         while True:
-            if waiting and len(active) < self.max_batch_size:
-                new = [waiting.popleft() for _ in range(min(self.max_batch_size - len(active), len(waiting)))]
-                fresh = self._admit(dec, new, len(active))  # [k, V]
+            new = self._take(dec, waiting, self.max_batch_size - len(active))
+            if new:
+                fresh = self._admit(dec, new)  # [k, V]
                 logits = fresh if logits is None else torch.cat([logits, fresh])
                 active += new
                 params = SamplingTensors.of([r.cfg for r in active], logits.device)
-            assert logits is not None and params is not None
+            assert logits is not None and params is not None, "a waiting row fits no region of an empty pool"
             tokens, lps = self._sample(logits, active, params)
             host, ready = _to_host(tokens, lps)
             ahead = None  # logits of the next step, launched before this step's tokens are read
             if any(len(r.out) + 1 < r.max_new for r in active):
-                ahead = self._decode(dec, tokens, [len(r.prompt) + len(r.out) for r in active])
+                ahead = self._decode(dec, tokens, active, 0)
             ready()
             for r, tok, lp in zip(active, host[0].long().tolist(), host[1].tolist()):
                 self._append(r, tok, lp)
             if checkpoint is not None:
                 self._apply_aborts(active, list(range(len(active))), checkpoint)
             keep = [s for s, r in enumerate(active) if r.finish is None]
+            for r in active:
+                if r.finish is not None:  # the step in flight writes inside its region: stream order keeps a
+                    dec.regions.free(r.kv_start)  # new owner's prefill after it
             if len(keep) < len(active) and keep:
-                self._compact_slots(dec, active, keep)
                 tokens, params = tokens[keep], params.select(keep)
                 ahead = None if ahead is None else ahead[torch.tensor(keep, device=ahead.device)]
             active = [active[s] for s in keep]
@@ -336,33 +355,65 @@ class Generator:
                     return
                 logits = params = None
                 continue
-            logits = ahead if ahead is not None else self._decode(dec, tokens, [len(r.prompt) + len(r.out) - 1
-                                                                                for r in active])
+            logits = ahead if ahead is not None else self._decode(dec, tokens, active, -1)
 
-    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        with self.lock:
-            return dec.decode(tokens, positions)
+    def _size_pool(self, dec: StaticDecoder, rows: list[_Row]) -> None:
+        """Size the decoder's KV pool (kv_pool.py): `kv_tokens`, else `kv_mem_fraction` of the GPU (both
+        fixed once made), else max_batch_size slots of the longest row's power-of-two bucket, each region a
+        slot (the first static cache exactly). Raises when a row could never fit."""
+        longest = max(len(r.prompt) + r.max_new for r in rows)
+        if self.kv_tokens is None and self.kv_mem_fraction is None:
+            slot = max(_pow2_bucket(longest, 256), dec.regions.granule if dec.regions else 0)  # grows only
+            dec.reserve(self.max_batch_size * slot, granule=slot)
+            return
+        if dec.regions is None:
+            tokens = self.kv_tokens
+            if tokens is None:
+                assert self.kv_mem_fraction is not None
+                p = next(self.model.parameters())
+                tokens = budget_positions(self.kv_mem_fraction, bytes_per_position(
+                    len(dec.layers), dec.kv_heads, dec.head_dim, p.dtype), self.device, self.max_batch_size,
+                    self.vocab_size)
+            dec.reserve(tokens)
+        assert dec.regions is not None
+        if not dec.regions.fits_ever(longest):
+            raise ValueError(f"a row of {longest} tokens (prompt + max_new_tokens) cannot fit the KV cache of "
+                             f"{dec.regions.size} tokens; raise kv_mem_fraction (kv_tokens) or lower max_new_tokens")
 
     @staticmethod
-    def _compact_slots(dec: StaticDecoder, active: list[_Row], keep: list[int]) -> None:
-        """Later rows move down into the freed slots, so running rows stay in slots 0..n-1."""
-        moved = [(j, s) for j, s in enumerate(keep) if s != j]
-        if moved:
-            dec.move_slots([j for j, _ in moved], [s for _, s in moved],
-                           max(len(active[s].prompt) + len(active[s].out) for _, s in moved))
+    def _take(dec: StaticDecoder, waiting: deque[_Row], room: int) -> list[_Row]:
+        """The waiting rows admitted now: in order, while batch rows are free and a KV region fits the next
+        (first come, first served: a large row at the head waits for room rather than being overtaken)."""
+        assert dec.regions is not None
+        new: list[_Row] = []
+        while waiting and len(new) < room:
+            start = dec.regions.alloc(len(waiting[0].prompt) + waiting[0].max_new)
+            if start is None:
+                break
+            row = waiting.popleft()
+            row.kv_start = start
+            new.append(row)
+        return new
 
-    def _admit(self, dec: StaticDecoder, rows: list[_Row], first_slot: int) -> torch.Tensor:
-        """Prefill `rows` into slots first_slot.. (a prompt sampled n times is run once, its cache copied to
-        the other samples' slots); logits float32 [len(rows), V]."""
-        prompts, picks = _distinct_prompts(rows)
-        first: dict[int, int] = {}  # distinct index -> the slot of its first sample
-        for slot, u in enumerate(picks, start=first_slot):
-            first.setdefault(u, slot)
+    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, rows: list[_Row], shift: int) -> torch.Tensor:
+        """The next step's logits; each row's token goes at position prompt + out + shift of its region."""
+        positions = [len(r.prompt) + len(r.out) + shift for r in rows]
         with self.lock:
-            logits = dec.prefill(prompts, [first[u] for u in range(len(prompts))], self.pad_id)  # [U, V]
-        repeats = [(slot, first[u]) for slot, u in enumerate(picks, start=first_slot) if first[u] != slot]
+            return dec.decode(tokens, positions, [r.kv_start for r in rows])
+
+    def _admit(self, dec: StaticDecoder, rows: list[_Row]) -> torch.Tensor:
+        """Prefill `rows` into their regions (a prompt sampled n times is run once, its cache copied to the
+        other samples' regions); logits float32 [len(rows), V]."""
+        prompts, picks = _distinct_prompts(rows)
+        first: dict[int, _Row] = {}  # distinct index -> its first sample
+        for row, u in zip(rows, picks):
+            first.setdefault(u, row)
+        with self.lock:
+            logits = dec.prefill(prompts, [first[u].kv_start for u in range(len(prompts))], self.pad_id)  # [U, V]
+        repeats = [(row, first[u]) for row, u in zip(rows, picks) if first[u] is not row]
         if repeats:
-            dec.move_slots([d for d, _ in repeats], [s for _, s in repeats], max(len(p) for p in prompts))
+            dec.copy_prefix([r.kv_start for r, _ in repeats], [f.kv_start for _, f in repeats],
+                            [len(r.prompt) for r, _ in repeats])
         return logits[torch.tensor(picks, device=logits.device)]
 
     def _prefill(self, rows: list[_Row]):

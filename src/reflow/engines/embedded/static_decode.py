@@ -6,12 +6,14 @@ modelling code (hundreds of kernel launches, each with Python and dispatcher ove
 bench/gpu.py). A CUDA graph replays the whole step's kernels from one launch. Graphs need fixed
 shapes and addresses, hence the static cache and per-bucket graphs.
 
-Layout: K and V are one tensor each, [L, slots, H_kv, T_cap, D]; a row of the running batch owns a
-slot, its tokens at positions 0..len-1. Active rows always occupy slots 0..n-1 (a finished row's slot
-is refilled by moving a later row down: one batched copy), so a step over n rows runs the graph
-captured for the batch bucket b >= n on slots 0..b-1 (rows n..b-1 are idle and ignored) and attends
-over the first t cache positions, t a power-of-two bucket >= the longest row. Graphs are captured
-lazily, once per (b, t), on first need.
+Layout: K and V are one pool each, [L, N + 1, H_kv, D]; a row of the running batch owns a contiguous
+region of the pool (kv_pool.py: its prompt + its own max_new_tokens; admitted when a region is free),
+its tokens at start .. start + len - 1. Running rows are rows 0..n-1 of the batch (finished ones leave;
+nothing in the cache moves, only the per-row starts do), so a step over n rows runs the graph captured
+for the batch bucket b >= n (rows n..b-1 are idle and write the scratch position N). Attention on a GPU in
+bf16/fp16 is flash attention's varlen kernel reading each row's own region for its own length (the
+long tail costs only what it reads); elsewhere each row's first t positions are gathered and masked, t a
+power-of-two bucket >= the longest row. Graphs are captured lazily, once per (b, t), on first need.
 
 Fewer kernels per layer (a graph replays them back to back, so their count sets the step time at small
 batches): q/k/v are one matrix product and gate/up another, over one fused tensor each that the model's
@@ -33,6 +35,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from reflow.engines.embedded.kv_pool import GRANULE, RegionPool
+
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
 
@@ -41,6 +45,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def flash_ok(p: torch.Tensor) -> bool:
+    """Whether flash attention's varlen kernel (with per-row used lengths) serves tensors like `p`."""
+    if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    schema = str(torch.ops.aten._flash_attention_forward.default._schema)
+    return "seqused_k" in schema and torch.backends.cuda.is_flash_attention_available()
 
 
 def _bucket(n: int, floor: int) -> int:
@@ -115,9 +127,11 @@ class _Layer:
 class StaticDecoder:
     """Prefill and decode over a static KV cache; `graphs=True` replays decode steps as CUDA graphs."""
 
-    def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False):
+    def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False, attention: str = "auto"):
         """keep_params: never re-point the model's parameters (they live in the engine's weight arena): fused
-        tensors whose members are not back to back there are copies, `refresh`ed after weight writes."""
+        tensors whose members are not back to back there are copies, `refresh`ed after weight writes.
+        attention: "flash" (flash attention's varlen kernel: CUDA, bf16/fp16), "gather" (each row's positions
+        gathered, then SDPA with a mask: any device and dtype) or "auto" (flash where `flash_ok`)."""
         self.model, self.max_batch_size, self.graphs = model, max_batch_size, graphs
         self.copies: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = [] if keep_params else None
         self.synced = None  # the generator's weight_writes the copies were last brought up to (Generator sets it)
@@ -132,8 +146,11 @@ class StaticDecoder:
         self.q_heads = int(cfg.num_attention_heads)
         self.plan = [self._plan(layer, cfg, self.copies) for layer in self.layers]
         self._anchor = self.layers[0].self_attn.q_proj.weight.data_ptr()  # where the fusion left the parameters
-        self.k: torch.Tensor | None = None  # [L, slots, H_kv, T_cap, D]
+        self.k: torch.Tensor | None = None  # [L, N + 1, H_kv, D]: N pool positions, then one scratch position
         self.v: torch.Tensor | None = None
+        self.regions: RegionPool | None = None  # which pool positions each row owns (kv_pool.py)
+        self.attention = attention
+        self.flash = False  # decided per pool (reserve): flash attention's varlen kernel, else a gather + SDPA
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
@@ -194,24 +211,31 @@ class StaticDecoder:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.k is None else int(self.k.shape[3])
+        """Positions the pool holds (its scratch position aside)."""
+        return 0 if self.k is None else int(self.k.shape[1]) - 1
 
-    def reserve(self, positions: int) -> None:
-        """Make the cache hold `positions` per slot (rounded up to a power of two >= 256). A larger cache
-        replaces the old one, and the graphs captured over it are dropped."""
-        if positions <= self.capacity:
+    def reserve(self, positions: int, granule: int = GRANULE) -> None:
+        """Make the pool hold `positions` token positions (kv_pool.py), regions rounded to `granule`. A
+        larger pool (or another granule) replaces the old one, and the graphs captured over it are dropped;
+        call between generations (every region is given back)."""
+        if positions <= self.capacity and self.regions is not None and self.regions.granule == granule:
+            assert not self.regions.in_use, "the pool is resized while rows hold regions"
             return
         p = next(self.model.parameters())
-        shape = (len(self.layers), self.max_batch_size, self.kv_heads, _bucket(positions, 256), self.head_dim)
+        shape = (len(self.layers), positions + 1, self.kv_heads, self.head_dim)  # [L, N + 1 scratch, H_kv, D]
         self.release()
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self._tok = torch.zeros(self.max_batch_size, dtype=torch.long, device=p.device)  # graph inputs
-        self._pos = torch.zeros(self.max_batch_size, dtype=torch.long, device=p.device)
-        # Positions come from the host each step. Two pinned buffers taken in turn: a copy from pageable
-        # memory may wait for the stream, and a buffer is rewritten only after the step that read it ran.
+        self.regions = RegionPool(positions, granule)
+        self.flash = self.attention == "flash" or (self.attention == "auto" and flash_ok(p))
+        B = self.max_batch_size
+        self._tok = torch.zeros(B, dtype=torch.long, device=p.device)  # graph inputs
+        self._at = torch.zeros(2, B, dtype=torch.long, device=p.device)  # [position, region start] per row
+        self._ar = torch.arange(B + 1, dtype=torch.int32, device=p.device)
+        # Positions and starts come from the host each step. Two pinned buffers taken in turn: a copy from
+        # pageable memory may wait for the stream, and a buffer is rewritten only after the step that read it ran.
         pin = p.device.type == "cuda"
-        self._pos_host = [torch.zeros(self.max_batch_size, dtype=torch.long, pin_memory=pin) for _ in range(2)]
+        self._at_host = [torch.zeros(2, B, dtype=torch.long, pin_memory=pin) for _ in range(2)]
         self._turn = 0
 
     def release(self) -> None:
@@ -219,27 +243,28 @@ class StaticDecoder:
         self._graphs.clear()
         self._pool = None
         self.k = self.v = None
+        self.regions = None
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
 
     def nbytes(self) -> int:
         return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
 
-    def move_slots(self, dst: list[int], src: list[int], upto: int) -> None:
-        """Copy the first `upto` positions of slots `src` onto slots `dst` (compaction, or a prompt's cache
-        repeated for its other samples). The right side is gathered first, so overlaps are safe."""
+    def copy_prefix(self, dst: list[int], src: list[int], lengths: list[int]) -> None:
+        """Copy the first lengths[i] positions of the region at src[i] onto the region at dst[i] (a prompt's
+        cache repeated for its other samples); each pair copies its own length, so no region is overrun."""
         assert self.k is not None and self.v is not None
-        d = torch.tensor(dst, device=self.k.device)
-        s = torch.tensor(src, device=self.k.device)
-        self.k[:, d, :, :upto] = self.k[:, s, :, :upto]
-        self.v[:, d, :, :upto] = self.v[:, s, :, :upto]
+        d = torch.cat([torch.arange(a, a + n) for a, n in zip(dst, lengths)]).to(self.k.device)
+        s = torch.cat([torch.arange(a, a + n) for a, n in zip(src, lengths)]).to(self.k.device)
+        self.k[:, d] = self.k[:, s]
+        self.v[:, d] = self.v[:, s]
 
     # ------------------------------------------------------------ forward passes
 
-    def prefill(self, prompts: list[list[int]], slots: list[int], pad_id: int) -> torch.Tensor:
-        """Run right-padded prompts, writing their K/V into `slots` at positions 0..len-1; logits of each
-        prompt's last token, float32 [U, V]. Padding sits after each prompt, so causal attention alone keeps
-        it out of every real position; what it writes past a prompt's end is overwritten before it is read."""
+    def prefill(self, prompts: list[list[int]], starts: list[int], pad_id: int) -> torch.Tensor:
+        """Run right-padded prompts, writing each one's K/V into its region (start .. start + len - 1);
+        logits of each prompt's last token, float32 [U, V]. Padding sits after each prompt, so causal
+        attention alone keeps it out of every real position, and its K/V is never written."""
         assert self.k is not None and self.v is not None
         dev = self.k.device
         T = max(len(p) for p in prompts)
@@ -247,17 +272,19 @@ class StaticDecoder:
         for u, p in enumerate(prompts):
             ids[u, :len(p)] = torch.tensor(p)
         ids = ids.to(dev)
-        rows = torch.tensor(slots, device=dev)
+        lens = torch.tensor([len(p) for p in prompts])
+        real = (torch.arange(T)[None, :] < lens[:, None]).to(dev)  # [U, T] positions that are prompt tokens
+        where = (torch.tensor(starts)[:, None] + torch.arange(T)[None, :]).to(dev)[real]  # [sum len] pool positions
         x = self.embed(ids)  # [U, T, hidden]
         cos, sin = (t[:, None] for t in self.rotary(x, torch.arange(T, device=dev).expand(len(prompts), T)))
         for i, p in enumerate(self.plan):
             q, k, v = self._qkv(p, x, cos, sin)  # [U, H, T, D]
-            self.k[i, rows, :, :T] = k
-            self.v[i, rows, :, :T] = v
+            self.k[i, where] = k.transpose(1, 2)[real]
+            self.v[i, where] = v.transpose(1, 2)[real]
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [U, Hq, T, D]
             x = self._rest(p, x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
-        last = torch.tensor([len(p) - 1 for p in prompts], device=dev)
+        last = lens.to(dev) - 1
         h = _rms(self.norm, x[torch.arange(len(prompts), device=dev), last])  # [U, hidden]
         return self.model.lm_head(h).float()
 
@@ -287,40 +314,61 @@ class StaticDecoder:
         return x + p.layer.mlp.down_proj(F.silu(gate) * up)
 
     def _step(self, b: int, t: int) -> torch.Tensor:
-        """One decode step for slots 0..b-1 from the static inputs `_tok`, `_pos`; attends over the first
-        t positions. Writes each row's new K/V at its position; returns logits float32 [b, V]."""
+        """One decode step for batch rows 0..b-1 from the static inputs `_tok`, `_at` (position, region start);
+        attends over each row's positions 0..pos (at most t). Writes each row's new K/V at start + pos;
+        returns logits float32 [b, V]."""
         assert self.k is not None and self.v is not None
-        tok, pos = self._tok[:b], self._pos[:b]
-        rows = torch.arange(b, device=tok.device)
+        tok, pos, start = self._tok[:b], self._at[0, :b], self._at[1, :b]
+        at = start + pos  # [b] pool position of each row's new token
         x = self.embed(tok[:, None])  # [b, 1, hidden]
         cos, sin = (c[:, None] for c in self.rotary(x, pos[:, None]))  # [b, 1, 1, D]
-        bias = torch.zeros((b, 1, 1, t), dtype=x.dtype, device=x.device)  # [b, 1, 1, t] additive mask
-        bias.masked_fill_(torch.arange(t, device=x.device)[None, None, None, :] > pos[:, None, None, None],
-                          float("-inf"))
+        if self.flash:
+            seen = (pos + 1).to(torch.int32)  # [b] keys each row attends to
+            first = torch.cat([start.to(torch.int32), self._ar[:1] + self.capacity + 1])  # [b + 1] region starts
+        else:  # gather each row's first t positions (past its end: masked, clamped into the pool)
+            idx = (start[:, None] + torch.arange(t, device=x.device)[None, :]).clamp_max(self.capacity)  # [b, t]
+            bias = torch.zeros((b, 1, 1, t), dtype=x.dtype, device=x.device)  # [b, 1, 1, t] additive mask
+            bias.masked_fill_(torch.arange(t, device=x.device)[None, None, None, :] > pos[:, None, None, None],
+                              float("-inf"))
         for i, p in enumerate(self.plan):
-            q, k, v = self._qkv(p, x, cos, sin)  # q [b, Hq, 1, D]
-            self.k[i, rows, :, pos] = k[:, :, 0]
-            self.v[i, rows, :, pos] = v[:, :, 0]
-            q = q.reshape(b, self.kv_heads, self.group, self.head_dim)  # a KV head's query heads as G queries
-            a = F.scaled_dot_product_attention(q, self.k[i, :b, :, :t], self.v[i, :b, :, :t], attn_mask=bias,
-                                               scale=self.scaling)  # [b, Hkv, G, D]
+            q, k, v = self._qkv(p, x, cos, sin)  # q [b, Hq, 1, D], k/v [b, Hkv, 1, D]
+            self.k[i, at] = k[:, :, 0]
+            self.v[i, at] = v[:, :, 0]
+            if self.flash:
+                a = self._flash(q, self.k[i], self.v[i], first, seen, t)
+            else:
+                q = q.reshape(b, self.kv_heads, self.group, self.head_dim)  # a KV head's query heads as G queries
+                a = F.scaled_dot_product_attention(q, self.k[i][idx].transpose(1, 2), self.v[i][idx].transpose(1, 2),
+                                                   attn_mask=bias, scale=self.scaling)  # [b, Hkv, G, D]
             x = self._rest(p, x, a.reshape(b, 1, -1))
         return self.model.lm_head(_rms(self.norm, x[:, 0])).float()  # [b, V]
 
-    def decode(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """Logits float32 [n, V] after feeding `tokens` [n] at `positions` (rows in slots 0..n-1).
-        The caller waits for step k's results before asking for step k+2 (the pinned buffers' turn)."""
+    def _flash(self, q, k, v, first, seen, t: int) -> torch.Tensor:
+        """Flash attention's varlen kernel over the rows' regions: the G query heads of a KV head are that
+        head's G queries (one pass over its keys, not G), keys from first[b] for seen[b] positions.
+        q [b, Hq, 1, D], k/v [N + 1, Hkv, D] -> [b, Hkv, G, D]."""
+        b, G = q.shape[0], self.group
+        qs = q.reshape(b, self.kv_heads, G, self.head_dim).transpose(1, 2).reshape(b * G, self.kv_heads, -1)
+        out = torch.ops.aten._flash_attention_forward(
+            qs, k, v, self._ar[:b + 1] * G, first, G, t, 0.0, False, False, scale=self.scaling, seqused_k=seen)[0]
+        return out.view(b, G, self.kv_heads, -1).transpose(1, 2)  # [b, Hkv, G, D]
+
+    def decode(self, tokens: torch.Tensor, positions: list[int], starts: list[int]) -> torch.Tensor:
+        """Logits float32 [n, V] after feeding `tokens` [n] at `positions` in the regions at `starts` (rows
+        0..n-1 of the batch). The caller waits for step k's results before asking for step k+2 (the pinned
+        buffers' turn)."""
         n = tokens.shape[0]
         t = _bucket(max(positions) + 1, 64)
-        assert t <= self.capacity, f"position {max(positions)} past the cache ({self.capacity})"
+        assert max(p + s for p, s in zip(positions, starts)) < self.capacity, "a row past the pool's end"
+        b = min(batch_bucket(n), self.max_batch_size) if self.graphs else n
         self._tok[:n].copy_(tokens)
-        staged = self._pos_host[self._turn]
+        staged = self._at_host[self._turn]
         self._turn ^= 1
-        staged[:n] = torch.tensor(positions)
-        self._pos[:n].copy_(staged[:n], non_blocking=True)
+        staged[0, :n], staged[1, :n] = torch.tensor(positions), torch.tensor(starts)
+        staged[0, n:b], staged[1, n:b] = 0, self.capacity  # idle rows of the bucket write the scratch position
+        self._at[:, :b].copy_(staged[:, :b], non_blocking=True)
         if not self.graphs:
             return self._step(n, t)
-        b = min(batch_bucket(n), self.max_batch_size)
         graph = self._graphs.get((b, t))
         if graph is None:
             return self._capture(b, t)[:n]

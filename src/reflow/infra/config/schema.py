@@ -166,6 +166,18 @@ class RolloutConfig(_Strict):
     router: bool = Field(False, description="Serve /generate through one router over all engines (backend=sglang: sglang-router when installed; otherwise reflow's least-loaded proxy) that retries a request on another engine when one dies.")
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
+    kv_mem_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="Fraction of the GPU's memory an engine holds for weights + KV cache, as SGLang's mem_fraction_static: the embedded engine sizes one KV pool from it and admits a row when a region for its prompt + max_new_tokens is free (rows that do not fit wait; docs/engine.md). backend=sglang: passed as mem_fraction_static (setting both differently is refused). Null: the embedded engine gives each of max_batch_size slots room for the longest row of a call (rows never wait).")
+
+    @model_validator(mode="after")
+    def _kv_mem_fraction_for_sglang(self) -> RolloutConfig:
+        """SGLang reads the one memory fraction it has (mem_fraction_static); both set differently is refused."""
+        if self.backend == "sglang" and self.kv_mem_fraction is not None:
+            if "mem_fraction_static" in self.model_fields_set and self.mem_fraction_static != self.kv_mem_fraction:
+                raise ValueError(f"rollout.kv_mem_fraction={self.kv_mem_fraction} and rollout.mem_fraction_static="
+                                 f"{self.mem_fraction_static} disagree; with backend=sglang set one of them")
+            if self.mem_fraction_static != self.kv_mem_fraction:  # (an assignment validates the model again)
+                self.mem_fraction_static = self.kv_mem_fraction
+        return self
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
     generate_ahead: bool = Field(True, description="Synchronous loop (max_staleness 0): the rollout source launches each iteration's batch right after the push of its policy and scores it in the background, so Prefect's bookkeeping between iterations (and a checkpoint due then) overlaps the engines' work. Same prompts, seeds and policy, hence the same batch. False: each iteration generates and scores in its own flow run's tasks (visible as task runs in the UI).")
     update_ahead: bool | None = Field(None, description="Synchronous loop with generate_ahead: the rollout source also computes the next batch's advantages and submits its update before its flow run starts, so the bookkeeping between flow runs overlaps the trainer's work too; the same batch and update. Null (auto): on where the run uses GPUs, where it measured faster; off on CPU, where it did not. Never with cluster.hand_over (the update waits for the hand-over in its flow run) or a critic (it must score the batch first).")

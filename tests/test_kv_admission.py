@@ -1,0 +1,132 @@
+"""The KV pool of the static decoder (engines/embedded/kv_pool.py) and admission by free KV capacity, on CPU.
+
+Rows take a region of one pool sized by a budget; more rows than fit wait and join as others finish, none is
+lost, and what each row generates does not depend on who shared the batch. The default (no budget) keeps the
+first static cache's layout and outputs.
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+
+import pytest
+import torch
+
+from reflow.engines.embedded.generator import Generator
+from reflow.engines.embedded.kv_pool import RegionPool, bytes_per_position
+from reflow.infra.config.schema import RolloutConfig
+from reflow.rl.demo_policy import build_tokenizer
+from tests.test_static_decode import LENGTHS, PROMPTS, _assert_same, _greedy, _tiny
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer()
+
+
+def test_region_pool_first_fit_and_merging():
+    pool = RegionPool(1000, granule=100)
+    assert [pool.alloc(n) for n in (150, 100, 1, 300)] == [0, 200, 300, 400]  # 200 + 100 + 100 + 300
+    assert pool.alloc(301) is None and pool.in_use == 700  # 300 left, 400 asked
+    pool.free(200)
+    assert pool.alloc(250) == 700  # the 100 hole at 200 is too small: the tail's 300
+    assert pool.alloc(150) is None  # 200 asked, one 100 hole left
+    pool.free(0)
+    pool.free(300)  # merges with the holes at 0..200 and 200..300: one hole 0..400
+    assert pool.alloc(400) == 0 and pool.in_use == 1000
+    for start in (0, 400, 700):
+        pool.free(start)
+    assert pool.in_use == 0 and pool.alloc(1000) == 0  # everything merged back into one region
+    assert not pool.fits_ever(1001) and pool.fits_ever(1000)
+    assert bytes_per_position(28, 2, 128, torch.bfloat16) == 28 * 1024  # Qwen2.5-1.5B: 28 KiB a token
+
+
+def _rows_at_once(gen: Generator, monkeypatch) -> list[int]:
+    """Patches the generator's decoder to record how many rows each decode step ran."""
+    dec = gen.static_decoder()
+    seen: list[int] = []
+    real = dec.decode
+    monkeypatch.setattr(dec, "decode", lambda t, pos, starts: seen.append(len(starts)) or real(t, pos, starts))
+    return seen
+
+
+def test_rows_that_do_not_fit_wait_and_none_is_lost(tok, monkeypatch):
+    model = _tiny("qwen2")
+    want = _greedy(Generator(copy.deepcopy(model), tok, max_batch_size=16, decoder="eager"))
+    # every row (prompt <= 8, max_new <= 70) needs one 256-position region: 2 of the 9 rows fit at once
+    gen = Generator(model, tok, max_batch_size=16, decoder="static", kv_tokens=512)
+    seen = _rows_at_once(gen, monkeypatch)
+    got = _greedy(gen)
+    _assert_same(want, got)
+    assert len(got) == 9 and max(seen) == 2  # batch rows were free, KV room was not
+    assert gen.static_decoder().regions.in_use == 0
+
+
+def test_tight_regions_do_not_overrun_their_neighbours(tok, monkeypatch):
+    """Regions of 16 positions back to back (granule 16): a prefill or a repeated prompt writing past a row's
+    own region would change its neighbour's answers."""
+    model = _tiny("llama")
+    sps = [{"temperature": 0.0, "max_new_tokens": m, "ignore_eos": True} for m in (9, 3, 12, 5)]
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19], [20], [21, 22]]
+    want = Generator(copy.deepcopy(model), tok, decoder="eager").generate(prompts, sps, n=[2, 1, 3, 1])
+    gen = Generator(model, tok, max_batch_size=8, decoder="static", kv_tokens=64)
+    gen.static_decoder().reserve(64, granule=16)
+    seen = _rows_at_once(gen, monkeypatch)
+    _assert_same(want, gen.generate(prompts, sps, n=[2, 1, 3, 1]))
+    assert max(seen) == 4  # 4 regions of 16 in 64 positions: the 7 rows took turns
+
+
+def test_budget_and_default_give_the_same_samples(tok):
+    """Seeded sampling: a row's tokens depend on its seed and position, not on its batch-mates."""
+    model = _tiny("qwen3")
+    sp = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 40, "sampling_seed": 11}
+    default = Generator(copy.deepcopy(model), tok, max_batch_size=4, decoder="static").generate(PROMPTS, sp, n=3)
+    budget = Generator(model, tok, max_batch_size=4, decoder="static", kv_tokens=768).generate(PROMPTS, sp, n=3)
+    _assert_same(default, budget)
+
+
+# Token ids of _greedy and a seeded sampled batch from the static decoder before the KV pool existed
+# (commit 6517621, torch 2.13 on CPU): the default settings must keep producing exactly these.
+BEFORE = {"llama": "10b926e4025366d2", "qwen2": "ed74a29822046fc0", "qwen3": "df40538ad05ce578"}
+
+
+@pytest.mark.parametrize("kind", sorted(BEFORE))
+def test_default_settings_reproduce_the_slot_cache(kind, tok):
+    gen = Generator(_tiny(kind), tok, max_batch_size=4, decoder="static")
+    sps = [{"temperature": 0.0, "max_new_tokens": n, "ignore_eos": True} for n in LENGTHS]
+    recs = gen.generate(PROMPTS, sps, n=[2, 1, 3, 2, 1])
+    recs += gen.generate(PROMPTS, {"temperature": 0.8, "top_p": 0.9, "max_new_tokens": 40, "sampling_seed": 7}, n=2)
+    ids = json.dumps([r["output_ids"] for r in recs])
+    assert hashlib.sha256(ids.encode()).hexdigest()[:16] == BEFORE[kind]
+    dec = gen.static_decoder()  # the layout too: 4 slots of the longest row's bucket (8 + 70 -> 256)
+    assert dec.regions.granule == 256 and dec.capacity == 4 * 256
+
+
+def test_a_row_that_can_never_fit_is_refused(tok):
+    gen = Generator(_tiny("llama"), tok, decoder="static", kv_tokens=128)
+    with pytest.raises(ValueError, match="cannot fit the KV cache of 128 tokens"):
+        gen.generate([[5, 6]], {"max_new_tokens": 200, "ignore_eos": True})
+    assert gen.generate([[5, 6]], {"max_new_tokens": 5, "ignore_eos": True})[0]["completion_tokens"] == 5
+    with pytest.raises(ValueError, match="kv_mem_fraction must be in"):
+        Generator(_tiny("llama"), tok, kv_mem_fraction=1.5)
+
+
+def test_release_frees_the_pool_and_the_next_generate_makes_it_again(tok):
+    gen = Generator(_tiny("llama"), tok, decoder="static", kv_tokens=1024)
+    first = gen.generate([[5, 6, 7]], {"temperature": 0.0, "max_new_tokens": 8})
+    dec = gen.static_decoder()
+    assert dec.nbytes() == 2 * 2 * 1025 * 4 * 8 * 4  # K and V, [L, N + 1, H_kv, D] float32
+    dec.release()
+    assert dec.nbytes() == 0 and dec.regions is None
+    assert gen.generate([[5, 6, 7]], {"temperature": 0.0, "max_new_tokens": 8})[0]["output_ids"] == first[0]["output_ids"]
+    assert dec.capacity == 1024
+
+
+def test_sglang_reads_the_same_memory_fraction():
+    assert RolloutConfig(backend="sglang", kv_mem_fraction=0.6).mem_fraction_static == 0.6
+    assert RolloutConfig(kv_mem_fraction=0.6).mem_fraction_static == 0.8  # embedded: its own pool
+    with pytest.raises(ValueError, match="disagree"):
+        RolloutConfig(backend="sglang", kv_mem_fraction=0.6, mem_fraction_static=0.7)
+    with pytest.raises(ValueError):
+        RolloutConfig(kv_mem_fraction=1.0)
