@@ -71,8 +71,13 @@ def worker_pool_config(cpus: int) -> dict[str, int | bool]:
     driver's `ray.init` until they are up (raylet's worker pool). reflow's actors never use them (they
     get workers of their own) and its tasks need a few, so those starts were CPU taken from the
     driver's and the actors' own start-up: 16 workers importing Ray beside them on a 16-core GPU
-    machine, 4 on a 2-core VM. Workers now start when a task first needs one (bench/RESULTS.md 19)."""
-    return {"num_workers_soft_limit": 2 * cpus, "prestart_worker_first_driver": False}
+    machine, 4 on a 2-core VM. Workers now start when a task first needs one (bench/RESULTS.md 19).
+
+    Ray starts every worker at nice 15 (`worker_niceness`); a run's workers are the run itself (trainer ranks,
+    engines, the rollout's tasks), so beside any other busy process on the host they all but stopped: an actor's
+    2 s of CPU took 40 s beside two busy loops at nice 0, against 2 s at nice 0 (bench/worker_niceness.py,
+    2 cores). They run at the niceness of everything else."""
+    return {"num_workers_soft_limit": 2 * cpus, "prestart_worker_first_driver": False, "worker_niceness": 0}
 
 
 def ray_setting_env(settings: dict[str, int | bool]) -> dict[str, str]:
