@@ -270,7 +270,8 @@ class Worker:
 
     def start(self) -> Worker:
         self.starts += 1
-        env = {**node_env(self.hosts), **{k: v for k, v in self.head.env().items() if k != "RAY_ADDRESS"}}
+        env = {**node_env(self.hosts), **{k: v for k, v in self.head.env().items() if k != "RAY_ADDRESS"},
+               "RAY_worker_niceness": "0"}  # as docs/scale-out.md starts a worker node
         cmd = [*self.hosts.run_in(self.hosts.b), str(Path(sys.executable).with_name("ray")), "start",
                f"--address={self.head.address}", f"--node-ip-address={self.hosts.ip_b}", "--block",
                "--num-cpus=2", f"--resources={json.dumps({TRAINER_RES: 1})}", "--disable-usage-stats"]
