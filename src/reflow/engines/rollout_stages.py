@@ -1,12 +1,17 @@
 """Rollout-side work that runs inside Ray (remote functions), so batches stay in the object store.
 
 generate -> score (reward) -> advantages, each taking and returning a `RolloutBatch`, plus small
-stat dicts for the driver. The engines are reached only through `EngineClient` over SGLang's
+stat dicts for the driver; an eval set's generation, scoring and records; a batch's records.
+
+Every function a Ray task runs lives here (or in another module without Prefect and the runtime): a task
+worker imports the module of the function it runs, and those of the tasks/ side (Prefect, the runtime, the
+engine classes) cost a worker ~3.5 s of CPU against ~1.4 s for this one, in every task worker of every run. The engines are reached only through `EngineClient` over SGLang's
 HTTP API, so the same code drives the embedded engine and a real SGLang server.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import time
 from dataclasses import replace
@@ -14,12 +19,15 @@ from typing import Any
 
 import pandas as pd
 
+from reflow.engines.gc_freeze import freeze_long_lived
 from reflow.engines.rollout_client import EngineClient, generate_batch
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, result_logprobs, rollout_with_fn
 from reflow.engines.weights.lora import adapter_name
+from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
+from reflow.rl.metrics import eval_summary
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 from reflow.rl.scorers import Scorer, as_scorer, score_samples
 from reflow.rl.types import RolloutBatch
@@ -67,6 +75,16 @@ def generate(settings: RolloutSettings, batch: BatchRequest) -> RolloutBatch:
     # waited for by its `generate` task for less (time_generate), and throughput is counted over this
     out.extra["generate_s"] = time.perf_counter() - t0
     return out
+
+
+def generate_timed(settings: RolloutSettings, batch: BatchRequest) -> tuple[RolloutBatch, dict[str, float]]:
+    """The batch, and how long the engines took to generate it: as the rollout task saw it (requests,
+    answers, the batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when
+    an engine reports none). Two returns, so the caller waits for the small one without fetching the
+    batch into another task (one Ray task and a batch transfer less per rollout)."""
+    out = generate(settings, batch)
+    return out, {"generate_engine_s": float(out.extra.get("generate_s", 0.0)),
+                 "generate_server_s": float(out.extra.get("server_s", 0.0))}
 
 
 def _one_turn(s: RolloutSettings, batch: BatchRequest, seeds: list[int] | None, lora_path: str | None) -> RolloutBatch:
@@ -159,6 +177,63 @@ def rollout_table(batch: RolloutBatch) -> pd.DataFrame:
     })
 
 
+def write_rollout_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
+    """Write a batch's per-sample table (rollouts.parquet) from inside Ray: the batch never reaches the driver."""
+    return store.write_parquet(rel, rollout_table(batch))
+
+
+def pick_samples(batch: RolloutBatch, k: int) -> list[dict]:
+    """A few samples for the UI: the best and the worst rewarded of the batch, then the first ones."""
+    rewards = batch.rewards or [0.0] * len(batch)
+    order = sorted(range(len(batch)), key=lambda i: -rewards[i])
+    picked = list(dict.fromkeys(order[: k // 2] + order[-(k - k // 2):]))[:k] if order else []
+    return [{"prompt": batch.prompt_text[i], "response": batch.response_text[i],
+             "reward": None if batch.rewards is None else batch.rewards[i],
+             "advantage": None if batch.advantages is None else batch.advantages[i],
+             "finish": batch.finish_reason[i]} for i in picked]
+
+
+def eval_sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold: float) -> pd.DataFrame:
+    """One row per sample: the per-sample record of an eval set (samples.parquet)."""
+    return pd.DataFrame({
+        "prompt_index": [prompt_index[g] for g in batch.group_index],
+        "sample": [j % n for j in range(len(batch))],
+        "prompt": batch.prompt_text,
+        "response": batch.response_text,
+        "label": [str(x) for x in batch.label],
+        "reward": batch.rewards,
+        "correct": [r >= threshold for r in batch.rewards],
+        "finish_reason": batch.finish_reason,
+        "response_len": [len(r) for r in batch.response_ids],
+        "logprob": [float(sum(lp)) for lp in batch.rollout_logprobs],  # sum over the response, under the policy
+        "policy_version": [batch.policy_version] * len(batch),
+    })
+
+
+def eval_set(settings: RolloutSettings, batch: BatchRequest, name: str, reward_fn: Scorer, threshold: float, ks: list[int],
+             n: int, prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
+    """One eval set in one Ray task: generate, then score and record (tasks/evaluate.py launches it). Scoring in a
+    task of its own, chained on the generation's ref, waited 1.4-2.2 s for a worker in 3 of 4 evals of a 25M run
+    (Ray's timeline: the generation done, every worker idle or generating the next rollout); here it follows the
+    generation in the same worker."""
+    return score_and_record_eval(generate(settings, batch), name, reward_fn, threshold, ks, n, prompt_index, store,
+                                 out_dir, fn_timeout_s)
+
+
+def score_and_record_eval(batch: RolloutBatch, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
+                          prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
+    """Score one eval set's samples (a reward function's calls within `fn_timeout_s` each, reward.fn_timeout_s),
+    compute its metrics and write its records (inside Ray: the batch never reaches the driver). Returns the summary."""
+    scored, _ = score(batch, reward_fn, fn_timeout_s=fn_timeout_s)
+    df = eval_sample_table(scored, prompt_index, n, threshold)
+    metrics = eval_summary(scored.group_index, scored.rewards, df["correct"].tolist(), df["response_len"].tolist(),
+                           scored.finish_reason, ks)
+    summary = {"set": name, "policy_version": batch.policy_version, **metrics}
+    store.write_parquet(f"{out_dir}/{name}/samples.parquet", df)
+    store.write_json(f"{out_dir}/{name}/summary.json", summary)
+    return summary
+
+
 def _trajectory_columns(batch: RolloutBatch) -> dict[str, list]:
     """Multi-turn rollouts only: each response's loss mask, its policy-token count and the rollout
     function's reward info (JSON), so turns and tool calls show in rollouts.parquet."""
@@ -167,3 +242,15 @@ def _trajectory_columns(batch: RolloutBatch) -> dict[str, list]:
     info = batch.reward_info or [{}] * len(batch)
     return {"response_mask": [list(m) for m in batch.response_mask], "policy_tokens": batch.policy_tokens(),
             "rollout_info": [json.dumps(i, default=str, sort_keys=True) for i in info]}
+
+
+def warm_worker(modules: tuple[str, ...], freeze: bool) -> None:
+    """A task worker's imports ahead of its first task (infra/cluster/runtime.warm_task_workers): this module's (it
+    runs here) and `modules`, those of the other functions Ray tasks run."""
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - a warm-up only: the task that needs the module reports it
+            pass
+    if freeze:  # a task worker lives as long as the driver's job: its imports out of later collections
+        freeze_long_lived(collect=False)  # a worker of CPU tasks: what its imports left is host memory

@@ -23,7 +23,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-import pandas as pd
 import ray
 from prefect import get_run_logger, task
 from prefect.artifacts import create_table_artifact
@@ -35,53 +34,11 @@ from reflow.infra.cluster.runtime import Runtime, get_eval_runtime, get_runtime
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.inputs.eval_sets import EvalSet
 from reflow.infra.store import checkpoint as ckpt
-from reflow.infra.store.storage import ExperimentStore
-from reflow.rl.metrics import eval_summary
-from reflow.rl.scorers import Scorer
-from reflow.rl.types import RolloutBatch
 from reflow.tasks.report import artifact_key
 from reflow.tasks.rollout import uses_adapter
 
-
-def sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold: float) -> pd.DataFrame:
-    """One row per sample: the per-sample record of an eval set (samples.parquet)."""
-    return pd.DataFrame({
-        "prompt_index": [prompt_index[g] for g in batch.group_index],
-        "sample": [j % n for j in range(len(batch))],
-        "prompt": batch.prompt_text,
-        "response": batch.response_text,
-        "label": [str(x) for x in batch.label],
-        "reward": batch.rewards,
-        "correct": [r >= threshold for r in batch.rewards],
-        "finish_reason": batch.finish_reason,
-        "response_len": [len(r) for r in batch.response_ids],
-        "logprob": [float(sum(lp)) for lp in batch.rollout_logprobs],  # sum over the response, under the policy
-        "policy_version": [batch.policy_version] * len(batch),
-    })
-
-
-@ray.remote(num_cpus=0)
-def _eval_set(settings: RolloutSettings, batch: BatchRequest, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
-              prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
-    """One set's eval in one Ray task: generate (`rollout_stages.generate`), then score and record. Scoring in a task of its own, chained on the generation's ref, waited 1.4-2.2 s for
-    a worker in 3 of 4 evals of a 25M run (Ray's timeline: the generation done, every worker idle or
-    generating the next rollout); here it follows the generation in the same worker."""
-    return _score_and_record(ro.generate(settings, batch), name, reward_fn, threshold, ks, n, prompt_index, store, out_dir,
-                             fn_timeout_s)
-
-
-def _score_and_record(batch: RolloutBatch, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
-                      prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
-    """Score one set's samples (a reward function's calls within `fn_timeout_s` each, reward.fn_timeout_s),
-    compute its metrics and write its records (inside Ray: the batch never reaches the driver). Returns the summary."""
-    scored, _ = ro.score(batch, reward_fn, fn_timeout_s=fn_timeout_s)
-    df = sample_table(scored, prompt_index, n, threshold)
-    metrics = eval_summary(scored.group_index, scored.rewards, df["correct"].tolist(), df["response_len"].tolist(),
-                           scored.finish_reason, ks)
-    summary = {"set": name, "policy_version": batch.policy_version, **metrics}
-    store.write_parquet(f"{out_dir}/{name}/samples.parquet", df)
-    store.write_json(f"{out_dir}/{name}/summary.json", summary)
-    return summary
+# One set's eval in one Ray task, in the worker-side module (a task worker imports only that)
+_eval_set = ray.remote(num_cpus=0)(ro.eval_set)
 
 
 @dataclass

@@ -37,10 +37,10 @@ from prefect.settings import (
     PREFECT_API_URL,
 )
 
+from reflow.engines import rollout_stages as ro
 from reflow.infra.cluster.runtime import get_runtime
 from reflow.infra.config.schema import RunConfig
 from reflow.infra.store import metric_views as views
-from reflow.rl.types import RolloutBatch
 from reflow.tasks.rollout import BatchRef, write_table
 from reflow.tasks.state import run_state
 
@@ -226,16 +226,7 @@ def _tls_context() -> ssl.SSLContext:
 SAMPLES_SHOWN = 4
 
 
-@ray.remote(num_cpus=0)
-def _samples(batch: RolloutBatch, k: int) -> list[dict]:
-    """A few samples for the UI: the best and the worst rewarded of the batch, then the first ones."""
-    rewards = batch.rewards or [0.0] * len(batch)
-    order = sorted(range(len(batch)), key=lambda i: -rewards[i])
-    picked = list(dict.fromkeys(order[: k // 2] + order[-(k - k // 2):]))[:k] if order else []
-    return [{"prompt": batch.prompt_text[i], "response": batch.response_text[i],
-             "reward": None if batch.rewards is None else batch.rewards[i],
-             "advantage": None if batch.advantages is None else batch.advantages[i],
-             "finish": batch.finish_reason[i]} for i in picked]
+_samples = ray.remote(num_cpus=0)(ro.pick_samples)
 
 
 def _cell(text: str, limit: int = 300) -> str:

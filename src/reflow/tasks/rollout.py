@@ -18,34 +18,18 @@ from reflow.engines import rollout_stages as ro
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.cluster.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.config.schema import RunConfig
-from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.data import prompts_for_iteration
 from reflow.rl.scorers import reward_source
-from reflow.rl.types import Prompt, RolloutBatch
+from reflow.rl.types import Prompt
 from reflow.tasks import stage_cache
 from reflow.tasks.faults import transient_fault
 
-
-def _generate_timed(*args, **kwargs) -> tuple[RolloutBatch, dict[str, float]]:
-    """The batch, and how long the engines took to generate it: as the rollout task saw it (requests,
-    answers, the batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when
-    an engine reports none). Two returns, so the caller waits for the small one without fetching the
-    batch into another task (one Ray task and a batch transfer less per rollout)."""
-    batch = ro.generate(*args, **kwargs)
-    return batch, {"generate_engine_s": float(batch.extra.get("generate_s", 0.0)),
-                   "generate_server_s": float(batch.extra.get("server_s", 0.0))}
-
-
-_generate = ray.remote(num_cpus=0, num_returns=2)(_generate_timed)
+# Ray tasks run functions of the worker-side module (engines/rollout_stages.py): a task worker imports only that.
+_generate = ray.remote(num_cpus=0, num_returns=2)(ro.generate_timed)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
 _advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
 _dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
-
-
-@ray.remote(num_cpus=0)
-def write_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
-    """Write a batch's per-sample table from inside Ray (the batch never reaches the driver)."""
-    return store.write_parquet(rel, ro.rollout_table(batch))
+write_table = ray.remote(num_cpus=0)(ro.write_rollout_table)
 
 
 @dataclass

@@ -13,7 +13,6 @@ an argument; a later flow run that reuses detached actors asks them for it over 
 from __future__ import annotations
 
 import hashlib
-import importlib
 import logging
 import os
 import threading
@@ -25,8 +24,9 @@ from typing import Any
 import ray
 
 from reflow.engines import ray_nodes
+from reflow.engines import rollout_stages as ro
 from reflow.engines.embedded.engine import EmbeddedEngine
-from reflow.engines.gc_freeze import freeze_actor, freeze_long_lived
+from reflow.engines.gc_freeze import freeze_actor
 from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
 from reflow.engines.http_serve import new_api_key
 from reflow.engines.rollout_client import EngineClient
@@ -296,8 +296,9 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
 # What the iteration's Ray tasks (tasks/rollout.py, tasks/stage_cache.py) import in their worker: torch,
 # pandas, the reward and rollout modules. A driver's task workers start cold (workers belong to one job),
 # and the first generate / score of a run paid it: 5.7 s and 3.0 s on 2 cores against 0.1 s after.
-_TASK_MODULES = ("reflow.engines.rollout_stages", "reflow.tasks.stage_cache", "reflow.tasks.rollout",
-                 "reflow.tasks.evaluate")
+# What Ray tasks run besides engines/rollout_stages.py (whose `warm_worker` imports it by running): the stage records
+# and the critic's values (each imports neither Prefect nor this module)
+_TASK_MODULES = ("reflow.tasks.stage_cache", "reflow.engines.train.critic")
 # The next rollout (launched ahead) and an eval set generate at once, with a stage record and the records'
 # tasks beside them. With 2, an eval waited 2-3 s for a worker in 2 of 4 evals of a 25M run (Ray's timeline).
 # On a host of few cores their imports only compete with the actors' own start-up (~6 s of CPU a worker), and a
@@ -306,22 +307,13 @@ _TASK_MODULES = ("reflow.engines.rollout_stages", "reflow.tasks.stage_cache", "r
 _WARM_WORKERS = min(3, max(1, (os.cpu_count() or 1) - 1))
 
 
-@ray.remote(num_cpus=0)
-def _import_task_modules(freeze: bool) -> None:
-
-    for name in _TASK_MODULES:
-        try:
-            importlib.import_module(name)
-        except Exception:  # noqa: BLE001 - a warm-up only: the task that needs the module reports it
-            pass
-    if freeze:  # a task worker lives as long as the driver's job: its imports out of later collections
-        freeze_long_lived(collect=False)  # a worker of CPU tasks: what its imports left is host memory
+_warm_worker = ray.remote(num_cpus=0)(ro.warm_worker)
 
 
 def warm_task_workers(freeze: bool = True) -> list:
     """Start the iteration's task workers while the actors load (it returns at once): their imports
     then overlap the actors' start-up instead of delaying the first iteration's stages."""
-    return [_import_task_modules.remote(freeze) for _ in range(_WARM_WORKERS)]
+    return [_warm_worker.remote(_TASK_MODULES, freeze) for _ in range(_WARM_WORKERS)]
 
 
 def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
