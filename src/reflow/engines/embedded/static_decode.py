@@ -11,9 +11,10 @@ region of the pool (kv_pool.py: its prompt + its own max_new_tokens; admitted wh
 its tokens at start .. start + len - 1. Running rows are rows 0..n-1 of the batch (finished ones leave;
 nothing in the cache moves, only the per-row starts do), so a step over n rows runs the graph captured
 for the batch bucket b >= n (rows n..b-1 are idle and write the scratch position N). Attention on a GPU in
-bf16/fp16 is flash attention's varlen kernel reading each row's own region for its own length (the
-long tail costs only what it reads); elsewhere each row's first t positions are gathered and masked, t a
-power-of-two bucket >= the longest row. Graphs are captured lazily, once per (b, t), on first need.
+bf16/fp16 reads each row's own region for its own length (the long tail costs only what it reads): a Triton
+flash-decoding kernel (decode_attention.py) where Triton is installed, else flash attention's varlen kernel;
+elsewhere each row's first t positions are gathered and masked, t a power-of-two bucket >= the longest row.
+Graphs are captured lazily, once per (b, t), on first need.
 
 Fewer kernels per layer (a graph replays them back to back, so their count sets the step time at small
 batches): q/k/v are one matrix product and gate/up another, over one fused tensor each that the model's
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from reflow.engines.embedded import decode_attention as triton_decode
 from reflow.engines.embedded.kv_pool import GRANULE, RegionPool
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -130,8 +132,9 @@ class StaticDecoder:
     def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False, attention: str = "auto"):
         """keep_params: never re-point the model's parameters (they live in the engine's weight arena): fused
         tensors whose members are not back to back there are copies, `refresh`ed after weight writes.
-        attention: "flash" (flash attention's varlen kernel: CUDA, bf16/fp16), "gather" (each row's positions
-        gathered, then SDPA with a mask: any device and dtype) or "auto" (flash where `flash_ok`)."""
+        attention: "triton" (decode_attention.py: CUDA, bf16/fp16), "flash" (flash attention's varlen kernel:
+        CUDA, bf16/fp16), "gather" (each row's positions gathered, then SDPA with a mask: any device and dtype)
+        or "auto" (triton where Triton is installed, else flash where `flash_ok`, else gather)."""
         self.model, self.max_batch_size, self.graphs = model, max_batch_size, graphs
         self.copies: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = [] if keep_params else None
         self.synced = None  # the generator's weight_writes the copies were last brought up to (Generator sets it)
@@ -150,9 +153,10 @@ class StaticDecoder:
         self.v: torch.Tensor | None = None
         self.regions: RegionPool | None = None  # which pool positions each row owns (kv_pool.py)
         self.attention = attention
-        self.flash = False  # decided per pool (reserve): flash attention's varlen kernel, else a gather + SDPA
+        self.kernel = "gather"  # decided per pool (reserve): "triton", "flash" or "gather" (`attention`)
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
+        self._logits: torch.Tensor | None = None  # [slots, V] float32: the graphs' output (one buffer for all)
 
     @staticmethod
     def _plan(layer, cfg, copies: list | None) -> _Layer:
@@ -227,7 +231,9 @@ class StaticDecoder:
         self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.regions = RegionPool(positions, granule)
-        self.flash = self.attention == "flash" or (self.attention == "auto" and flash_ok(p))
+        self.kernel = self.attention if self.attention != "auto" else (
+            "triton" if triton_decode.available() and flash_ok(p) else "flash" if flash_ok(p) else "gather")
+        self._sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.is_cuda else 1
         B = self.max_batch_size
         self._tok = torch.zeros(B, dtype=torch.long, device=p.device)  # graph inputs
         self._at = torch.zeros(2, B, dtype=torch.long, device=p.device)  # [position, region start] per row
@@ -242,6 +248,7 @@ class StaticDecoder:
         """Free the cache and the graphs (colocated mode's release_memory_occupation)."""
         self._graphs.clear()
         self._pool = None
+        self._logits = None
         self.k = self.v = None
         self.regions = None
         if torch.cuda.is_available():
@@ -322,10 +329,11 @@ class StaticDecoder:
         at = start + pos  # [b] pool position of each row's new token
         x = self.embed(tok[:, None])  # [b, 1, hidden]
         cos, sin = (c[:, None] for c in self.rotary(x, pos[:, None]))  # [b, 1, 1, D]
-        if self.flash:
-            seen = (pos + 1).to(torch.int32)  # [b] keys each row attends to
+        splits = triton_decode.splits_for(b, self.kv_heads, t, self._sms)
+        seen = (pos + 1).to(torch.int32)  # [b] keys each row attends to
+        if self.kernel == "flash":
             first = torch.cat([start.to(torch.int32), self._ar[:1] + self.capacity + 1])  # [b + 1] region starts
-        else:  # gather each row's first t positions (past its end: masked, clamped into the pool)
+        elif self.kernel == "gather":  # gather each row's first t positions (past its end: masked, clamped into the pool)
             idx = (start[:, None] + torch.arange(t, device=x.device)[None, :]).clamp_max(self.capacity)  # [b, t]
             bias = torch.zeros((b, 1, 1, t), dtype=x.dtype, device=x.device)  # [b, 1, 1, t] additive mask
             bias.masked_fill_(torch.arange(t, device=x.device)[None, None, None, :] > pos[:, None, None, None],
@@ -334,7 +342,10 @@ class StaticDecoder:
             q, k, v = self._qkv(p, x, cos, sin)  # q [b, Hq, 1, D], k/v [b, Hkv, 1, D]
             self.k[i, at] = k[:, :, 0]
             self.v[i, at] = v[:, :, 0]
-            if self.flash:
+            if self.kernel == "triton":
+                a = triton_decode.decode_attention(q.reshape(b, self.kv_heads, self.group, self.head_dim), self.k[i],
+                                                   self.v[i], start, seen, t, self.scaling, splits)
+            elif self.kernel == "flash":
                 a = self._flash(q, self.k[i], self.v[i], first, seen, t)
             else:
                 q = q.reshape(b, self.kv_heads, self.group, self.head_dim)  # a KV head's query heads as G queries
@@ -358,7 +369,8 @@ class StaticDecoder:
         0..n-1 of the batch). The caller waits for step k's results before asking for step k+2 (the pinned
         buffers' turn)."""
         n = tokens.shape[0]
-        t = _bucket(max(positions) + 1, 64)
+        t = _bucket(max(positions) + 1, 64 if self.kernel == "gather" else 512)  # the kernels read each row's own
+        # length (t only bounds it); the gather reads t positions of every row
         assert max(p + s for p, s in zip(positions, starts)) < self.capacity, "a row past the pool's end"
         b = min(batch_bucket(n), self.max_batch_size) if self.graphs else n
         self._tok[:n].copy_(tokens)
@@ -386,10 +398,13 @@ class StaticDecoder:
         logits = logits.clone()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._logits is None:  # every graph writes its logits here: what a graph allocates is then freed at the
+            self._logits = torch.empty((self.max_batch_size, logits.shape[1]), dtype=logits.dtype,  # end of its
+                                       device=logits.device)  # capture and reused by the next (one pool)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            out = self._step(b, t)
-        self._graphs[(b, t)] = (graph, out)
+            self._logits[:b].copy_(self._step(b, t))
+        self._graphs[(b, t)] = (graph, self._logits[:b])
         return logits
 
     @property

@@ -1,0 +1,97 @@
+"""Decode attention over the KV pool's regions, as one Triton kernel (flash decoding, split over the keys).
+
+Why not flash attention's varlen kernel (static_decode's "flash"): a decode step has one query per row, and
+that kernel tiles queries 128 at a time, so a KV head's 6 query heads (GQA, Qwen2.5-1.5B) fill 6 of 128
+tile rows: it computed ~20x the useful products, and it runs one thread block per (row, KV head) over all of
+that row's keys, so a batch's long tail of a few 8k-token rows left most of the GPU idle (measured on an H100:
+~7.8 ms a step, batch 256 or 4). Here a program handles (row, KV head, split): the head's G queries padded
+to 16 tile rows, the keys of its split in blocks of 64, online softmax (Dao et al. 2022); splits are chosen so
+that about two programs run per SM, and their partial results are merged by log-sum-exp weights.
+Layout: q [b, Hkv, G, D]; K/V pool [N + 1, Hkv, D] (static_decode.py); a row's keys at start .. start + used - 1.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton comes with torch's CUDA builds; the CPU build (tests, the demo) has none
+    import triton
+    import triton.language as tl
+except ImportError:  # deliberate: no Triton, no kernel (the decoder then uses flash attention or a gather)
+    triton = None
+
+BLOCK_N = 64  # keys a program loads at a time
+GP = 16  # a KV head's query heads padded to this many tile rows (tl.dot's smallest)
+
+
+def available() -> bool:
+    return triton is not None
+
+
+if triton is not None:
+    @triton.jit
+    def _decode_kernel(q_ptr, k_ptr, v_ptr, start_ptr, used_ptr, o_ptr, lse_ptr, scale,
+                       s_qb, s_qh, s_qg, s_kn, s_kh, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls,
+                       G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, GP: tl.constexpr,
+                       BLOCK_N: tl.constexpr):
+        row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        start = tl.load(start_ptr + row)
+        used = tl.load(used_ptr + row)
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        q = tl.load(q_ptr + row * s_qb + head * s_qh + g[:, None] * s_qg + d[None, :], mask=g[:, None] < G, other=0.0)
+        q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(q_ptr.dtype.element_ty)  # log2 domain
+        m = tl.full([GP], float("-inf"), tl.float32)
+        den = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, used)
+        for n in range(lo, hi, BLOCK_N):
+            offs = n + tl.arange(0, BLOCK_N)
+            keep = offs < hi
+            where = (start + offs)[:, None] * s_kn + head * s_kh + d[None, :]
+            k = tl.load(k_ptr + where, mask=keep[:, None], other=0.0)  # [BLOCK_N, D]
+            s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N]
+            s = tl.where(keep[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            v = tl.load(v_ptr + where, mask=keep[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            den = den * alpha + tl.sum(p, 1)
+            m = m_new
+        full = den > 0
+        out = acc / tl.where(full, den, 1.0)[:, None]
+        lse = tl.where(full, m + tl.log2(tl.where(full, den, 1.0)), float("-inf"))
+        tl.store(o_ptr + row * s_ob + head * s_oh + split * s_os + g[:, None] * s_og + d[None, :], out,
+                 mask=g[:, None] < G)
+        tl.store(lse_ptr + row * s_lb + head * s_lh + split * s_ls + g, lse, mask=g < G)
+
+
+def splits_for(b: int, kv_heads: int, t: int, sms: int) -> int:
+    """Key splits per (row, KV head): enough programs for ~2 per SM, each split at least 256 keys."""
+    want = max(1, math.ceil(2 * sms / (b * kv_heads)))
+    return max(1, min(want, t // 256))
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, used: torch.Tensor,
+                     t: int, scale: float, splits: int) -> torch.Tensor:
+    """q [b, Hkv, G, D]; k/v [N + 1, Hkv, D]; start/used [b] (keys start .. start + used - 1, used <= t) ->
+    [b, Hkv, G, D] in q's dtype. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it."""
+    assert triton is not None
+    b, H, G, D = q.shape
+    chunk = -(-t // splits)
+    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    q = q.contiguous()
+    out = torch.empty((b, H, splits, G, D), dtype=torch.float32, device=q.device)
+    lse = torch.empty((b, H, splits, G), dtype=torch.float32, device=q.device)
+    _decode_kernel[(b, H, splits)](q, k, v, start, used, out, lse, scale,
+                                   q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+                                   out.stride(0), out.stride(1), out.stride(2), out.stride(3),
+                                   lse.stride(0), lse.stride(1), lse.stride(2),
+                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=BLOCK_N, num_warps=4)
+    if splits == 1:
+        return out[:, :, 0].to(q.dtype)
+    w = torch.exp2(lse - lse.amax(2, keepdim=True))  # [b, H, S, G]; an empty split weighs 0
+    return ((out * w[..., None]).sum(2) / w.sum(2)[..., None]).to(q.dtype)
