@@ -1,0 +1,347 @@
+"""Long generations on one GPU (issue 55 points 2 and 4): the embedded engine against the HBM roofline and
+against transformers `generate`, and the train/inference log-prob mismatch by position.
+
+    PYTHONPATH=src:bench python3 bench/gpu_rollout_long.py --out $OUT      # bench/gpu_machine/rollout_long.sh
+
+Model: Qwen2.5-1.5B's shape (28 layers, hidden 1536, 12 query / 2 KV heads of 128, MLP 8960, vocabulary 151,936,
+tied embeddings), random weights, bf16. Prompts: 256 random tokens. Responses forced to their lengths with
+ignore_eos and per-request max_new_tokens, sampled at temperature 1. Workloads:
+- uniform: 256 requests of 1,024 tokens at batch 256, also through HF `generate` (the same prompts and lengths;
+  ratio_vs_generate_b256);
+- longtail: 256 requests at batch 256 whose lengths are the quantiles of a log-normal (median 1,024, sigma 0.77:
+  p99 ~6k, longest capped at 8,000): the whole batch waits for its longest (partial rollouts off);
+- stream: 512 such requests through 256 rows (continuous batching refills rows as others finish).
+Roofline: each decode step must read every weight once and each running row's K/V up to its position, so
+bound(step) = (weight bytes + sum over rows of (position + 1) * KV bytes a token) / HBM bandwidth (H200 4.8 TB/s,
+H100 SXM 3.35 TB/s: the vendors' figures); roofline fraction = sum of bounds / wall time of `generate` (prefill,
+sampling and the host's work included). Idle fraction = 1 - (rows decoded over all steps) / (256 * steps).
+Mismatch: 16 requests of 2,048 tokens from the engine, then the same tokens through a trainer-style HF forward
+(whole sequence, SDPA) under the same precision; |engine logprob - trainer logprob| by response position.
+Writes $OUT/gpu-rollout-long.json.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import engine_throughput as ET
+import torch
+import torch.nn.functional as F
+
+from reflow.engines.embedded.generator import Generator
+from reflow.engines.embedded.kv_pool import bytes_per_position
+
+SHAPE = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+             num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True)
+PROMPT = 256
+BATCH = 256
+
+
+def build(dtype: torch.dtype, seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**SHAPE, pad_token_id=0, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        return Qwen2ForCausalLM(cfg).to(dtype).eval()
+
+
+def bandwidth() -> tuple[float, str]:
+    name = torch.cuda.get_device_name()
+    return (4.8e12 if "H200" in name else 3.35e12), name
+
+
+def longtail(n: int, median: int = 1024, sigma: float = 0.77, cap: int = 8000, floor: int = 64) -> list[int]:
+    """Quantiles of a log-normal, shuffled with a fixed seed (the long ones not all at the end)."""
+    z = [statistics.NormalDist().inv_cdf((i + 0.5) / n) for i in range(n)]
+    out = [max(floor, min(cap, round(median * math.exp(sigma * x)))) for x in z]
+    g = torch.Generator().manual_seed(3)
+    return [out[i] for i in torch.randperm(n, generator=g).tolist()]
+
+
+class Steps:
+    """Counts what each decode step reads (rows, keys) by wrapping the decoder's `decode`."""
+
+    def __init__(self, dec):
+        self.dec, self.real = dec, dec.decode
+        self.steps = self.rows = self.keys = 0
+        dec.decode = self
+
+    def __call__(self, tokens, positions, starts):
+        self.steps += 1
+        self.rows += len(positions)
+        self.keys += sum(positions) + len(positions)
+        return self.real(tokens, positions, starts)
+
+    def reset(self):
+        self.steps = self.rows = self.keys = 0
+
+
+def run(gen, steps: Steps, prompts, lengths, wbytes: int, kvbytes: int, bw: float, tag: str) -> dict:
+    steps.reset()
+    sec, tokens = ET.timed(lambda: ET.run_ours(gen, prompts, lengths))
+    bound = (steps.steps * wbytes + steps.keys * kvbytes) / bw
+    row = {"workload": tag, "requests": len(prompts), "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
+           "steps": steps.steps, "mean_rows_per_step": steps.rows / max(steps.steps, 1),
+           "idle_fraction": 1 - steps.rows / (BATCH * max(steps.steps, 1)), "weight_gb_read": steps.steps * wbytes / 1e9,
+           "kv_gb_read": steps.keys * kvbytes / 1e9, "bound_s": bound, "roofline_fraction": bound / sec,
+           "ms_per_step": 1e3 * sec / max(steps.steps, 1), "max_len": max(lengths),
+           "p50_len": sorted(lengths)[len(lengths) // 2], "p99_len": sorted(lengths)[int(0.99 * len(lengths))]}
+    print(f"  {tag}: {tokens} tokens in {sec:.2f} s = {row['tokens_per_s']:.0f} tok/s, {steps.steps} steps "
+          f"({row['ms_per_step']:.2f} ms), roofline {row['roofline_fraction']:.3f}, idle {row['idle_fraction']:.3f}",
+          flush=True)
+    return row
+
+
+def check_kernels() -> dict:
+    """Each decode-attention kernel against float32 SDPA on random bf16 regions (rows of 1..8000 keys)."""
+    from reflow.engines.embedded import decode_attention as TD
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    N, H, G, D, b = 40000, 2, 6, 128, 12
+    k, v = (torch.randn(N + 1, H, D, device="cuda", generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(b, H, G, D, device="cuda", generator=g).bfloat16()
+    used = torch.tensor([1, 7, 64, 65, 300, 1000, 1023, 2048, 3000, 5000, 7999, 8000], device="cuda")
+    start = torch.cumsum(torch.cat([used.new_zeros(1), used[:-1] + 17]), 0)
+    want = [F.scaled_dot_product_attention(q[r].float(), k[start[r]:start[r] + used[r]].transpose(0, 1).float(),
+                                           v[start[r]:start[r] + used[r]].transpose(0, 1).float(), scale=0.088)
+            for r in range(b)]
+    out = {}
+    for name in ("triton", "flash"):
+        try:
+            if name == "triton":
+                got = [TD.decode_attention(q, k, v, start, used.int(), 8192, 0.088, s) for s in (1, 4, 32)]
+            else:
+                first = torch.cat([start.int(), start.new_full((1,), N + 1).int()])
+                qs = q.transpose(1, 2).reshape(b * G, H, D)
+                o = torch.ops.aten._flash_attention_forward(qs, k, v, torch.arange(b + 1, device="cuda").int() * G, first,
+                                                            G, 8192, 0.0, False, False, scale=0.088, seqused_k=used.int())[0]
+                got = [o.view(b, G, H, D).transpose(1, 2)]
+            err = max((x[r].float() - want[r]).abs().max().item() for x in got for r in range(b))
+            out[name] = {"max_abs_err": err}
+        except Exception as e:  # deliberate: a kernel that fails here is reported and not used
+            out[name] = {"error": repr(e)[:400]}
+    print(f"  kernel check vs fp32 SDPA: {out}", flush=True)
+    return out
+
+
+@torch.inference_mode()
+def precapture(dec, longest: int) -> int:
+    """Capture every (batch bucket, length bucket) graph a run up to `longest` positions can meet, before timing."""
+    from reflow.engines.embedded.static_decode import batch_bucket
+
+    buckets = sorted({batch_bucket(n) for n in range(1, BATCH + 1)})
+    t, ts = 512 if dec.kernel != "gather" else 64, []
+    while t < 2 * longest:
+        ts.append(t)
+        t *= 2
+    dec._tok.zero_()
+    dec._at[0].zero_()
+    dec._at[1].fill_(dec.capacity)  # every row at the scratch position
+    for b in buckets:
+        for t in ts:
+            if (b, t) not in dec._graphs:
+                dec._capture(b, t)
+    torch.cuda.synchronize()
+    return dec.graph_count
+
+
+def probe(model, tok, kernels: list[str]) -> dict:
+    """ms a decode step per kernel: batch 256 with 1k-token prompts and batch 4 with 4k-token prompts, 128
+    new tokens each (graphs captured by a first run)."""
+    res: dict = {}
+    for kernel in kernels:
+        for b, plen in ((256, 1024), (4, 4096)):
+            g = Generator(model, tok, max_batch_size=b, kv_tokens=b * (plen + 512), decoder="graphs")
+            g.static_decoder().attention = kernel
+            prompts = ET.prompts_for(b, SHAPE["vocab_size"], plen, seed=1)
+            sp = {"temperature": 1.0, "max_new_tokens": 128, "ignore_eos": True}
+            try:
+                g.generate(prompts, sp)
+                sec, _ = ET.timed(lambda g=g, p=prompts: g.generate(p, sp))
+                res[f"{kernel}_b{b}_p{plen}_ms"] = 1e3 * sec / 128
+            except Exception as e:  # deliberate: reported, and the kernel is not chosen
+                res[f"{kernel}_b{b}_p{plen}_ms"] = None
+                res[f"{kernel}_error"] = repr(e)[:400]
+            g.static_decoder().release()
+            del g
+    print(f"  probe: {res}", flush=True)
+    return res
+
+
+def step_ms(model, tok, kernel: str) -> dict:
+    """ms a decode step without the prefill: (time of 65 new tokens - time of 1) / 64, graphs captured first; then
+    a profile of 8 graph-free steps at batch 4 (the kernels a step runs, by GPU time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    res: dict = {}
+    for b, plen in ((256, 1024), (4, 4096), (4, 256)):
+        g = Generator(model, tok, max_batch_size=b, kv_tokens=b * (plen + 512), decoder="graphs")
+        g.static_decoder().attention = kernel if kernel != "auto" else "triton"
+        prompts = ET.prompts_for(b, SHAPE["vocab_size"], plen, seed=1)
+        sp = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True} for n in (1, 65)]
+        g.generate(prompts, sp[1])
+        one, _ = ET.timed(lambda g=g, p=prompts: g.generate(p, sp[0]))
+        many, _ = ET.timed(lambda g=g, p=prompts: g.generate(p, sp[1]))
+        res[f"b{b}_p{plen}"] = 1e3 * (many - one) / 64
+        g.static_decoder().release()
+    print(f"  decode ms a step (no prefill): {res}", flush=True)
+    g = Generator(model, tok, max_batch_size=4, kv_tokens=4 * 4608, decoder="static")
+    g.static_decoder().attention = "triton" if kernel == "auto" else kernel
+    prompts = ET.prompts_for(4, SHAPE["vocab_size"], 4096, seed=1)
+    g.generate(prompts, {"max_new_tokens": 4, "ignore_eos": True})
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        g.generate(prompts, {"max_new_tokens": 9, "ignore_eos": True})
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=60)
+    print(table, flush=True)
+    res["profile_b4"] = table
+    g.static_decoder().release()
+    return res
+
+
+def throughput(args, tok, bw: float) -> dict:
+    model = build(torch.bfloat16)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kvbytes = bytes_per_position(SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], 128, torch.bfloat16)
+    res: dict = {"weight_bytes": wbytes, "kv_bytes_per_token": kvbytes, "kernel_check": check_kernels()}
+    res["step_ms"] = step_ms(model, tok, args.kernel)
+    if args.kernel == "auto":
+        ok = [k for k in ("triton", "flash") if res["kernel_check"][k].get("max_abs_err", 1.0) < 0.05]
+        res["probe"] = probe(model, tok, ok + ["gather"])
+        times = {k: res["probe"][f"{k}_b256_p1024_ms"] + res["probe"][f"{k}_b4_p4096_ms"] for k in ok + ["gather"]
+                 if res["probe"][f"{k}_b256_p1024_ms"] and res["probe"][f"{k}_b4_p4096_ms"]}
+        args.kernel = min(times, key=times.get)
+    res["kernel"] = args.kernel
+    print(f"  kernel used below: {args.kernel}", flush=True)
+    uni_p = ET.prompts_for(BATCH, SHAPE["vocab_size"], PROMPT, seed=1)
+    hf = None
+    if args.hf:  # first, before the engine's pool takes its share of the memory
+        ET.run_hf(model, uni_p[:8], [8] * len(uni_p[:8]), 0)  # warm-up
+        sec, tokens = ET.timed(lambda m=model: ET.run_hf(m, uni_p, [1024] * BATCH, 0))
+        hf = res["hf_uniform"] = {"seconds": sec, "tokens_per_s": tokens / sec, "tokens": tokens}
+        print(f"  hf generate uniform: {tokens / sec:.0f} tok/s ({sec:.1f} s)", flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    gen = Generator(model, tok, max_batch_size=BATCH, decoder="graphs", kv_mem_fraction=args.mem_fraction)
+    gen.static_decoder().attention = args.kernel
+    steps = Steps(gen.static_decoder())
+    tail = longtail(BATCH)
+    stream = longtail(2 * BATCH)
+    stream_p = ET.prompts_for(2 * BATCH, SHAPE["vocab_size"], PROMPT, seed=2)
+    t0 = time.perf_counter()
+    ET.run_ours(gen, uni_p[:8], [8] * 8)  # makes the pool
+    dec = gen.static_decoder()
+    precapture(dec, PROMPT + max(stream + tail))
+    res["warmup_s"] = time.perf_counter() - t0
+    res.update(pool_tokens=dec.capacity, kv_cache_gib=dec.nbytes() / 2**30, graphs=dec.graph_count)
+    rows = [run(gen, steps, uni_p, [1024] * BATCH, wbytes, kvbytes, bw, "uniform"),
+            run(gen, steps, uni_p, tail, wbytes, kvbytes, bw, "longtail"),
+            run(gen, steps, stream_p, stream, wbytes, kvbytes, bw, "stream")]
+    res["rows"] = rows
+    res["graphs_after"] = dec.graph_count
+    if hf is not None:
+        res["ratio_vs_generate_b256"] = hf["seconds"] / rows[0]["seconds"]
+        print(f"  ours/generate (uniform): {res['ratio_vs_generate_b256']:.2f}", flush=True)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    gen.release_memory({"kv_cache", "cuda_graph", "weights"})
+    after = torch.cuda.memory_allocated()
+    res["release"] = {"allocated_before_gib": before / 2**30, "allocated_after_gib": after / 2**30,
+                      "freed_fraction": (before - after) / before}
+    print(f"  release: {before / 2**30:.1f} -> {after / 2**30:.2f} GiB allocated", flush=True)
+    del gen, steps, dec
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def trainer_logprobs(model, prompt: list[int], out: list[int], autocast: bool) -> torch.Tensor:
+    """Log-probs of `out` given the prompt from one HF forward of the whole sequence (as the trainer scores)."""
+    ids = torch.tensor([prompt + out], device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", torch.bfloat16, enabled=autocast):
+        logits = model(input_ids=ids, logits_to_keep=len(out) + 1).logits[0, :-1].float()  # [R, V]
+    return torch.log_softmax(logits, -1).gather(1, torch.tensor(out, device="cuda")[:, None])[:, 0]
+
+
+BINS = ((0, 256), (256, 512), (512, 1024), (1024, 1536), (1536, 2048))
+
+
+def mismatch(args, tok) -> dict:
+    """Engine vs trainer log-probs of the same sampled tokens, per precision setting and response position."""
+    settings = {"bf16": (torch.bfloat16, False, False), "bf16-mixed": (torch.float32, False, True),
+                "fp32+tf32": (torch.float32, True, False), "fp32": (torch.float32, False, False)}
+    prompts = ET.prompts_for(args.mm_rows, SHAPE["vocab_size"], PROMPT, seed=5)
+    sp = {"temperature": 1.0, "max_new_tokens": args.mm_len, "ignore_eos": True, "sampling_seed": 9}
+    res = {}
+    for name, (dtype, tf32, autocast) in settings.items():
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
+        # the same random weights each time, rounded to bf16 (bf16-mixed's trainer holds fp32 weights)
+        model = build(torch.bfloat16).to(dtype)
+        gen = Generator(model, tok, max_batch_size=args.mm_rows, decoder="graphs")
+        gen.static_decoder().attention = args.kernel if dtype != torch.float32 else "gather"
+        t0 = time.perf_counter()
+        recs = gen.generate(prompts, sp)
+        gen_s = time.perf_counter() - t0
+        gen.static_decoder().release()
+        diffs = []
+        for p, r in zip(prompts, recs):
+            eng = torch.tensor([x[0] for x in r["output_token_logprobs"]], device="cuda")
+            diffs.append(eng - trainer_logprobs(model, p, r["output_ids"], autocast))
+        d = torch.stack(diffs)  # [rows, R]
+        per_bin = {f"{a}-{b}": {"mean_abs": d[:, a:b].abs().mean().item(), "max_abs": d[:, a:b].abs().max().item(),
+                                "mean": d[:, a:b].mean().item()} for a, b in BINS if a < d.shape[1]}
+        res[name] = {"mean_abs": d.abs().mean().item(), "ratio_dev": (d.exp() - 1).abs().mean().item(),
+                     "by_position": per_bin, "generate_s": gen_s, "engine_kernel": gen.static_decoder().kernel,
+                     "mean_logprob": torch.tensor([x[0] for r in recs for x in r["output_token_logprobs"]]).mean().item()}
+        print(f"  mismatch {name}: mean |d| {res[name]['mean_abs']:.3g}, by position "
+              + ", ".join(f"{k} {v['mean_abs']:.3g}" for k, v in per_bin.items()), flush=True)
+        del gen, model, recs
+        gc.collect()
+        torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu-out")
+    ap.add_argument("--mem-fraction", type=float, default=0.85)
+    ap.add_argument("--hf", type=int, default=1)
+    ap.add_argument("--mm-rows", type=int, default=16)
+    ap.add_argument("--kernel", default="auto", help="decode attention for the mismatch runs when throughput is skipped")
+    ap.add_argument("--mm-len", type=int, default=2048)
+    ap.add_argument("--skip", default="", help="comma list: throughput, mismatch")
+    args = ap.parse_args()
+    bw, card = bandwidth()
+    tok = ET.build_tokenizer(SHAPE["vocab_size"])
+    out: dict = {"card": card, "hbm_bytes_per_s": bw, "torch": torch.__version__, "shape": "Qwen2.5-1.5B", **SHAPE,
+                 "prompt_tokens": PROMPT, "batch": BATCH, "mem_fraction": args.mem_fraction,
+                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    path = Path(args.out, "gpu-rollout-long.json")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if "throughput" not in args.skip:
+        t = throughput(args, tok, bw)
+        out["throughput"] = t
+        by = {r["workload"]: r for r in t["rows"]}
+        out["roofline_fraction_b256"] = by["longtail"]["roofline_fraction"]
+        out["roofline_fraction_b256_uniform1k"] = by["uniform"]["roofline_fraction"]
+        out["roofline_fraction_stream"] = by["stream"]["roofline_fraction"]
+        out["idle_fraction_off"] = by["longtail"]["idle_fraction"]
+        out["ratio_vs_generate_b256"] = t.get("ratio_vs_generate_b256")
+        path.write_text(json.dumps(out, indent=1, default=str))
+    if "mismatch" not in args.skip:
+        out["logprob_mismatch"] = mismatch(args, copy.copy(tok))
+        path.write_text(json.dumps(out, indent=1, default=str))
+    print(json.dumps({k: v for k, v in out.items() if k.endswith(("_b256", "_off", "_uniform1k", "_stream"))}))
+
+
+if __name__ == "__main__":
+    main()
