@@ -156,3 +156,17 @@ def test_triton_decode_attention_matches_sdpa_per_region():
             want = torch.nn.functional.scaled_dot_product_attention(
                 q[r], k[keys].transpose(0, 1), v[keys].transpose(0, 1), scale=0.088)  # [H, G, D]
             torch.testing.assert_close(got[r], want, rtol=1e-3, atol=1e-3)
+
+
+def test_a_call_that_fails_midway_leaves_the_pool_free(tok):
+    gen = Generator(_tiny("llama"), tok, max_batch_size=4, decoder="static", kv_tokens=512)
+    sp = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+    def boom(rids):
+        raise RuntimeError("checkpoint failed")
+
+    with pytest.raises(RuntimeError, match="checkpoint failed"):
+        gen.generate([[5, 6], [7, 8]], sp, checkpoint=boom)
+    assert gen.static_decoder().regions.in_use == 2 * 256  # the failed call's rows still hold their regions
+    recs = gen.generate([[5, 6], [7, 8]], sp)  # both fit again: the next call starts with a free pool
+    assert [r["completion_tokens"] for r in recs] == [6, 6]

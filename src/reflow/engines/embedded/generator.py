@@ -362,6 +362,8 @@ class Generator:
         fixed once made), else max_batch_size slots of the longest row's power-of-two bucket, each region a
         slot (the first static cache exactly). Raises when a row could never fit."""
         longest = max(len(r.prompt) + r.max_new for r in rows)
+        if dec.regions is not None:  # generate calls never overlap (one worker thread): each starts with all free
+            dec.regions.reset()
         if self.kv_tokens is None and self.kv_mem_fraction is None:
             slot = max(_pow2_bucket(longest, 256), dec.regions.granule if dec.regions else 0)  # grows only
             dec.reserve(self.max_batch_size * slot, granule=slot)

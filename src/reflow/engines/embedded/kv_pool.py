@@ -70,6 +70,10 @@ class RegionPool:
             return
         self._free.insert(i, (start, length))
 
+    def reset(self) -> None:
+        """Every region free again (a generate call that raised mid-way leaves its rows' regions taken)."""
+        self._free, self._used = ([(0, self.size)] if self.size > 0 else []), {}
+
     @property
     def in_use(self) -> int:
         return sum(self._used.values())
