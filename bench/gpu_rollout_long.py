@@ -206,6 +206,41 @@ def step_ms(model, tok, kernel: str) -> dict:
     return res
 
 
+@torch.inference_mode()
+def anatomy(tok, kernel: str) -> dict:
+    """One decode step's GPU work at batch 4 and 256 (t = 512 keys): kernels a step launches and their summed GPU
+    time (a profile of the graph-free step), against the time of a replay of its CUDA graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(torch.bfloat16)
+    res: dict = {}
+    for b in (4, 256):
+        g = Generator(model, tok, max_batch_size=b, kv_tokens=b * 768, decoder="graphs")
+        dec = g.static_decoder()
+        dec.attention = kernel
+        g.generate(ET.prompts_for(b, SHAPE["vocab_size"], 256, seed=1), {"max_new_tokens": 2, "ignore_eos": True})
+        dec._at[0].fill_(300)
+        dec._at[1].copy_(torch.arange(b, device="cuda") * 768)
+        graph = dec._graphs.get((b, 512)) or (dec._capture(b, 512), dec._graphs[(b, 512)])[1]
+        for _ in range(3):
+            graph[0].replay()
+        sec, _ = ET.timed(lambda graph=graph: [graph[0].replay() for _ in range(50)] and 0)
+        dec._step(b, 512)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                dec._step(b, 512)
+            torch.cuda.synchronize()
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        gpu_us = sum(e.device_time for e in events) / 5
+        top = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=50)
+        res[f"b{b}"] = {"graph_replay_ms": 1e3 * sec / 50, "kernels_per_step": len(events) / 5,
+                        "kernel_gpu_ms_per_step": gpu_us / 1e3}
+        print(f"  anatomy b{b}: {res[f'b{b}']}\n{top}", flush=True)
+        dec.release()
+    return res
+
+
 def throughput(args, tok, bw: float) -> dict:
     model = build(torch.bfloat16)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -319,6 +354,7 @@ def main() -> None:
     ap.add_argument("--kernel", default="auto", help="decode attention for the mismatch runs when throughput is skipped")
     ap.add_argument("--mm-len", type=int, default=2048)
     ap.add_argument("--skip", default="", help="comma list: throughput, mismatch")
+    ap.add_argument("--anatomy", action="store_true", help="only anatomy(): one step's kernels and graph replay time")
     args = ap.parse_args()
     bw, card = bandwidth()
     tok = ET.build_tokenizer(SHAPE["vocab_size"])
@@ -327,6 +363,10 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     path = Path(args.out, "gpu-rollout-long.json")
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.anatomy:
+        out["anatomy"] = anatomy(tok, "triton")
+        Path(args.out, "anatomy.json").write_text(json.dumps(out, indent=1, default=str))
+        return
     if "throughput" not in args.skip:
         t = throughput(args, tok, bw)
         out["throughput"] = t
