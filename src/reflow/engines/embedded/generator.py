@@ -656,6 +656,8 @@ class Generator:
         return {"gpu_allocated_gib": torch.cuda.memory_allocated(self.device) / 2**30,
                 "gpu_reserved_gib": torch.cuda.memory_reserved(self.device) / 2**30,
                 "kv_cache_gib": (static.nbytes() if static else 0) / 2**30,
+                "kv_pool_tokens": static.capacity if static else 0, "kv_tokens_in_use": static.regions.in_use
+                if static and static.regions else 0, "attention_kernel": static.kernel if static else None,
                 "cuda_graphs": static.graph_count if static else 0}
 
     def resume_memory(self, tags: set[str]) -> None:
