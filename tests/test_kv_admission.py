@@ -170,3 +170,15 @@ def test_a_call_that_fails_midway_leaves_the_pool_free(tok):
     assert gen.static_decoder().regions.in_use == 2 * 256  # the failed call's rows still hold their regions
     recs = gen.generate([[5, 6], [7, 8]], sp)  # both fit again: the next call starts with a free pool
     assert [r["completion_tokens"] for r in recs] == [6, 6]
+
+
+def test_a_new_kv_budget_recreates_a_long_lived_clusters_engines():
+    """The budget shapes the engine actor itself (its pool is sized once): on a long-lived cluster a run with another
+    one must not reuse the engines of the last (infra/cluster/actors.actor_spec)."""
+    from reflow.infra.cluster.actors import actor_spec, fingerprint
+    from reflow.infra.config.schema import RunConfig
+
+    base = RunConfig.model_validate({})
+    budget = RunConfig.model_validate({"rollout": {"kv_mem_fraction": 0.6}})
+    assert actor_spec(budget)["engines"]["kv_mem_fraction"] == 0.6
+    assert fingerprint(budget) != fingerprint(base)

@@ -325,3 +325,10 @@ def test_a_trainer_rank_that_cannot_fit_the_configured_gpu_stops_the_run(capsys,
         "lower trainer.max_tokens_per_micro_batch, or add trainer.num_ranks"), err
     code, out, err = check(capsys, good, "cluster.gpu_memory_gib=0.0001", "cluster.gpus=off")
     assert code == 0 and "gpu memory" not in err, err  # a CPU run has no GPU to fit
+    # Colocated without hand-overs, the engine keeps its share beside the rank: the embedded engine's KV budget
+    # (rollout.kv_mem_fraction) as SGLang's mem_fraction_static, else its weights alone
+    beside = ("cluster.gpu_memory_gib=80", "cluster.colocate=true", "cluster.hand_over=false")
+    code, out, err = check(capsys, good, *beside, "rollout.kv_mem_fraction=0.5")
+    assert code == 0 and ", a colocated engine 40.00 GiB)" in err, err
+    code, out, err = check(capsys, good, *beside)
+    assert code == 0 and ", a colocated engine 40.00 GiB)" not in err and ", a colocated engine " in err, err

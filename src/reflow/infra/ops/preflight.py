@@ -359,7 +359,9 @@ def check_gpu_memory(cfg: RunConfig, access: StorageAccess) -> str | None:
                       tokens=tokens, checkpointing=checkpointing)
     engine, beside = 0, ""
     if cfg.cluster.colocate and not cfg.cluster.hand_over:  # the engine keeps its memory while the trainer trains
-        engine = int(cfg.rollout.mem_fraction_static * gpu) if cfg.rollout.backend == "sglang" else params * low
+        r = cfg.rollout  # SGLang's static fraction, the embedded engine's KV budget, else its weights alone
+        fraction = r.mem_fraction_static if r.backend == "sglang" else r.kv_mem_fraction
+        engine = int(fraction * gpu) if fraction is not None else params * low
         beside = f", a colocated engine {_gib(engine)}"
     need = est.total + engine
     parts = (f"weights {_gib(est.weights)}, gradients {_gib(est.gradients)}, optimizer state {_gib(est.optimizer)}, "
