@@ -109,13 +109,30 @@ def _one_iteration(group, policy, batch=None, **train_over):
     return m
 
 
-@pytest.fixture()
-def zero3(ray_cluster, tiny_policy):
-    """Fresh per test: the tests change the weights (a step, a fill), and the first one needs
-    policy == reference, so a shared group would make them depend on their order."""
+@pytest.fixture(scope="module")
+def _zero3_group(ray_cluster, tiny_policy, tmp_path_factory):
+    """One ZeRO-3 group (two ranks, a reference model) for the module, and a checkpoint of its first state."""
+    from reflow.infra.config.schema import StorageConfig
+    from reflow.infra.store.storage import ExperimentStore
+
     group = _create("z3", 2, tiny_policy, zero_stage=3, ref_model_path=str(tiny_policy))
-    yield group
+    store = ExperimentStore.from_config(StorageConfig(root=f"file://{tmp_path_factory.mktemp('z3')}"), "z3-initial")
+    manifest: dict = {}
+    for part in ray.get(group.save_checkpoint(store, "initial")):
+        manifest |= part
+    yield group, store, manifest
     group.kill()
+
+
+@pytest.fixture()
+def zero3(_zero3_group):
+    """The module's ZeRO-3 group back at its first state (weights, optimizer, step) for each test: the tests change
+    the weights (a step, a fill), and one needs policy == reference, so without this they would depend on their
+    order; a group of their own each cost two rank processes' start-up (~5 s of CPU each)."""
+    group, store, manifest = _zero3_group
+    ray.get(group.fetch_checkpoint(store, "initial", manifest))
+    ray.get(group.load_checkpoint())
+    return group
 
 
 def test_lr_multiplier_and_config_checks():
