@@ -113,7 +113,10 @@ def test_control_api_stack_dumps_and_trainer_recovery(ray_cluster, prefect_serve
     cfg = e2e_config(tiny_policy, tmp_path, f"experiment={EXP}", f"num_iterations={N}", "rollout.num_engines=1",
                      "trainer.num_ranks=1", "eval.before_train=false", "eval.interval=null",
                      "checkpoint.save_every_minutes=null", "checkpoint.save_interval=3", "debug.stack_dump_interval_s=5",
-                     "fault_tolerance.max_trainer_recoveries=1")
+                     "fault_tolerance.max_trainer_recoveries=1",
+                     # colocated with hand-overs (as on one GPU): a rank killed after the engines released their
+                     # memory for training; the recovery gives it back to them before its push (flows/session.py)
+                     "cluster.colocate=true")
     store = ExperimentStore.open(f"file://{tmp_path}/runs", EXP)
     thread, out = _start(cfg)
     try:

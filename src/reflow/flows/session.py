@@ -31,6 +31,7 @@ from reflow.infra.ops.control import RunControl, enter_stage, start_control
 from reflow.infra.store import checkpoint as ckpt
 from reflow.tasks.checkpoint import find_checkpoints, finish_save, restore, save_pending, start_save
 from reflow.tasks.cluster import start_cluster
+from reflow.tasks.colocate import hand_back_to_engines
 from reflow.tasks.evaluate import PendingEval, collect, launch_eval
 from reflow.tasks.progress import Progress
 from reflow.tasks.report import RECORDS, artifact_key
@@ -266,6 +267,8 @@ class RunSession:
         recreate_trainers(cfg)
         found = find_checkpoints(cfg.model_copy(update={"resume": "auto"})) or find_checkpoints(cfg)
         restored = restore(cfg, found)
+        if cfg.cluster.colocate and cfg.cluster.hand_over:  # the rank may have died with the engines' memory released
+            hand_back_to_engines(cfg)
         initial_push(cfg, restored["step"], True)  # the engines serve the restored policy, whatever they held
         if source is not None:
             source.restart(restored["step"])  # batches from the checkpoint's step on, as a resumed run makes them

@@ -53,3 +53,13 @@ def to_engines(cfg: RunConfig, stage: Literal["weights", "rest"]) -> dict[str, f
     if tags:
         _each_engine(rt, lambda c: c.resume_memory_occupation(tags))
     return {f"time_engines_resume_{stage}": time.perf_counter() - t0}
+
+
+def hand_back_to_engines(cfg: RunConfig) -> list[list[str]]:
+    """After a hand-over cut short (a trainer rank died between `to_trainer` and `to_engines`): every engine back to
+    what a fresh one is, its released memory resumed and no weight-update session open (EngineClient.take_over;
+    what is already so is skipped), as the run's start leaves them before its first push. Returns each engine's
+    steps that changed something."""
+    rt = get_runtime(cfg)
+    return [EngineClient(url, timeout=120, api_key=rt.api_key).take_over(list(cfg.cluster.release_tags))
+            for url in rt.engine_urls]
