@@ -15,7 +15,7 @@ import importlib
 import json
 import time
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 import pandas as pd
 
@@ -24,13 +24,20 @@ from reflow.engines.rollout_client import EngineClient, generate_batch
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, result_logprobs, rollout_with_fn
 from reflow.engines.weights.lora import adapter_name
-from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.metrics import eval_summary
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 from reflow.rl.scorers import Scorer, as_scorer, score_samples
 from reflow.rl.types import RolloutBatch
+
+
+class RecordStore(Protocol):
+    """Where the records of a batch or an eval set go: infra/store/storage.ExperimentStore (engines sit below infra)."""
+
+    def write_parquet(self, rel: str, df: pd.DataFrame) -> str: ...
+
+    def write_json(self, rel: str, obj: Any) -> str: ...
 
 
 def sampling_params(temperature: float, top_p: float, top_k: int, max_new_tokens: int,
@@ -177,7 +184,7 @@ def rollout_table(batch: RolloutBatch) -> pd.DataFrame:
     })
 
 
-def write_rollout_table(batch: RolloutBatch, store: ExperimentStore, rel: str) -> str:
+def write_rollout_table(batch: RolloutBatch, store: RecordStore, rel: str) -> str:
     """Write a batch's per-sample table (rollouts.parquet) from inside Ray: the batch never reaches the driver."""
     return store.write_parquet(rel, rollout_table(batch))
 
@@ -211,7 +218,7 @@ def eval_sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, thre
 
 
 def eval_set(settings: RolloutSettings, batch: BatchRequest, name: str, reward_fn: Scorer, threshold: float, ks: list[int],
-             n: int, prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
+             n: int, prompt_index: list[int], store: RecordStore, out_dir: str, fn_timeout_s: float) -> dict:
     """One eval set in one Ray task: generate, then score and record (tasks/evaluate.py launches it). Scoring in a
     task of its own, chained on the generation's ref, waited 1.4-2.2 s for a worker in 3 of 4 evals of a 25M run
     (Ray's timeline: the generation done, every worker idle or generating the next rollout); here it follows the
@@ -221,7 +228,7 @@ def eval_set(settings: RolloutSettings, batch: BatchRequest, name: str, reward_f
 
 
 def score_and_record_eval(batch: RolloutBatch, name: str, reward_fn: Scorer, threshold: float, ks: list[int], n: int,
-                          prompt_index: list[int], store: ExperimentStore, out_dir: str, fn_timeout_s: float) -> dict:
+                          prompt_index: list[int], store: RecordStore, out_dir: str, fn_timeout_s: float) -> dict:
     """Score one eval set's samples (a reward function's calls within `fn_timeout_s` each, reward.fn_timeout_s),
     compute its metrics and write its records (inside Ray: the batch never reaches the driver). Returns the summary."""
     scored, _ = score(batch, reward_fn, fn_timeout_s=fn_timeout_s)
