@@ -7,6 +7,7 @@ import importlib
 import subprocess
 import sys
 
+import pytest
 from ray.remote_function import RemoteFunction
 
 SUBMITTING = ("reflow.tasks.rollout", "reflow.tasks.evaluate", "reflow.tasks.report", "reflow.tasks.train",
@@ -23,6 +24,7 @@ def _task_modules() -> dict[str, str]:
     return found
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: ~2 s of CPU, a guard of the slow tier's cost
 def test_task_functions_live_in_modules_a_worker_imports_cheaply():
     found = _task_modules()
     assert len(found) >= 10, found  # generate, score, advantages, dynamic fill, tables, samples, eval, stages, warm-up
