@@ -13,6 +13,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from reflow.rl.imports import mlflow_hidden
+
 # Characters of the synthetic arithmetic task; special tokens come first.
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*=() ")
@@ -49,7 +51,8 @@ def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, m
 def save_policy(model, tokenizer, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
+    with mlflow_hidden():  # save_pretrained imports DeepSpeed where it is installed, which imports MLflow
+        model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
     return out
 

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.profiler import record_function  # phase names in profiles; ~free otherwise
 
 from reflow.engines.hf_io import set_tf32
+from reflow.rl.imports import mlflow_hidden
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -118,8 +119,7 @@ def import_deepspeed():
     """`import deepspeed`, without two imports that cost a CPU trainer process ~3.5 s of its start-up for nothing.
 
     `import deepspeed` tries `import mlflow` (its autotuner, unused here): ~1.1 s where MLflow is installed (reflow's
-    `tracking` extra). It is hidden while DeepSpeed imports, where MLflow is not imported already; the autotuner takes
-    the ImportError as "no MLflow". And DeepSpeed's ZeRO optimizers import its Muon optimizer at their first step,
+    `tracking` extra); it is hidden meanwhile (rl/imports.mlflow_hidden). And DeepSpeed's ZeRO optimizers import its Muon optimizer at their first step,
     whose module compiles three functions with torch.compile when it is imported, which imports inductor (~2 s; a
     CPU rank never compiles otherwise): it is imported here with that decorator made lazy, compiling at a first call
     that never comes (reflow steps its own AdamW). Measured on 2 cores: a tiny ZeRO-1 rank from start to its first
@@ -127,14 +127,8 @@ def import_deepspeed():
     if "deepspeed" in sys.modules:
         import deepspeed
         return deepspeed
-    hide = "mlflow" not in sys.modules
-    if hide:
-        sys.modules["mlflow"] = None  # type: ignore[assignment]  # `import mlflow` raises ImportError meanwhile
-    try:
+    with mlflow_hidden():
         import deepspeed
-    finally:
-        if hide and sys.modules.get("mlflow", ...) is None:
-            del sys.modules["mlflow"]
     from deepspeed.runtime import compiler
 
     eager = compiler.compile
