@@ -25,6 +25,9 @@
 # Session 32 (a trainer rank's start-up ~3.5 s of CPU less, fewer warmed task workers on 2 cores; the suite is CPU-bound:
 # a sample of every process's CPU over a run, 3,531 s in 31 min on 2 cores): clean clone .ci/run 27m54s, the rest
 # 1515 s (1025 passed), these 1432 s.
+# Session 33 (Ray workers at nice 0, task workers importing ~2 s less each, uv installs, a cold mypy 57 -> 13 s, six
+# trainer ranks fewer): clean clone .ci/run 24m24s (the rest 1383 s, 1038 passed; these 1391 s) and 25m12s (1472 s;
+# 1479 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
