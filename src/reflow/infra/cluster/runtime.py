@@ -293,11 +293,10 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
         **_rank_nodes(cfg), **_rank_options(pg, n, placement.CRITIC_GPU, gpus))
 
 
-# What the iteration's Ray tasks (tasks/rollout.py, tasks/stage_cache.py) import in their worker: torch,
-# pandas, the reward and rollout modules. A driver's task workers start cold (workers belong to one job),
-# and the first generate / score of a run paid it: 5.7 s and 3.0 s on 2 cores against 0.1 s after.
-# What Ray tasks run besides engines/rollout_stages.py (whose `warm_worker` imports it by running): the stage records
-# and the critic's values (each imports neither Prefect nor this module)
+# What the iteration's Ray tasks import in their worker (torch, pandas, the reward and rollout modules), imported ahead:
+# a driver's task workers start cold (workers belong to one job), and the first generate / score of a run paid it:
+# 5.7 s and 3.0 s on 2 cores against 0.1 s after. Besides engines/rollout_stages.py (whose `warm_worker` imports it by
+# running): the stage records and the critic's values (neither imports Prefect nor this module).
 _TASK_MODULES = ("reflow.tasks.stage_cache", "reflow.engines.train.critic")
 # The next rollout (launched ahead) and an eval set generate at once, with a stage record and the records'
 # tasks beside them. With 2, an eval waited 2-3 s for a worker in 2 of 4 evals of a 25M run (Ray's timeline).
