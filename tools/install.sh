@@ -11,18 +11,21 @@
 set -u
 bin=$1; shift
 if [ -x "$bin/uv" ]; then
-  conf=$("$bin/python" -m pip config list 2>/dev/null)
-  opts=$(printf '%s\n' "$conf" | "$bin/python" -c '
+  # two lines from pip's configuration: its CA bundle (or nothing), then the options uv takes for the rest
+  conf=$("$bin/python" -m pip config list 2>/dev/null | "$bin/python" -c '
 import shlex, sys
+cert, opts = "", []
 for line in sys.stdin:
     key, _, value = line.strip().partition("=")
     key, value = key.rsplit(".", 1)[-1], value.strip("\x27\"")
     if key in ("index-url", "extra-index-url", "find-links", "constraint"):
-        print(" ".join(f"--{key} {shlex.quote(v)}" for v in value.split()))
+        opts += [f"--{key} {shlex.quote(v)}" for v in value.split()]
     elif key == "cert":
-        print(f"--cert {shlex.quote(value)}")')
-  cert=$(printf '%s\n' "$opts" | sed -n 's/^--cert //p' | tail -1)
-  opts=$(printf '%s\n' "$opts" | grep -v '^--cert ' | tr '\n' ' ')
+        cert = value
+print(cert)
+print(" ".join(opts))')
+  cert=$(printf '%s\n' "$conf" | sed -n 1p)
+  opts=$(printf '%s\n' "$conf" | sed -n 2p)
   # pip takes the best match over every index; uv's default is the first index that has the package
   [ -n "$cert" ] && [ -z "${SSL_CERT_FILE:-}" ] && export SSL_CERT_FILE="$cert"
   if eval "\"\$bin/uv\" pip install -q --python \"\$bin/python\" --index-strategy unsafe-best-match $opts \"\$@\""; then
