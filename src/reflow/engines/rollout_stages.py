@@ -3,10 +3,12 @@
 generate -> score (reward) -> advantages, each taking and returning a `RolloutBatch`, plus small
 stat dicts for the driver; an eval set's generation, scoring and records; a batch's records.
 
-Every function a Ray task runs lives here (or in another module without Prefect and the runtime): a task
-worker imports the module of the function it runs, and those of the tasks/ side (Prefect, the runtime, the
-engine classes) cost a worker ~3.5 s of CPU against ~1.4 s for this one, in every task worker of every run. The engines are reached only through `EngineClient` over SGLang's
-HTTP API, so the same code drives the embedded engine and a real SGLang server.
+The engines are reached only through `EngineClient` over SGLang's HTTP API, so the same code drives the embedded
+engine and a real SGLang server.
+
+Every function a Ray task runs lives here (or in another module without Prefect and the runtime): a task worker
+imports the module of the function it runs, and those of the tasks/ side (Prefect, the runtime, the engine classes)
+cost a worker ~3.5 s of CPU against ~1.5 s for this one, in every task worker of every run.
 """
 from __future__ import annotations
 

@@ -119,8 +119,8 @@ def import_deepspeed():
     """`import deepspeed`, without two imports that cost a CPU trainer process ~3.5 s of its start-up for nothing.
 
     `import deepspeed` tries `import mlflow` (its autotuner, unused here): ~1.1 s where MLflow is installed (reflow's
-    `tracking` extra); it is hidden meanwhile (rl/imports.mlflow_hidden). And DeepSpeed's ZeRO optimizers import its Muon optimizer at their first step,
-    whose module compiles three functions with torch.compile when it is imported, which imports inductor (~2 s; a
+    `tracking` extra); it is hidden meanwhile (rl/imports.mlflow_hidden). And DeepSpeed's ZeRO optimizers import its
+    Muon optimizer at their first step, whose module compiles three functions with torch.compile when it is imported, which imports inductor (~2 s; a
     CPU rank never compiles otherwise): it is imported here with that decorator made lazy, compiling at a first call
     that never comes (reflow steps its own AdamW). Measured on 2 cores: a tiny ZeRO-1 rank from start to its first
     step 8.9 s of CPU at 95fda04, ~5 s with this."""

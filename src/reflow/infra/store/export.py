@@ -19,6 +19,7 @@ from reflow.engines.storage_access import StorageAccess
 from reflow.engines.weights import lora
 from reflow.infra.store import checkpoint as ckpt
 from reflow.infra.store.storage import ExperimentStore
+from reflow.rl.imports import mlflow_hidden
 
 ADAPTER = "adapter/"
 
@@ -64,6 +65,7 @@ def export_merged(url: str, out: str | Path, like: ExperimentStore, base: str | 
             weight = model.get_parameter(f"{module}.weight")  # AttributeError: a module the base lacks
             weight.copy_(lora.merge(weight.detach().clone(), ab["A"], ab["B"], scale))
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    with mlflow_hidden():  # save_pretrained imports DeepSpeed where it is installed, which imports MLflow
+        model.save_pretrained(out)
     load_tokenizer(base, storage=storage).save_pretrained(out)
     return {"out": str(out), "base": base, "merged_modules": len(halves), "scale": scale}
