@@ -102,19 +102,23 @@ def sglang_launches(model_dirs: dict[str, Path], secrets_dir: Path) -> tuple[dic
     return ports, serve + ["--serve", json.dumps(auto[:i] + auto[i + 2:]), "--serve", json.dumps(lora)]
 
 
-def start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:
-    """Start tests.sglang_app (one forked process per server) and wait until every server is healthy.
+def start_sglang_apps(model_dirs: dict[str, Path],
+                      log: Path) -> tuple[subprocess.Popen, dict[str, list[str]], Path]:
+    """Start tests.sglang_app (one forked process per server) and wait until every server is healthy;
+    returns the process, the servers' URLs and the log the running servers write to.
 
     A start that does not come up is stopped after every server's threads were dumped into `log`
-    (tests.sglang_app forwards SIGUSR1 to faulthandler), and tried once more; the first attempt's
-    log tail is reported as a warning, so a rare hang shows in the suite's summary, stacks included.
+    (tests.sglang_app forwards SIGUSR1 to faulthandler), and tried once more with a log of its own
+    (`log` keeps the stacks); the first attempt's log tail is reported as a warning, so a rare hang
+    shows in the suite's summary, stacks included.
     """
     try:
-        return _start_sglang_apps(model_dirs, log)
+        return (*_start_sglang_apps(model_dirs, log), log)
     except AssertionError as first:
         warnings.warn(f"SGLang app servers did not come up; starting them again. First attempt: {first}",
                       stacklevel=2)
-        return _start_sglang_apps(model_dirs, log.with_name(log.stem + "-again.log"))
+        again = log.with_name(log.stem + "-again.log")
+        return (*_start_sglang_apps(model_dirs, again), again)
 
 
 def _start_sglang_apps(model_dirs: dict[str, Path], log: Path) -> tuple[subprocess.Popen, dict[str, list[str]]]:

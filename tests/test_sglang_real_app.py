@@ -59,7 +59,7 @@ def sglang_apps(model_dirs, tmp_path_factory):
     """SGLang's real app servers: one process per server, forked by tests/sglang_app.py after its
     one import of the app (that import costs ~10 s of CPU)."""
     log = tmp_path_factory.mktemp("sglang_app") / "servers.log"
-    proc, urls = start_sglang_apps(model_dirs, log)
+    proc, urls, log = start_sglang_apps(model_dirs, log)  # a second start writes a log of its own
     try:
         yield {**urls, LOG: log}
     finally:
