@@ -235,11 +235,14 @@ def _shards(count: int, parts: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def _request(prompts: list[list[int]], sampling_params: dict, n: int, seeds: list[int] | None,
+def _request(prompts: list[list[int]], sampling_params: dict | list[dict], n: int, seeds: list[int] | None,
              lo: int, hi: int) -> tuple[list[list[int]], dict | list[dict]]:
     """(input_ids, sampling_params) of prompts[lo:hi]. SGLang gives every one of the `n` samples of
     a request the same `sampling_seed`, hence identical samples: seeded requests instead repeat
-    each prompt n times with n=1 and one seed per entry (seeds are prompt-major, like results)."""
+    each prompt n times with n=1 and one seed per entry (seeds are prompt-major, like results).
+    A list of sampling params (n=1, no `seeds`) is one entry per prompt, sent as it is."""
+    if isinstance(sampling_params, list):
+        return [list(p) for p in prompts[lo:hi]], sampling_params[lo:hi]
     if seeds is None:
         return [list(p) for p in prompts[lo:hi]], {**sampling_params, "n": n}
     ids = [list(p) for p in prompts[lo:hi] for _ in range(n)]
@@ -252,7 +255,7 @@ def lora_fields(lora_path: str | None) -> dict:
     return {} if lora_path is None else {"lora_path": lora_path}
 
 
-def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampling_params: dict, n: int = 1,
+def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampling_params: dict | list[dict], n: int = 1,
                    return_logprob: bool = True, seeds: list[int] | None = None,
                    lora_path: str | None = None) -> list[dict]:
     """Generate `n` samples per prompt over several engines; results prompt-major.
@@ -269,6 +272,9 @@ def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampli
         return []
     if seeds is not None and len(seeds) != len(prompts) * n:
         raise ValueError(f"generate_batch: {len(seeds)} seeds for {len(prompts)} prompts x n={n}")
+    if isinstance(sampling_params, list) and (n != 1 or seeds is not None or len(sampling_params) != len(prompts)):
+        raise ValueError(f"generate_batch: {len(sampling_params)} sampling params for {len(prompts)} prompts need n=1 "
+                         f"and no seeds (each entry carries its own)")
 
     def run(client: EngineClient, lo: int, hi: int) -> list[dict]:
         ids, sp = _request(prompts, sampling_params, n, seeds, lo, hi)

@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 
 from reflow.engines.http_serve import bearer
+from reflow.engines.partial_rollout import PartialSettings
 from reflow.engines.rollout_client import EngineError, _server_message, lora_fields
 from reflow.rl.rewards import _fn_name, _run_coroutine, _short, load_reward_fn
 from reflow.rl.types import Prompt, RolloutBatch
@@ -67,6 +68,7 @@ class RolloutSettings:
     limits: TurnLimits = ONE_TURN
     adapter: bool = False  # the engines hold each policy version as a LoRA adapter that requests name
     seed: int | None = None  # per-sample sampling seeds derive from it (None: the engines' own random state)
+    partial: PartialSettings | None = None  # rollout.partial carry|drop (engines/partial_rollout.py); None: off
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,9 @@ from typing import Any, Protocol
 
 import pandas as pd
 
+from reflow.engines import partial_rollout
 from reflow.engines.gc_freeze import freeze_long_lived
+from reflow.engines.partial_rollout import lengths_stats
 from reflow.engines.rollout_client import EngineClient, generate_batch
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, result_logprobs, rollout_with_fn
@@ -64,19 +66,23 @@ def sample_seeds(seed: int, version: int, count: int) -> list[int]:
     return [one(j) for j in range(count)]
 
 
-def generate(settings: RolloutSettings, batch: BatchRequest) -> RolloutBatch:
+def generate(settings: RolloutSettings, batch: BatchRequest, carry: list[dict] | None = None) -> RolloutBatch:
     """n samples per prompt, prompt-major, by the engines' policy `batch.version`. With `settings.seed`,
     every sample gets its own sampling_seed (see `sample_seeds`; keyed by `batch.seed_key`, default the
     version); without, the engines' own random state decides. `settings.generate_fn` (rollout.generate_fn):
     the default single-turn rollout goes as one batched request per engine; any other function runs once
     per sample (engines/rollout_fns.py). `settings.adapter`: the engines hold the version as a LoRA
-    adapter (trainer.lora.rank > 0), which every request names."""
+    adapter (trainer.lora.rank > 0), which every request names. `settings.partial` (rollout.partial carry|drop):
+    rounds over the pool of the `carry` groups and new ones from `batch.prompts` (engines/partial_rollout.py);
+    the carry for the next batch is `extra["carry"]`, the rounds' statistics `extra["partial_stats"]`."""
     s, version = settings, batch.version
     key = version if batch.seed_key is None else batch.seed_key
     seeds = sample_seeds(s.seed, key, len(batch.prompts) * s.n) if s.seed is not None else None
     lora_path = adapter_name(version) if s.adapter else None
     t0 = time.perf_counter()
-    if s.generate_fn != DEFAULT_ROLLOUT_FN:
+    if s.partial is not None:
+        out = _partial(s, batch, seeds, lora_path, carry or [])
+    elif s.generate_fn != DEFAULT_ROLLOUT_FN:
         out = rollout_with_fn(s, batch, seeds, lora_path)
     else:
         out = _one_turn(s, batch, seeds, lora_path)
@@ -86,14 +92,42 @@ def generate(settings: RolloutSettings, batch: BatchRequest) -> RolloutBatch:
     return out
 
 
-def generate_timed(settings: RolloutSettings, batch: BatchRequest) -> tuple[RolloutBatch, dict[str, float]]:
+def generate_timed(settings: RolloutSettings, batch: BatchRequest,
+                   carry: list[dict] | None = None) -> tuple[RolloutBatch, dict[str, float]]:
     """The batch, and how long the engines took to generate it: as the rollout task saw it (requests,
     answers, the batch built) and inside the engine servers (their longest answer's e2e_latency, 0 when
-    an engine reports none). Two returns, so the caller waits for the small one without fetching the
-    batch into another task (one Ray task and a batch transfer less per rollout)."""
-    out = generate(settings, batch)
+    an engine reports none); its response-length percentiles and the engines' idle share of row-steps
+    (engines/partial_rollout.py), with partial rollouts the rounds' statistics. Two returns, so the caller
+    waits for the small one without fetching the batch into another task (one Ray task and a batch
+    transfer less per rollout)."""
+    out = generate(settings, batch, carry)
+    lengths = lengths_stats([len(r) for r in out.response_ids])
+    idle = {"engine_idle_fraction": lengths.get("wait_all_idle_fraction", 0.0)}
     return out, {"generate_engine_s": float(out.extra.get("generate_s", 0.0)),
-                 "generate_server_s": float(out.extra.get("server_s", 0.0))}
+                 "generate_server_s": float(out.extra.get("server_s", 0.0)), **lengths, **idle,
+                 **out.extra.get("partial_stats", {})}
+
+
+def carry_of(batch: RolloutBatch) -> list[dict]:
+    """The groups a partial rollout's batch leaves for the next one (rollout.partial=carry), [] without."""
+    return list(batch.extra.get("carry", []))
+
+
+def _partial(s: RolloutSettings, batch: BatchRequest, seeds: list[int] | None, lora_path: str | None,
+             carry: list[dict]) -> RolloutBatch:
+    """Partial rollouts: rounds over the carried groups and as many new ones from `batch.prompts` as the pool lacks."""
+    assert s.partial is not None
+    clients = [EngineClient(u, timeout=s.timeout_s, api_key=s.api_key) for u in s.urls]
+    carry = partial_rollout.check_carry(carry, s.n, "the carry of the previous batch")
+    m = partial_rollout.new_groups(s.partial.pool_groups, carry)
+    if m > len(batch.prompts):
+        raise ValueError(f"partial rollout: {len(batch.prompts)} new prompts for {m} groups to start")
+    born = batch.version if batch.seed_key is None else batch.seed_key
+    out, rest, stats = partial_rollout.roll(clients, s.partial, s.sampling, s.n, batch.version, carry,
+                                            batch.prompts[:m], None if seeds is None else seeds[:m * s.n], born,
+                                            lora_path)
+    out.extra.update(carry=rest, partial_stats=stats)
+    return out
 
 
 def _one_turn(s: RolloutSettings, batch: BatchRequest, seeds: list[int] | None, lora_path: str | None) -> RolloutBatch:
@@ -183,7 +217,17 @@ def rollout_table(batch: RolloutBatch) -> pd.DataFrame:
         "label": [str(x) for x in batch.label],
         "policy_version": [batch.policy_version] * len(batch),
         **_trajectory_columns(batch),
+        **_version_columns(batch),
     })
+
+
+def _version_columns(batch: RolloutBatch) -> dict[str, list]:
+    """Partial rollouts only: the version of each response token and the oldest of them (a carried sample's
+    tokens began under an older policy than the batch's `policy_version`)."""
+    if batch.token_versions is None:
+        return {}
+    return {"token_versions": [list(v) for v in batch.token_versions],
+            "first_version": [min(v, default=batch.policy_version) for v in batch.token_versions]}
 
 
 def write_rollout_table(batch: RolloutBatch, store: RecordStore, rel: str) -> str:

@@ -66,6 +66,9 @@ class RolloutBatch:
     # generated it, 0 on tool/environment tokens (no loss, no advantage). None: every token is the policy's.
     response_mask: list[list[int]] | None = None
     reward_info: list[dict[str, Any]] | None = None  # per sample, from the rollout function
+    # Partial rollouts (rollout.partial=carry, engines/partial_rollout.py): the policy version that generated each
+    # response token; a carried sample's tokens span several. None: every token is `policy_version`'s.
+    token_versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -104,6 +107,7 @@ class RolloutBatch:
             advantages=pick(self.advantages), extra=dict(self.extra), values=pick(self.values),
             token_advantages=pick(self.token_advantages), returns=pick(self.returns),
             response_mask=pick(self.response_mask), reward_info=pick(self.reward_info),
+            token_versions=pick(self.token_versions),
         )
 
 

@@ -22,6 +22,7 @@ from prefect import get_run_logger, runtime, task
 from prefect.cache_policies import NO_CACHE
 from prefect.futures import PrefectFuture
 
+from reflow.engines.partial_rollout import check_carry
 from reflow.infra.cluster.runtime import get_runtime, recreate_trainers
 from reflow.infra.config.schema import RunConfig, dump_config
 from reflow.infra.config.settings import storage_access
@@ -30,9 +31,11 @@ from reflow.infra.store import lineage, signing
 from reflow.infra.store.storage import ExperimentStore
 from reflow.tasks import report
 from reflow.tasks.faults import fault_point, fault_raise
+from reflow.tasks.rollout import carry_in
 from reflow.tasks.state import RunState, run_state
 
 CRITIC = "critic/"  # PPO: the critic ranks' files, under this folder of a checkpoint
+CARRY = "rollout_carry"  # state.json: the partial rollouts the next iteration continues (rollout.partial=carry)
 
 
 class CheckpointSaveError(RuntimeError):
@@ -158,6 +161,7 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
     if reused and found and _holds(rt.trainers, *found[0]):
         log.info("trainer ranks from the previous flow run hold %s exactly: not loading it again", found[0][0].url)
         run_state(cfg).parent = lineage.parent_of(*found[0])
+        _restore_carry(cfg, *found[0])
         if rt.critic is not None:  # the critic is never reused: load it alone
             ck, files = found[0]
             if (why := _load(ck, _parts(ck, files, rt.trainers, rt.critic)[1:])) is not None:
@@ -169,9 +173,24 @@ def restore(cfg: RunConfig, found: list[tuple[ckpt.Checkpoint, dict]]) -> dict[s
         run_state(cfg).parent = None
         return {"step": 0, "loaded": reused}
     ck = load_first_valid(rt.trainers, found, cfg.trainer.num_ranks, rt.critic)
-    run_state(cfg).parent = lineage.parent_of(ck, next(files for c, files in found if c == ck))
+    files = next(files for c, files in found if c == ck)
+    run_state(cfg).parent = lineage.parent_of(ck, files)
+    _restore_carry(cfg, ck, files)
     log.info("resumed from %s: %d iterations done", ck.url, ck.step)
     return {"step": ck.step, "loaded": True}
+
+
+def _restore_carry(cfg: RunConfig, ck: ckpt.Checkpoint, files: dict) -> None:
+    """rollout.partial=carry: the partial rollouts checkpoint `ck` holds are what its next iteration continues
+    (none in a checkpoint saved without carry: that iteration starts a fresh pool, and says so)."""
+    if cfg.rollout.partial != "carry":
+        return
+    saved = ckpt.read_state(ck, files).get(CARRY)
+    if saved is None:
+        get_run_logger().warning("%s holds no carried rollouts (saved with rollout.partial=%s?): iteration %d starts "
+                                 "a fresh pool", ck.url, "off or drop", ck.step)
+    where = f"{ck.url}/{ckpt.STATE} ({CARRY})"
+    run_state(cfg).carry[ck.step] = check_carry([] if saved is None else saved, cfg.rollout.n_samples_per_prompt, where)
 
 
 def save(trainers, store: ExperimentStore, step: int, state: dict, config_yaml: str,
@@ -191,6 +210,7 @@ class QueuedSave:
     checksum: list  # ObjectRefs: each policy rank's weights_checksum (rank 0's is recorded)
     policy: list  # ObjectRefs: each policy rank's {relative path: sha256/bytes}
     critic: list  # the same for the PPO critic's ranks (under critic/)
+    carry: object = None  # rollout.partial=carry: the groups the next iteration continues (an ObjectRef or a list)
 
 
 def queue_save(trainers, store: ExperimentStore, step: int, critic=None, checksum: bool = False) -> QueuedSave:
@@ -234,6 +254,8 @@ def start_save(cfg: RunConfig, step: int) -> None:
     finish_save(cfg)
     rt, state = get_runtime(cfg), run_state(cfg)
     queued = queue_save(rt.trainers, rt.store, step, rt.critic, checksum=True)
+    if cfg.rollout.partial == "carry":  # taken now: the run's state forgets it a few iterations on
+        queued.carry = carry_in(rt, step)
     runs = _flow_runs(state, 0 if state.parent is None else state.parent.step, step)  # this flow run's context
     state.save_in_flight = SaveInFlight(step, save_checkpoint.submit(cfg, step, queued, runs))
 
@@ -269,6 +291,8 @@ def save_checkpoint(cfg: RunConfig, step: int, queued: QueuedSave, runs: dict[st
     rt = get_runtime(cfg)
     state = ckpt.state_for(step, cfg.rollout.prompts_per_iteration, cfg.data.seed, cfg.trainer.num_ranks)
     state["weights_sha256"] = ray.get(queued.checksum)[0]  # lets a reused trainer skip a reload
+    if queued.carry is not None:  # JSON in state.json, under the manifest's sha256 and signature
+        state[CARRY] = ray.get(queued.carry) if isinstance(queued.carry, ray.ObjectRef) else queued.carry
     config_yaml, parent = dump_config(cfg), run_state(cfg).parent
     initial = cfg.model.path if "://" in cfg.model.path else os.path.abspath(cfg.model.path)
     doc = lineage.record(parent, initial, config_yaml, _data_lineage(cfg, parent, step), runs)

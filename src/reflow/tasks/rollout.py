@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from reflow.engines import rollout_stages as ro
+from reflow.engines.partial_rollout import PartialSettings
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.cluster.runtime import Runtime, ensure_engines, get_runtime
 from reflow.infra.config.schema import RunConfig
@@ -23,12 +24,14 @@ from reflow.rl.scorers import reward_source
 from reflow.rl.types import Prompt
 from reflow.tasks import stage_cache
 from reflow.tasks.faults import transient_fault
+from reflow.tasks.state import run_state
 
 # Ray tasks run functions of the worker-side module (engines/rollout_stages.py): a task worker imports only that.
 _generate = ray.remote(num_cpus=0, num_returns=2)(ro.generate_timed)
 _score = ray.remote(num_cpus=0, num_returns=2)(ro.score)
 _advantages = ray.remote(num_cpus=0, num_returns=2)(ro.advantages)
 _dynamic_fill = ray.remote(num_cpus=0, num_returns=2)(ro.dynamic_fill)
+_carry_of = ray.remote(num_cpus=0)(ro.carry_of)
 write_table = ray.remote(num_cpus=0)(ro.write_rollout_table)
 
 
@@ -53,9 +56,11 @@ def rollout_settings(rt: Runtime) -> RolloutSettings:
     r, cfg = rt.cfg.rollout, rt.cfg
     sampling = ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
                                   r.skip_special_tokens, r.no_stop_trim)
+    partial = None if r.partial == "off" else PartialSettings.of(r.partial, r.partial_chunk_tokens,
+                                                                  r.prompts_per_iteration, r.over_sample)
     return RolloutSettings(rt.generate_urls, sampling, r.n_samples_per_prompt, r.request_timeout_s, rt.api_key,
                            r.generate_fn, r.max_concurrent_requests, r.turn_limits(), uses_adapter(cfg),
-                           cfg.seed if r.seeded_sampling else None)  # per-sample seeds: exact resume
+                           cfg.seed if r.seeded_sampling else None, partial)  # per-sample seeds: exact resume
 
 
 def _cached(rt: Runtime, iteration: int, stage: str, log: Logger | None = None) -> BatchRef | None:
@@ -90,7 +95,7 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
     engines serve."""
     rt = get_runtime(cfg)
     if (cached := _cached(rt, iteration, "generated", log)) is not None:  # an earlier flow run's batch
-        return cached
+        return _left_carry(cfg, cached)
     recreated: list[str] = []
     ahead = version is not None
     if version is None:
@@ -102,16 +107,56 @@ def generate_batch(cfg: RunConfig, iteration: int, version: int | None = None, l
     engine_s = ray.get(timing)
     stats = {**engine_s, "prompts": len(prompts), "engines_recreated_before_generate": float(len(recreated)),
              "rollout_policy_version": float(version), "generate_started_ahead": float(ahead)}
-    return _persist(rt, BatchRef(ref, stats, iteration), "generated")
+    return _left_carry(cfg, _persist(rt, BatchRef(ref, stats, iteration), "generated"))
 
 
 def _launch(rt: Runtime, iteration: int, version: int) -> tuple[ray.ObjectRef, ray.ObjectRef, list[Prompt]]:
     """Send iteration `iteration`'s prompts (its sampling seeds) to the engines, which serve policy `version`:
-    (the batch, its generation seconds, the prompts)."""
-    cfg = rt.cfg
-    prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, cfg.rollout.prompts_per_iteration)
-    ref, timing = _generate.remote(rollout_settings(rt), BatchRequest(prompts, version, seed_key=iteration))
+    (the batch, its generation seconds, the prompts). With partial rollouts the prompts are the pool's
+    candidates (the iteration's own, then over-sampling's from a stream of their own) and the batch
+    continues the groups the one before left (`carry_in`)."""
+    cfg, r = rt.cfg, rt.cfg.rollout
+    prompts = prompts_for_iteration(rt.train_prompts, cfg.data.seed, iteration, r.prompts_per_iteration)
+    settings = rollout_settings(rt)
+    if settings.partial is None:
+        ref, timing = _generate.remote(settings, BatchRequest(prompts, version, seed_key=iteration))
+        return ref, timing, prompts
+    extra = settings.partial.pool_groups - r.prompts_per_iteration
+    prompts += prompts_for_iteration(rt.train_prompts, cfg.data.seed + OVER_SAMPLE_STREAM, iteration, extra) if extra else []
+    carry = carry_in(rt, iteration) if r.partial == "carry" else []
+    ref, timing = _generate.remote(settings, BatchRequest(prompts, version, seed_key=iteration), carry)
     return ref, timing, prompts
+
+
+OVER_SAMPLE_STREAM = 104_729  # over-sampled prompts: a seeded stream apart from the iteration's own (data.seed + this)
+
+
+def carry_in(rt: Runtime, iteration: int) -> object:
+    """The groups iteration `iteration`'s batch continues (rollout.partial=carry): left by the batch before in this
+    run, read from the checkpoint it resumed from, or (an iteration flow run on its own) taken from the
+    previous iteration's generated record; none at iteration 0."""
+    known = run_state(rt.cfg).carry
+    if iteration in known:
+        return known[iteration]
+    if iteration == 0:
+        return []
+    meta = stage_cache.find(rt.store, iteration - 1, "generated", stage_cache.stage_key(rt.cfg, "generated"))
+    if meta is None:
+        raise RuntimeError(f"iteration {iteration}: rollout.partial=carry continues the groups iteration {iteration - 1} "
+                           f"left, but this run did not generate it and {rt.store.url(rt.store.iteration_dir(iteration - 1))} "
+                           f"holds no generated record of it with these settings: resume from a checkpoint "
+                           f"(it holds the carry), or set rollout.partial=drop")
+    return _carry_of.remote(stage_cache.load_stage.remote(rt.store, iteration - 1, "generated", meta["sha256"]))
+
+
+def _left_carry(cfg: RunConfig, batch: BatchRef) -> BatchRef:
+    """Note the groups `batch` leaves for the next iteration (rollout.partial=carry); forget those of older ones."""
+    if cfg.rollout.partial == "carry" and batch.iteration is not None:
+        known = run_state(cfg).carry
+        known[batch.iteration + 1] = _carry_of.remote(batch.ref)
+        for old in [i for i in known if i < batch.iteration]:
+            del known[old]
+    return batch
 
 
 def extra_prompt_rounds(cfg: RunConfig, prompts: list[Prompt], iteration: int) -> list[list[Prompt]]:

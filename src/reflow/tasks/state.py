@@ -37,6 +37,9 @@ class RunState:
     save_in_flight: SaveInFlight | None = None
     # iteration -> its flow run id, for the checkpoints' lineage [tasks/report.publish_metrics]
     iteration_runs: dict[int, str] = field(default_factory=dict)
+    # rollout.partial=carry: iteration -> the groups its batch continues (a ray.ObjectRef of a list, or the list),
+    # left by the batch before [tasks/rollout.generate_batch] or read from the checkpoint resumed [tasks/checkpoint.restore]
+    carry: dict[int, Any] = field(default_factory=dict)
 
 
 _CURRENT: ContextVar[RunState | None] = ContextVar("reflow_run_state", default=None)

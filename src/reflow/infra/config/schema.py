@@ -183,6 +183,9 @@ class RolloutConfig(_Strict):
     update_ahead: bool | None = Field(None, description="Synchronous loop with generate_ahead: the rollout source also computes the next batch's advantages and submits its update before its flow run starts, so the bookkeeping between flow runs overlaps the trainer's work too; the same batch and update. Null (auto): on where the run uses GPUs, where it measured faster; off on CPU, where it did not. Never with cluster.hand_over (the update waits for the hand-over in its flow run) or a critic (it must score the batch first).")
     max_staleness: int = Field(0, ge=0, le=8, description="Asynchronous rollout: 0 is the synchronous loop (generate, then train); k >= 1 lets the engines generate the next batches while the trainer trains, each batch by a policy at most k versions behind the one it trains (a push waits for the batch being generated, so every batch has one version, recorded per sample). Stale batches are corrected by truncated importance sampling at algorithm.tis_cap (2.0 when unset). Needs engines that stay resident (not colocated with hand-overs).")
 
+    partial: Literal["off", "carry", "drop"] = Field("off", description="Long tails (engines/partial_rollout.py): off waits for every sample of the iteration's prompts. carry and drop keep prompts_per_iteration * (1 + over_sample) groups in flight, generate in rounds of partial_chunk_tokens and close the batch once prompts_per_iteration groups are complete; carry continues the others in the next iteration under the new policy (each token keeps the version that generated it; truncated importance sampling at algorithm.tis_cap, 2.0 when unset, corrects them, and checkpoints hold the carried samples), drop discards them. Closing counts tokens, never seconds, so a resumed run is exact. Synchronous loop only (max_staleness 0), the default single-turn rollout, no dynamic sampling.")
+    partial_chunk_tokens: int = Field(256, ge=1, le=MAX_TOKENS, description="rollout.partial carry|drop: new tokens a sample generates per round at most; after each round the complete groups are counted. Smaller: the batch closes nearer the moment enough groups finish, at more requests per iteration.")
+    over_sample: float = Field(0.25, ge=0.0, le=4.0, description="rollout.partial carry|drop: extra groups in flight as a fraction of prompts_per_iteration (carried ones count): the batch closes on the first prompts_per_iteration complete groups among them.")
 
 class CriticConfig(_Strict):
     """PPO's value model (algorithms whose spec needs a critic: algorithm.type=ppo): the policy's backbone plus a scalar head, trained by
@@ -443,6 +446,21 @@ class RunConfig(_Strict):
             raise ValueError(f"rollout.max_staleness={self.rollout.max_staleness} generates while the trainer trains, but "
                              f"cluster.colocate with cluster.hand_over=true releases the engines' memory during training: "
                              f"set cluster.hand_over=false (both stay resident), cluster.colocate=false, or max_staleness=0")
+        return self
+
+    @model_validator(mode="after")
+    def _check_partial(self) -> RunConfig:
+        r, why = self.rollout, None
+        if r.partial == "off":
+            return self
+        if r.max_staleness:
+            why = f"rollout.max_staleness={r.max_staleness} (an asynchronous run's batches each have one version): set 0"
+        elif r.generate_fn != type(r).model_fields["generate_fn"].default:
+            why = f"rollout.generate_fn={r.generate_fn!r}: partial rollouts continue the default single-turn rollout only"
+        elif self.algorithm.dynamic_sampling:
+            why = "algorithm.dynamic_sampling (it refills groups by generating more): turn one of them off"
+        if why is not None:
+            raise ValueError(f"rollout.partial={r.partial} cannot be combined with {why}, or set rollout.partial=off")
         return self
 
     @model_validator(mode="after")

@@ -36,9 +36,10 @@ ASYNC_TIS_CAP = 2.0  # the off-policy correction of an asynchronous run whose al
 
 def tis_cap(cfg: RunConfig) -> float | None:
     """algorithm.tis_cap; an asynchronous run (rollout.max_staleness >= 1) always corrects its stale
-    batches, at ASYNC_TIS_CAP when the algorithm sets none."""
-    cap = cfg.algorithm.tis_cap
-    return ASYNC_TIS_CAP if cap is None and cfg.rollout.max_staleness else cap
+    batches, and a run that carries partial rollouts (rollout.partial=carry) its samples' older tokens,
+    at ASYNC_TIS_CAP when the algorithm sets none."""
+    cap, r = cfg.algorithm.tis_cap, cfg.rollout
+    return ASYNC_TIS_CAP if cap is None and (r.max_staleness or r.partial == "carry") else cap
 
 
 def total_steps(cfg: RunConfig) -> int:

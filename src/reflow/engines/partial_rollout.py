@@ -1,0 +1,165 @@
+"""Partial rollouts (`rollout.partial`): a long tail that does not stall the batch.
+
+`off` (the default) waits for every sample of the iteration's prompts. `carry` and `drop` keep a pool of
+`prompts_per_iteration * (1 + over_sample)` groups in flight and generate in rounds of at most
+`partial_chunk_tokens` new tokens a sample: after each round the groups whose every sample has finished
+are counted, and once `prompts_per_iteration` of them are complete the batch closes with those (the
+first complete ones in pool order: the oldest carried first, then the new ones by prompt). `carry` keeps
+the other groups, finished or not, for the next iteration's pool with their tokens so far, their
+engine log-probs and the policy version that generated each token; the next iteration continues them
+under the new policy and tops the pool up with new prompts. `drop` discards them (over-sampling).
+
+A carried sample trains on tokens of several policy versions; the trainer's truncated importance
+sampling (algorithm.tis_cap, 2.0 when unset) corrects each token by its own engine log-prob, as it
+does an asynchronous run's stale batches (slime's partial rollout and AReaL's interruptible generation
+do the same; the token-level versions are what those call the behaviour policy per token).
+
+Closing depends only on token counts, never on wall-clock time: each round sends every unfinished
+sample with `max_new_tokens = min(chunk, what is left)`, and with seeded sampling a sample's token at
+position t is a function of (its seed, t) on the embedded engine (SGLang's `sampling_seed` likewise),
+so a continued sample draws what an uninterrupted one would under the same weights. A resumed run
+(the carry is in the checkpoint, tasks/checkpoint.py) therefore regenerates exactly.
+
+The cost is the round barrier: in each round the engines wait for the round's longest sample, at most
+`partial_chunk_tokens` tokens, instead of the batch's longest. `engine_idle_fraction` counts it in
+row-steps (a row that has finished while its round or batch still decodes others), the same measure
+for `off` (one round as long as the longest response), so the two compare.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from reflow.engines.rollout_client import EngineClient, generate_batch
+from reflow.rl.types import Prompt, RolloutBatch
+
+MODES = ("off", "carry", "drop")
+
+
+@dataclass(frozen=True)
+class PartialSettings:
+    """rollout.partial, rollout.partial_chunk_tokens, rollout.over_sample and the batch's size."""
+
+    mode: str  # "carry" | "drop"
+    chunk_tokens: int  # new tokens a sample generates per round at most
+    target_groups: int  # prompts_per_iteration: the groups a batch trains on
+    pool_groups: int  # groups in flight: target_groups * (1 + over_sample), rounded up
+
+    @classmethod
+    def of(cls, mode: str, chunk_tokens: int, prompts_per_iteration: int, over_sample: float) -> PartialSettings:
+        return cls(mode, chunk_tokens, prompts_per_iteration, math.ceil(prompts_per_iteration * (1 + over_sample)))
+
+
+def new_groups(pool: int, carried: list[dict]) -> int:
+    """How many groups of new prompts join an iteration's pool beside the carried ones (never fewer than 0)."""
+    return max(pool - len(carried), 0)
+
+
+def _group(prompt: Prompt, n: int, seeds: list[int] | None, born: int) -> dict:
+    """A new group: n empty samples of `prompt`. Plain JSON-able data (the carry is saved in checkpoints)."""
+    return {"prompt_index": prompt.index, "prompt_text": prompt.text, "prompt_ids": list(prompt.input_ids),
+            "label": prompt.label, "born": born,
+            "samples": [{"seed": None if seeds is None else int(seeds[j]), "ids": [], "logprobs": [], "versions": [],
+                         "text": "", "finish": None} for j in range(n)]}
+
+
+def check_carry(carry: Any, n: int, where: str) -> list[dict]:
+    """A carry read back (from a checkpoint's state.json or a stage record): its shape, or a clear error."""
+    if not isinstance(carry, list):
+        raise ValueError(f"{where}: the rollout carry is {type(carry).__name__}, expected a list of groups")
+    for i, g in enumerate(carry):
+        ok = (isinstance(g, dict) and isinstance(g.get("prompt_ids"), list) and isinstance(g.get("samples"), list)
+              and len(g["samples"]) == n
+              and all(isinstance(s, dict) and len(s.get("ids", ())) == len(s.get("logprobs", ()))
+                      == len(s.get("versions", ())) for s in g["samples"]))
+        if not ok:
+            raise ValueError(f"{where}: carried group {i} is malformed (expected {n} samples, each with as many "
+                             f"ids as logprobs and versions); delete it or resume with rollout.partial=off")
+    return carry
+
+
+def _done(s: dict) -> bool:
+    return s["finish"] is not None
+
+
+def _round(clients: list[EngineClient], active: list[tuple[dict, dict]], sampling: dict[str, Any], version: int,
+           chunk: int, max_new: int, lora_path: str | None) -> list[int]:
+    """One round: every unfinished sample continues for at most `chunk` tokens. Returns the tokens each got."""
+    ids = [g["prompt_ids"] + s["ids"] for g, s in active]
+    sps = [{**sampling, "n": 1, "max_new_tokens": min(chunk, max_new - len(s["ids"])),
+            **({} if s["seed"] is None else {"sampling_seed": s["seed"]})} for _, s in active]
+    outs = generate_batch(clients, ids, sps, 1, lora_path=lora_path)
+    got = []
+    for (_, s), o in zip(active, outs):
+        new = list(o["output_ids"])
+        lps = [lp[0] for lp in o["meta_info"].get("output_token_logprobs", [])]
+        s["ids"] += new
+        s["logprobs"] += lps
+        s["versions"] += [version] * len(new)
+        s["text"] += o["text"]
+        kind = o["meta_info"]["finish_reason"]["type"]
+        if kind != "length" or len(s["ids"]) >= max_new:
+            s["finish"] = kind
+        got.append(len(new))
+    return got
+
+
+def roll(clients: list[EngineClient], settings: PartialSettings, sampling: dict[str, Any], n: int, version: int,
+         carried: list[dict], prompts: list[Prompt], seeds: list[int] | None, born: int,
+         lora_path: str | None = None) -> tuple[RolloutBatch, list[dict], dict[str, float]]:
+    """Generate rounds over the pool (the `carried` groups, then one group per new prompt) until
+    `settings.target_groups` groups are complete; returns (the batch of those groups, the carry for the
+    next iteration: [] with mode drop, the round statistics)."""
+    max_new = int(sampling["max_new_tokens"])
+    pool = [dict(g, samples=[dict(s, ids=list(s["ids"]), logprobs=list(s["logprobs"]), versions=list(s["versions"]))
+                             for s in g["samples"]]) for g in carried]
+    pool += [_group(p, n, None if seeds is None else seeds[k * n:(k + 1) * n], born) for k, p in enumerate(prompts)]
+    if len(pool) < settings.target_groups:
+        raise ValueError(f"partial rollout: {len(pool)} groups in the pool for {settings.target_groups} to train")
+    rounds, row_steps, tokens = 0, 0, 0
+    while sum(all(_done(s) for s in g["samples"]) for g in pool) < settings.target_groups:
+        active = [(g, s) for g in pool for s in g["samples"] if not _done(s)]
+        got = _round(clients, active, sampling, version, settings.chunk_tokens, max_new, lora_path)
+        rounds, row_steps, tokens = rounds + 1, row_steps + len(got) * max(got, default=0), tokens + sum(got)
+    complete = [g for g in pool if all(_done(s) for s in g["samples"])][:settings.target_groups]
+    taken = {id(g) for g in complete}
+    rest = [g for g in pool if id(g) not in taken]
+    batch = _batch(complete, n, version)
+    stats = {"partial_rounds": float(rounds), "engine_idle_fraction": idle_fraction(tokens, row_steps),
+             "carried_samples": float(sum(min(s["versions"], default=version) < version
+                                          for g in complete for s in g["samples"])),
+             "carry_out_groups": float(len(rest) if settings.mode == "carry" else 0),
+             "dropped_groups": float(len(rest) if settings.mode == "drop" else 0),
+             "new_groups": float(len(prompts))}
+    return batch, (rest if settings.mode == "carry" else []), stats
+
+
+def _batch(groups: list[dict], n: int, version: int) -> RolloutBatch:
+    """The trained groups as a RolloutBatch (group g's samples at g*n..g*n+n-1), with each token's version."""
+    rows = [(gi, g, s) for gi, g in enumerate(groups) for s in g["samples"]]
+    return RolloutBatch(
+        group_index=[gi for gi, _, _ in rows], prompt_text=[g["prompt_text"] for _, g, _ in rows],
+        prompt_ids=[list(g["prompt_ids"]) for _, g, _ in rows], response_text=[s["text"] for _, _, s in rows],
+        response_ids=[list(s["ids"]) for _, _, s in rows], rollout_logprobs=[list(s["logprobs"]) for _, _, s in rows],
+        finish_reason=[s["finish"] for _, _, s in rows], label=[g["label"] for _, g, _ in rows],
+        policy_version=version, token_versions=[list(s["versions"]) for _, _, s in rows])
+
+
+def idle_fraction(tokens: int, row_steps: int) -> float:
+    """The share of row-steps in which a row had already finished while its round (or batch) decoded others."""
+    return 0.0 if row_steps <= 0 else 1.0 - tokens / row_steps
+
+
+def lengths_stats(lengths: list[int]) -> dict[str, float]:
+    """Response-length percentiles (p50, p90, p99, nearest rank) and the one-round idle fraction of
+    waiting for the longest: what `off` costs on this batch."""
+    if not lengths:
+        return {}
+    xs = sorted(lengths)
+
+    def pct(q: float) -> float:
+        return float(xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))])
+
+    return {"response_len_p50": pct(0.5), "response_len_p90": pct(0.9), "response_len_p99": pct(0.99),
+            "wait_all_idle_fraction": idle_fraction(sum(xs), len(xs) * xs[-1])}
