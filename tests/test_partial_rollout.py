@@ -218,3 +218,14 @@ def test_carried_samples_survive_a_checkpoint_and_a_resume_exactly(ray_cluster, 
     final = [root / f"algo-carry-{n}" / "checkpoints" / "iter_000002" / "model" / "model.safetensors"
              for n in ("straight", "resumed")]
     assert final[0].read_bytes() == final[1].read_bytes()
+
+
+def test_stage_records_of_another_partial_setting_are_not_reused():
+    """A crashed flow run's stage records are reused only under the settings that made them; off keeps the key
+    records had before rollout.partial existed."""
+    from reflow.tasks.stage_cache import stage_key
+
+    keys = {tuple(o): stage_key(load_config(None, o), "generated") for o in
+            ([], ["rollout.partial=off"], ["rollout.partial=carry"], ["rollout.partial=drop"],
+             ["rollout.partial=carry", "rollout.partial_chunk_tokens=8"])}
+    assert keys[()] == keys[("rollout.partial=off",)] and len(set(keys.values())) == 4

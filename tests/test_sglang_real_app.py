@@ -110,6 +110,25 @@ def test_generate_answers_in_sglangs_response_shape(backend):
     assert len({o["meta_info"]["id"] for o in out}) == 4
 
 
+def test_partial_rollout_rounds_pass_sglangs_gate(backend):
+    """rollout.partial's rounds (engines/partial_rollout.py) send per-entry sampling params (each its own
+    max_new_tokens and sampling_seed) for prompt + tokens so far: SGLang's schema gate and SamplingParams
+    take them, and a batch closes on its complete groups. (SGLang samples a seeded token from its seed and
+    position, sampler.multinomial_with_seed, so a continued sample draws as one request would.)"""
+    from reflow.engines import partial_rollout as pr
+    from reflow.engines.rollout_stages import sample_seeds, sampling_params
+    from reflow.rl.types import Prompt
+
+    prompts = [Prompt(i, str(i), [5 + i, 6, 7]) for i in range(4)]
+    settings = pr.PartialSettings.of("carry", 2, 2, 1.0)
+    batch, rest, stats = pr.roll(backend.clients(1), settings, sampling_params(0.7, 1.0, -1, 5), 2, 3, [], prompts,
+                                 sample_seeds(1, 3, 8), 3)
+    assert batch.n_groups == 2 and len(rest) == 2 and stats["partial_rounds"] >= 3  # 5 tokens in rounds of 2
+    assert all(len(r) == len(lp) == len(v) for r, lp, v in zip(batch.response_ids, batch.rollout_logprobs,
+                                                                  batch.token_versions))
+    assert all(v == [3] * len(v) for v in batch.token_versions)
+
+
 def test_bad_sampling_params_are_400_with_sglangs_text(backend):
     c = backend.clients(1)[0]
     with pytest.raises(EngineError) as e:

@@ -39,6 +39,8 @@ def stage_key(cfg: RunConfig, stage: str) -> str:
         parts["generate_fn"] = r.generate_fn
     if r.max_staleness:  # an asynchronous run's batch i comes from an older policy than a synchronous run's
         parts["max_staleness"] = r.max_staleness
+    if r.partial != "off":  # partial rollouts: the pool, its rounds and what it carries shape the batch
+        parts["partial"] = [r.partial, r.partial_chunk_tokens, r.over_sample]
     if stage == "scored":
         parts["reward"] = {k: getattr(a, k) for k in ("dynamic_sampling", "max_sampling_rounds", "overlong_buffer",
                                                       "overlong_penalty")}

@@ -18,6 +18,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
@@ -167,6 +168,12 @@ class RolloutConfig(_Strict):
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
     kv_mem_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="Fraction of the GPU's memory an engine holds for weights + KV cache, as SGLang's mem_fraction_static: the embedded engine sizes one KV pool from it and admits a row when a region for its prompt + max_new_tokens is free (rows that do not fit wait; docs/engine.md). backend=sglang: passed as mem_fraction_static (setting both differently is refused). Null: the embedded engine gives each of max_batch_size slots room for the longest row of a call (rows never wait).")
+
+    @field_validator("partial", mode="before")
+    @classmethod
+    def _partial_off(cls, v: Any) -> Any:
+        """YAML reads a bare `off` as false: `partial: off` means what it says."""
+        return "off" if v is False else v
 
     @model_validator(mode="after")
     def _kv_mem_fraction_for_sglang(self) -> RolloutConfig:
