@@ -5,15 +5,20 @@ trainer and engines load it exactly like a user's own checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import inspect
 import json
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from reflow.rl.imports import mlflow_hidden
+
+Accuracy = Callable[..., float]  # (model, tokenizer, rows) -> share of rows the model solves
 
 # Characters of the synthetic arithmetic task; special tokens come first.
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
@@ -48,6 +53,19 @@ def build_model(tokenizer, hidden: int = 128, layers: int = 4, heads: int = 4, m
     return LlamaForCausalLM(cfg)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """torch on one thread for a tiny model's CPU warm-up, then as before. Its ops are too small to split, and on
+    a busy machine threads that wait for each other made a step take 2.5-4 s instead of ~0.3 s (2 cores, load
+    average 6; the scratchpad warm-up: 100 steps in 3 s on one thread, 150 in 20 s on two, load average 4)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def save_policy(model, tokenizer, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -62,12 +80,18 @@ def save_policy(model, tokenizer, out_dir: str | Path) -> Path:
 # (GRPO needs some correct samples per group; from a random model every reward is 0).
 
 
-def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded "prompt + answer + eos" with labels only on answer + eos (-100 elsewhere)."""
+def _label(row: dict) -> str:
+    return str(row["label"])
+
+
+def answer_batch(tokenizer, rows: list[dict], target: Callable[[dict], str] = _label,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded "prompt + answer + eos" with labels only on answer + eos (-100 elsewhere). The answer
+    is `target(row)`: the label, or a task's whole worked response (reflow.rl.scratchpad_demo)."""
     from reflow.rl.data import encode_prompt
 
     prompts = encode_prompt(tokenizer, [r["prompt"] for r in rows])
-    answers = tokenizer([str(r["label"]) for r in rows], add_special_tokens=False)["input_ids"]
+    answers = tokenizer([target(r) for r in rows], add_special_tokens=False)["input_ids"]
     seqs = [p + a + [tokenizer.eos_token_id] for p, a in zip(prompts, answers)]
     T = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), T), tokenizer.pad_token_id, dtype=torch.long)  # [B, T]
@@ -81,7 +105,7 @@ def _answer_batch(tokenizer, rows: list[dict]) -> tuple[torch.Tensor, torch.Tens
 
 
 def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None) -> float:
-    ids, attn, labels = (t.to(model.device) for t in (batch_fn or _answer_batch)(tokenizer, rows))  # [B, T] each
+    ids, attn, labels = (t.to(model.device) for t in (batch_fn or answer_batch)(tokenizer, rows))  # [B, T] each
     loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
@@ -91,7 +115,8 @@ def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None) -> float:
 
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
-           check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None) -> dict:
+           check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None,
+           accuracy: Accuracy | None = None) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
     Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
@@ -99,7 +124,8 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     first 200 train rows) is measured and training stops once it reaches the target, so `steps`
     is then a maximum. Why: accuracy rises steeply and the step where it does varies by ~±50
     between seeds, so a fixed step count lands anywhere from 0.15 to 0.55. Another task (the tools
-    demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`.
+    demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`, and
+    its own `accuracy(model, tokenizer, rows)` for the check (default: greedy exact answers, `greedy_accuracy`).
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
     "seconds"}.
     """
@@ -108,8 +134,10 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     check_rows = check_rows if check_rows is not None else train_rows[:200]
-    max_new = 1 + max((len(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"])
-                       for r in check_rows), default=0)  # longest answer + eos
+    if accuracy is None:
+        max_new = 1 + max((len(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"])
+                           for r in check_rows), default=0)  # longest answer + eos
+        accuracy = functools.partial(greedy_accuracy, max_new_tokens=max_new)
     losses, acc, t0 = [], None, time.perf_counter()
     bar = tqdm(total=steps, desc="warm-up", disable=not progress)
     for step in range(1, steps + 1):
@@ -119,7 +147,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
         if stop_accuracy is not None and step % check_every == 0:
-            acc = greedy_accuracy(model, tokenizer, check_rows, max_new)
+            acc = accuracy(model, tokenizer, check_rows)
             if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
                 bar.set_description_str(f"warm-up: accuracy {acc:.2f} reached the target {stop_accuracy} at step {step}")
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{acc:.2f}", refresh=False)
@@ -155,8 +183,13 @@ def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int,
     return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
 
 
-def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch: int = 256) -> float:
-    """Share of rows whose greedy response is exactly the label followed by eos.
+def _exact(row: dict, text: str) -> bool:
+    return text == str(row["label"])
+
+
+def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch: int = 256,
+                    correct: Callable[[dict, str], bool] = _exact) -> float:
+    """Share of rows whose greedy response ends with eos and is `correct` (default: exactly the label).
 
     Plain batched decoding for the bootstrap report only (the rollout engine is separate).
     Rows are grouped by prompt length so no padding is needed.
@@ -170,15 +203,15 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
         by_len.setdefault(len(p), []).append(i)
-    correct, eos = 0, tokenizer.eos_token_id
+    right, eos = 0, tokenizer.eos_token_id
     for idx in by_len.values():
         for s in range(0, len(idx), batch):
             chunk = idx[s : s + batch]
             outs = _greedy_same_length(model, [prompts[i] for i in chunk], max_new_tokens, eos)
             for i, toks in zip(chunk, outs):
                 text = tokenizer.decode(toks, skip_special_tokens=True)
-                correct += int(bool(toks) and toks[-1] == eos and text == str(rows[i]["label"]))
-    return correct / len(rows)
+                right += int(bool(toks) and toks[-1] == eos and correct(rows[i], text))
+    return right / len(rows)
 
 
 # Model shapes of `reflow bootstrap --size`: the CPU demo's ~1M-parameter policy, and a ~113M one
@@ -205,18 +238,32 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
 
     from reflow.rl.demo_task import make_problems
 
-    t0 = time.perf_counter()
     train, held_out = make_problems(seed, num_train, num_eval, digits)
+    accuracy = functools.partial(greedy_accuracy, max_new_tokens=digits + 2)  # longest answer (digits + 1) plus eos
+    return train_policy(out_dir, train, held_out, accuracy,
+                        {"seed": seed, "digits": digits, "num_train": num_train, "num_eval": num_eval},
+                        seed=seed, steps=steps, batch=batch, lr=lr, target_accuracy=target_accuracy,
+                        hidden=hidden, layers=layers, heads=heads, mlp=mlp, progress=progress, device=device)
+
+
+def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], accuracy: Accuracy, report: dict, *,
+                 seed: int, steps: int, batch: int, lr: float, target_accuracy: float | None, hidden: int,
+                 layers: int, heads: int, mlp: int, max_positions: int = 128, check_every: int = 25,
+                 batch_fn=None, progress: bool = True, device: str = "cpu") -> dict:
+    """A task's bootstrap: build the model, warm it up on `train` (`warmup`; the check on the first
+    len(held_out) train rows), save it and bootstrap.json: `report` plus the held-out `accuracy`
+    before and after, the warm-up's metrics and the seconds taken. Returns that report."""
+    t0 = time.perf_counter()
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, seed=seed).to(device)
-    max_new = digits + 2  # longest answer (digits + 1) plus eos
-    before = greedy_accuracy(model, tokenizer, held_out, max_new)
+    model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, max_positions=max_positions,
+                        seed=seed).to(device)
+    before = accuracy(model, tokenizer, held_out)
     metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
-                     stop_accuracy=target_accuracy, check_rows=train[:num_eval])
-    after = greedy_accuracy(model, tokenizer, held_out, max_new)
+                     stop_accuracy=target_accuracy, check_rows=train[:len(held_out)], check_every=check_every,
+                     batch_fn=batch_fn, accuracy=accuracy)
+    after = accuracy(model, tokenizer, held_out)
     out = save_policy(model.cpu(), tokenizer, out_dir)
-    report = {"seed": seed, "digits": digits, "num_train": num_train, "num_eval": num_eval,
-              "eval_accuracy_before": before, "eval_accuracy_after": after,
+    report = {**report, "eval_accuracy_before": before, "eval_accuracy_after": after,
               "num_parameters": sum(p.numel() for p in model.parameters()),
               "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out), "device": device}
     (out / "bootstrap.json").write_text(json.dumps(report, indent=2))

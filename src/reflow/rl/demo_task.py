@@ -69,8 +69,19 @@ def write_demo_data(folder: str | Path, seed: int = 0, num_train: int = 5000, nu
     after the first `num_train` of a longer draw are new). Returns {"heldout": file, "incoming": folder}."""
 
     out = Path(folder)
-    (out / "incoming").mkdir(parents=True, exist_ok=True)
     train, heldout = make_problems(seed, num_train + new_rows, num_eval, digits)
-    for path, rows in ((out / "heldout.jsonl", heldout), (out / "incoming" / "batch-000.jsonl", train[num_train:])):
-        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {"heldout": str(out / "heldout.jsonl"), "incoming": str(out / "incoming")}
+    write_jsonl(out / "incoming" / "batch-000.jsonl", train[num_train:])
+    return {"heldout": str(write_jsonl(out / "heldout.jsonl", heldout)), "incoming": str(out / "incoming")}
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> Path:
+    """`rows` as a jsonl file (one object a line; its folder is made)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return out
+
+
+def write_splits(folder: str | Path, **splits: list[dict]) -> dict[str, str]:
+    """Each split as `<folder>/<name>.jsonl` (a task's data.path and data.eval_path); {name: file}."""
+    return {name: str(write_jsonl(Path(folder, f"{name}.jsonl"), rows)) for name, rows in splits.items()}

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from reflow.rl import tool_task
-from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer, save_policy, warmup
+from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer, one_thread, save_policy, warmup
+from reflow.rl.demo_task import write_splits
 
 
 def uses_tool(row: dict, direct_share: float) -> bool:
@@ -105,13 +106,8 @@ def tool_accuracy(model, tokenizer, rows: list[dict], max_turns: int = 3, max_ne
 
 def write_tool_data(folder: str | Path, seed: int = 0, num_train: int = 4000, num_eval: int = 200) -> dict[str, str]:
     """The task's train and held-out files (jsonl; data.path and data.eval_path of configs/demo-tools.yaml)."""
-    out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
     train, held = tool_task.make_problems(seed, num_train, num_eval)
-    paths = {"train": out / "train.jsonl", "heldout": out / "heldout.jsonl"}
-    for key, rows in (("train", train), ("heldout", held)):
-        paths[key].write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return {k: str(v) for k, v in paths.items()}
+    return write_splits(folder, train=train, heldout=held)
 
 
 def bootstrap_tools(out_dir: str | Path, data: dict[str, str], seed: int = 0, steps: int = 300, batch: int = 64,
@@ -129,16 +125,10 @@ def bootstrap_tools(out_dir: str | Path, data: dict[str, str], seed: int = 0, st
     held = [json.loads(line) for line in Path(data["heldout"]).read_text().splitlines()]
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, **SIZES["tiny"], seed=seed)
-    threads = torch.get_num_threads()
-    # One thread: this model's ops are too small to split, and on a busy machine threads that wait
-    # for each other made a step take 2.5-4 s instead of ~0.3 s (2 cores, load average 6).
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         metrics = warmup(model, tokenizer, rows, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
                          batch_fn=functools.partial(trace_batch, direct_share=direct_share))
         after = tool_accuracy(model, tokenizer, held)
-    finally:
-        torch.set_num_threads(threads)
     out = save_policy(model, tokenizer, out_dir)
     report = {"task": "tools", "seed": seed, "direct_share": direct_share, "eval_accuracy_after": after, "warmup": metrics,
               "seconds": time.perf_counter() - t0, "path": str(out)}

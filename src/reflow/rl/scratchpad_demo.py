@@ -1,0 +1,65 @@
+"""Bootstrap of the scratchpad task (`reflow bootstrap --task scratchpad`, `reflow demo --task scratchpad`): the
+demo's character-level policy warmed up on worked traces (reflow.rl.scratchpad_task.trace) of the train
+file, with the loss on the whole response (scratchpad, answer, eos), and the task's data files.
+
+Two settings, as the addition demo's sizes: `tiny` (CPU: the ~1M-parameter model, 1-2 digit operands,
+responses of 16-97 tokens) and `gpu` (the ~113M GPU demo shape, 2-6 digit operands, responses of
+83-913 tokens). Accuracy (the warm-up's target check and bootstrap.json) is greedy with the task's
+reward: the response ends with ")=<product>" then eos, whatever its scratchpad says.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+from reflow.rl import scratchpad_task
+from reflow.rl.demo_policy import SIZES, answer_batch, greedy_accuracy, one_thread, train_policy
+
+# Per size: the problems (shape, train rows), the model's context, and the warm-up (bootstrap's defaults).
+# The GPU warm-up is a first guess, not yet measured on a GPU: lr and batch as the GPU addition demo's
+# warm-up per token, stopped at the issue's held-out target band (0.2-0.4).
+SETTINGS: dict[str, dict[str, Any]] = {
+    "tiny": {"num_train": 4000, "max_positions": 256,
+             "warmup": {"steps": 600, "batch": 32, "lr": 1e-3, "target_accuracy": 0.3, "check_every": 25}},
+    "gpu": {"num_train": 50000, "max_positions": 1024,
+            "warmup": {"steps": 4000, "batch": 64, "lr": 3e-4, "target_accuracy": 0.3, "check_every": 100}},
+}
+
+
+def _solved(row: dict, text: str) -> bool:
+    return scratchpad_task.reward(row["prompt"], text, row["label"])["score"] == 1.0
+
+
+def accuracy(model, tokenizer, rows: list[dict]) -> float:
+    """Greedy share of `rows` answered right (scratchpad_task.reward), with room for the longest worked trace."""
+    longest = max((len(scratchpad_task.row_trace(r)) for r in rows), default=0)
+    return greedy_accuracy(model, tokenizer, rows, max_new_tokens=longest + 1, correct=_solved)
+
+
+def write_scratchpad_data(folder: str | Path, seed: int = 0, size: str = "tiny", num_eval: int = 200) -> dict[str, str]:
+    """The `size`'s train and held-out files (scratchpad_task.write_data with its shape and train rows)."""
+    return scratchpad_task.write_data(folder, seed, scratchpad_task.SHAPES[size], SETTINGS[size]["num_train"],
+                                      num_eval)
+
+
+def bootstrap_scratchpad(out_dir: str | Path, data: dict[str, str], seed: int = 0, size: str = "tiny",
+                         device: str = "cpu", progress: bool = True, **overrides: Any) -> dict:
+    """Build the `size`'s policy, warm it up on worked traces of data["train"] until greedy accuracy on the
+    first train rows reaches the target (at most `steps`), save it + bootstrap.json with its held-out
+    (data["heldout"]) accuracy and the traces' length statistics. `overrides`: any model or warm-up
+    argument of demo_policy.train_policy (hidden, layers, steps, lr, batch, target_accuracy, ...)."""
+    rows, held = (_read(data[k]) for k in ("train", "heldout"))
+    setting = SETTINGS[size]
+    kw = {**SIZES[size], "max_positions": setting["max_positions"], **setting["warmup"], **overrides}
+    report = {"task": "scratchpad", "size": size, "seed": seed, "shape": vars(scratchpad_task.SHAPES[size]),
+              "data": data, "heldout_response_tokens": scratchpad_task.length_stats(held)}
+    with one_thread() if device == "cpu" else contextlib.nullcontext():
+        return train_policy(out_dir, rows, held, accuracy, report, seed=seed, progress=progress, device=device,
+                            batch_fn=functools.partial(answer_batch, target=scratchpad_task.row_trace), **kw)
+
+
+def _read(path: str) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]

@@ -1,0 +1,109 @@
+"""The scratchpad task (issue 56): worked traces checked by hand, the reward of right, wrong and malformed
+responses, problems fixed by seed, the length tail, and the warm-up's labels on the worked response."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from reflow.rl import scratchpad_task as sp
+from reflow.rl.demo_policy import CHARS, answer_batch, build_tokenizer
+
+WORKED = "(7*6+0=42 4*6+4=28 =282)(7*3+0=21 4*3+2=14 =141)(2+0+0=02 8+1+0=09 2+4+0=06 0+1+0=01 =1692)=1692"
+STEP = re.compile(r"(\d)([*+])(\d)\+(\d)=(\d\d)")
+
+
+def test_worked_example_checked_on_paper():
+    # 47*6: 7*6 = 42 (write 2, carry 4), 4*6 + 4 = 28 -> 282; 47*3: 21, 4*3 + 2 = 14 -> 141;
+    # 282 + 1410 column by column: 2+0, 8+1, 2+4, 0+1 -> 1692 = 47*36
+    assert sp.trace(47, 36) == WORKED
+    # carries out of the last column, in the products and in the sum: 99*99 = 891 + 8910 = 9801
+    assert sp.trace(99, 99) == ("(9*9+0=81 9*9+8=89 =891)(9*9+0=81 9*9+8=89 =891)"
+                                "(1+0+0=01 9+1+0=10 8+9+1=18 0+8+1=09 =9801)=9801")
+    # a zero digit gives a zero partial product; the sum still runs over every column
+    assert sp.trace(12, 30) == "(2*0+0=00 1*0+0=00 =0)(2*3+0=06 1*3+0=03 =36)(0+0+0=00 0+6+0=06 0+3+0=03 =360)=360"
+    assert sp.trace(5, 0) == "(5*0+0=00 =0)=0"
+
+
+def test_every_step_of_random_traces_is_right_and_in_the_alphabet():
+    rng = random.Random(1)
+    for _ in range(300):
+        a, b = rng.randrange(10**rng.randint(1, 6)), rng.randrange(10**rng.randint(1, 6))
+        t = sp.trace(a, b)
+        assert t.endswith(f")={a * b}") and set(t) <= set(CHARS), t
+        for x, op, y, c, v in STEP.findall(t):
+            assert (int(x) * int(y) if op == "*" else int(x) + int(y)) + int(c) == int(v), (a, b, x, op, y, c, v)
+        assert t.count("(") == len(str(b)) * 2 - 1  # a product block per digit of b, a sum block per one after the first
+        assert sp.answer(t) == str(a * b)
+
+
+@pytest.mark.parametrize("response, score, exact", [
+    (WORKED, 1.0, 1.0),
+    ("(7*6+0=42)=1692", 1.0, 0.0),            # the answer is what counts, not the scratchpad
+    (WORKED[:-1] + "3", 0.0, 0.0),            # a wrong answer
+    (WORKED[:-1], 0.0, 0.0),                  # cut inside the answer (the length limit)
+    (WORKED[:40], 0.0, 0.0),                  # cut inside the scratchpad: its last "=NN" is no answer
+    (WORKED + " ", 0.0, 0.0),                 # text after the answer
+    (WORKED.replace(")=1692", ")=01692"), 0.0, 0.0),
+    ("1692", 0.0, 0.0),                       # no scratchpad: the answer must follow ")="
+    ("=1692", 0.0, 0.0),
+    ("", 0.0, 0.0),
+])
+def test_reward_of_right_wrong_and_malformed_responses(response, score, exact):
+    assert sp.reward("47*36=", response, "1692") == {"score": score, "trace_exact": exact}
+    assert sp.reward("47*36=", response, 1692)["score"] == score  # a label read as a number
+
+
+def test_a_prompt_that_is_no_product_is_named():
+    with pytest.raises(ValueError, match=r"not a scratchpad prompt \(want 'a\*b='\): '47\+36='"):
+        sp.operands("47+36=")
+    assert sp.reward("47+36=", WORKED, "1692") == {"score": 1.0, "trace_exact": 0.0}
+    with pytest.raises(ValueError, match="non-negative"):
+        sp.trace(-1, 3)
+    with pytest.raises(ValueError, match="1 <= min_digits <= max_digits"):
+        sp.Shape(3, 2)
+
+
+def test_problems_are_fixed_by_seed_and_held_out_first():
+    shape = sp.Shape(2, 4)
+    train, held = sp.make_problems(7, 300, 50, shape)
+    assert (train, held) == sp.make_problems(7, 300, 50, shape)
+    assert sp.make_problems(8, 300, 50, shape)[1] != held
+    assert sp.make_problems(7, 100, 50, shape)[1] == held  # the held-out split does not move with num_train
+    prompts = [r["prompt"] for r in train + held]
+    assert len(set(prompts)) == 350  # distinct, so disjoint
+    for r in train + held:
+        a, b = sp.operands(r["prompt"])
+        assert r["label"] == str(a * b) and all(2 <= len(str(x)) <= 4 for x in (a, b))
+    with pytest.raises(ValueError, match="only ~100 distinct"):
+        sp.make_problems(0, 60, 0, sp.Shape(1, 1))
+
+
+def test_length_stats_by_hand():
+    rows = [{"prompt": "47*36="}, {"prompt": "5*0="}, {"prompt": "99*99="}, {"prompt": "12*30="}]
+    # characters: 47*36 and 99*99 are 24 + 24 + 43 ("(" 4 steps of 8, 3 spaces, " =1692)") + 5 ("=1692") = 96;
+    # 12*30 is 22 + 23 + 33 + 4 = 82; 5*0 is 13 + 2 = 15; one token each plus eos: 97, 97, 83, 16
+    assert sp.length_stats(rows) == {"mean": (97 + 16 + 97 + 83) / 4, "median": 83, "p90": 97, "p99": 97,
+                                     "max": 97}
+
+
+def test_gpu_shape_has_long_responses_with_a_tail():
+    """The GPU setting's responses: mean >= 200 tokens (the issue's bar), within 1,000, and a tail: p90 about
+    twice the median. Seed 0's full held-out figures are in configs/gpu-scratchpad.yaml."""
+    _, held = sp.make_problems(0, 0, 400, sp.SHAPES["gpu"])
+    stats = sp.length_stats(held)
+    assert stats["mean"] >= 200 and 250 <= stats["median"] <= 450, stats
+    assert stats["p90"] >= 1.7 * stats["median"] and stats["max"] <= 913, stats
+    tiny = sp.length_stats(sp.make_problems(0, 0, 200, sp.SHAPES["tiny"])[1])
+    assert tiny["max"] <= 97 and tiny["median"] < 60, tiny
+
+
+def test_warmup_batch_puts_labels_on_the_worked_response_and_eos():
+    tok = build_tokenizer()
+    row = {"prompt": "47*36=", "label": "1692"}
+    ids, attn, labels = answer_batch(tok, [row, {"prompt": "5*0=", "label": "0"}], target=sp.row_trace)
+    prompt = len(tok("47*36=")["input_ids"])
+    assert tok.decode(ids[0, prompt:].tolist(), skip_special_tokens=True) == WORKED
+    assert labels[0, :prompt].eq(-100).all() and labels[0, prompt:].tolist() == ids[0, prompt:].tolist()
+    assert labels[0, -1].item() == tok.eos_token_id and int(attn[1].sum()) == len(tok("5*0=")["input_ids"]) + 16
