@@ -49,3 +49,16 @@ def test_gc_pauses_benchmark_runs_on_cpu(tmp_path):
     assert "gc_pauses: full collections" in p.stdout, p.stdout[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert runs["plain"][0]["frozen_objects"] < 10_000 < runs["frozen"][0]["frozen_objects"], runs
+
+
+def test_partial_rollout_benchmark_runs_on_cpu(tmp_path):
+    """bench/partial_rollout.py (issue 55's partial_speedup) as the GPU call runs it, at a toy size."""
+    out = tmp_path / "p.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "partial_rollout.py"), "--prompts", "2", "--n", "2",
+                        "--max-new", "24", "--median", "6", "--chunk", "4", "--iterations", "2", "--json", str(out)],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "partial_rollout: partial_speedup=" in p.stdout, p.stdout[-2000:]
+    res = json.loads(out.read_text())
+    assert res["partial_speedup"] > 0 and 0 <= res["idle_fraction_carry"] <= 1 and 0 <= res["idle_fraction_off"] <= 1
+    assert all(len(m["seconds"]) == 2 for m in res["modes"].values())

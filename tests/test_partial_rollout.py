@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
 from reflow.engines import partial_rollout as pr
 from reflow.engines import rollout_stages as ro
@@ -28,17 +27,15 @@ N, MAX_NEW = 2, 8
 
 
 def stopping_policy(tiny_policy: Path, out: Path, logit: float = 1.5) -> Path:
-    """The tiny random policy with its eos row of lm_head pointed along its mean final hidden state, so eos
-    comes at ~0.2 a step: responses of 1..max_new_tokens tokens, a long tail (the random policy almost never
-    stops, and every group would finish in the same round)."""
+    """The tiny random policy ending its responses at a steady rate (reflow.rl.long_tail): 1..max_new_tokens
+    tokens, a long tail (the random policy almost never stops, and every group would finish in the same round)."""
     from transformers import AutoModelForCausalLM
 
+    from reflow.rl.long_tail import end_responses_early
+
     shutil.copytree(tiny_policy, out, dirs_exist_ok=True)
-    tok, model = load_tokenizer(str(tiny_policy)), AutoModelForCausalLM.from_pretrained(tiny_policy)
-    ids = tok(["12+34=46", "5+6=11", "7+8=15", "40+2=42"], return_tensors="pt", padding=True)["input_ids"]
-    with torch.no_grad():
-        mean = model.model(ids).last_hidden_state.reshape(-1, model.config.hidden_size).mean(0)
-        model.lm_head.weight[tok.eos_token_id] = mean * (logit / mean.dot(mean))
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy)
+    end_responses_early(model, load_tokenizer(str(tiny_policy)), logit)
     model.save_pretrained(out)
     return out
 

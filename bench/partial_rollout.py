@@ -1,0 +1,158 @@
+"""Partial rollouts against waiting for every sample (issue 55 point 3): rollout seconds per iteration at the same
+number of trained samples, on the embedded engine over HTTP, as a run asks it.
+
+    python bench/partial_rollout.py                                  # CPU, the tiny demo shape
+    python bench/partial_rollout.py --device cuda --size gpu --prompts 64 --max-new 2048 --median 256 --chunk 128
+
+Policy: the demo's shape with random weights whose responses end at a steady rate (reflow.rl.long_tail: geometric
+lengths, median --median tokens, p99 ~6.6x that, capped at --max-new). Each iteration trains on --prompts groups
+of --n samples, seeded per iteration. Modes, in this order (off again last, to see drift):
+- off: one batched request per iteration, every sample to its end (rollout.partial=off);
+- carry: rounds of --chunk tokens over a pool of prompts * (1 + --over) groups; the batch closes on the first
+  --prompts complete groups and the rest continue next iteration (rollout.partial=carry), the policy version
+  incremented each iteration as a run's would be (the weights stay: this measures the engine, not learning);
+- drop: the same rounds, the rest discarded.
+Reported: seconds per iteration (mean over iterations), partial_speedup = off / carry, the engines' idle share of
+row-steps (engines/partial_rollout.py), and the trained responses' mean length: closing on the first complete
+groups prefers short ones (carried long ones train later; dropped ones never), which this shows rather than hides.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _common  # noqa: E402,F401  (puts src/ on the path where reflow is not installed)
+
+
+def build_policy(out: Path, size: str, median: int, max_new: int, device: str) -> Path:
+    """The demo-shaped random policy whose responses end with probability ln2/median a token."""
+    import torch
+
+    from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer, save_policy
+    from reflow.rl.long_tail import end_responses_early
+
+    tok = build_tokenizer()
+    model = build_model(tok, **SIZES[size], max_positions=max_new + 64, seed=0).to(device)
+    texts = ["12+34=", "5+6=", "70+8=", "40+2="]
+    with torch.no_grad():  # the logit eos needs beside the others' log-sum-exp for that rate
+        ids = tok(texts, return_tensors="pt", padding=True)["input_ids"].to(device)
+        lse = torch.logsumexp(model(ids).logits.float(), -1).mean().item()
+    p = math.log(2) / median
+    end_responses_early(model, tok, lse + math.log(p / (1 - p)), texts)
+    return save_policy(model.cpu(), tok, out)
+
+
+def prompts_for(tok, iteration: int, count: int, offset: int = 0):
+    from reflow.rl.types import Prompt
+
+    rnd = random.Random(1000 * iteration + offset)
+    texts = [f"{rnd.randint(10, 999)}+{rnd.randint(10, 999)}=" for _ in range(count)]
+    return [Prompt(offset + i, t, tok(t)["input_ids"], None) for i, t in enumerate(texts)]
+
+
+def run_off(clients, tok, args, sp) -> dict:
+    from reflow.engines import rollout_stages as ro
+    from reflow.engines.partial_rollout import lengths_stats
+    from reflow.engines.rollout_client import generate_batch
+
+    secs, lengths, idle = [], [], []
+    for it in range(args.iterations):
+        prompts = prompts_for(tok, it, args.prompts)
+        t0 = time.perf_counter()
+        outs = generate_batch(clients, [p.input_ids for p in prompts], sp, args.n,
+                              seeds=ro.sample_seeds(7, it, len(prompts) * args.n))
+        secs.append(time.perf_counter() - t0)
+        ls = [len(o["output_ids"]) for o in outs]
+        lengths += ls
+        idle.append(lengths_stats(ls)["wait_all_idle_fraction"])
+    return {"seconds": secs, "idle_fraction": statistics.mean(idle), "trained_len_mean": statistics.mean(lengths),
+            **lengths_stats(lengths)}
+
+
+def run_partial(clients, tok, args, sp, mode: str) -> dict:
+    from reflow.engines import partial_rollout as pr
+    from reflow.engines import rollout_stages as ro
+
+    settings = pr.PartialSettings.of(mode, args.chunk, args.prompts, args.over)
+    carry: list[dict] = []
+    secs, lengths, idle, rounds, carried = [], [], [], [], []
+    for it in range(args.iterations):
+        m = pr.new_groups(settings.pool_groups, carry)
+        prompts = prompts_for(tok, it, m)
+        t0 = time.perf_counter()
+        batch, carry, stats = pr.roll(clients, settings, sp, args.n, it, carry, prompts,
+                                      ro.sample_seeds(7, it, m * args.n), it)
+        secs.append(time.perf_counter() - t0)
+        lengths += [len(r) for r in batch.response_ids]
+        idle.append(stats["engine_idle_fraction"])
+        rounds.append(stats["partial_rounds"])
+        carried.append(stats["carried_samples"])
+    return {"seconds": secs, "idle_fraction": statistics.mean(idle), "trained_len_mean": statistics.mean(lengths),
+            "rounds_mean": statistics.mean(rounds), "carried_samples_mean": statistics.mean(carried)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--size", default="tiny", choices=["tiny", "gpu"], help="the demo policy's shape (SIZES)")
+    ap.add_argument("--prompts", type=int, default=16, help="groups trained per iteration (prompts_per_iteration)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-new", type=int, default=256, help="rollout.max_new_tokens")
+    ap.add_argument("--median", type=int, default=24, help="median response length the policy is set to")
+    ap.add_argument("--chunk", type=int, default=16, help="rollout.partial_chunk_tokens")
+    ap.add_argument("--over", type=float, default=0.5, help="rollout.over_sample")
+    ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads of the engine")
+    ap.add_argument("--json", type=Path, help="write the figures here")
+    args = ap.parse_args()
+    _common.set_bench_env()
+
+    from reflow.engines import rollout_stages as ro
+    from reflow.engines.embedded.engine import EmbeddedEngine
+    from reflow.engines.hf_io import load_tokenizer
+    from reflow.engines.rollout_client import EngineClient
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = build_policy(Path(tmp) / "policy", args.size, args.median, args.max_new, args.device)
+        tok = load_tokenizer(str(path))
+        rows = math.ceil(args.prompts * (1 + args.over)) * args.n
+        engine = EmbeddedEngine(str(path), "partial-bench", threads=args.threads, device=args.device,
+                                max_batch_size=max(rows, args.prompts * args.n))
+        engine.ready()
+        try:
+            clients = [EngineClient(engine.url(), timeout=600, api_key=engine.api_key())]
+            sp = ro.sampling_params(1.0, 1.0, -1, args.max_new, [tok.eos_token_id])
+            run_off(clients, tok, argparse.Namespace(**{**vars(args), "iterations": 1}), sp)  # warm-up
+            res = {"off": run_off(clients, tok, args, sp), "carry": run_partial(clients, tok, args, sp, "carry"),
+                   "drop": run_partial(clients, tok, args, sp, "drop"), "off_again": run_off(clients, tok, args, sp)}
+        finally:
+            engine.shutdown()
+    per = {k: statistics.mean(v["seconds"]) for k, v in res.items()}
+    off = statistics.mean([per["off"], per["off_again"]])
+    out = {"shape": {"size": args.size, "device": args.device, "prompts": args.prompts, "n": args.n,
+                     "max_new_tokens": args.max_new, "median": args.median, "chunk": args.chunk, "over": args.over,
+                     "iterations": args.iterations},
+           "seconds_per_iteration": per, "partial_speedup": off / per["carry"], "drop_speedup": off / per["drop"],
+           "idle_fraction_off": res["off"]["idle_fraction"], "idle_fraction_carry": res["carry"]["idle_fraction"],
+           "idle_fraction_drop": res["drop"]["idle_fraction"], "modes": res}
+    print(f"{'mode':10} {'s/iter':>8} {'idle':>6} {'trained len':>11}")
+    for k in res:
+        print(f"{k:10} {per[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f}")
+    off_lens = res["off"]
+    print(f"partial_rollout: partial_speedup={out['partial_speedup']:.2f} drop_speedup={out['drop_speedup']:.2f} "
+          f"(off's lengths p50 {off_lens['response_len_p50']:.0f}, p99 {off_lens['response_len_p99']:.0f}; "
+          f"{args.prompts}x{args.n} trained samples an iteration)")
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
