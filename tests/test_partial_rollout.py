@@ -176,45 +176,41 @@ def test_carry_always_corrects_with_tis():
 
 @pytest.mark.slow
 def test_carried_samples_survive_a_checkpoint_and_a_resume_exactly(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    """rollout.partial=carry through the flow: 2 iterations straight against 1 iteration then a resume to 2 with
-    every stage record deleted (the carry can only come from checkpoint 1's state.json): the same batches,
-    carried samples whose tokens span two versions, and the same final weights, bit for bit."""
+    """rollout.partial=carry through the flow: 2 iterations, then the same experiment resumed from checkpoint 1 (the
+    test removes checkpoint 2 and every stage record, so the carry can only come from checkpoint 1's state.json):
+    iteration 1 again gives the same batch, with samples whose tokens span two versions, and the same weights,
+    bit for bit."""
     from reflow.flows.train import train
+    from reflow.infra.store import checkpoint as ckpt
     from tests.test_algorithms_e2e import _config
 
     policy = stopping_policy(tiny_policy, tmp_path / "policy", logit=2.5)  # most stop in a few tokens, a few run on
-
-    def run(name, *extra):
-        return train(_config(policy, tmp_path, name, [
-            "rollout.partial=carry", "rollout.partial_chunk_tokens=1", "rollout.over_sample=1.0",
-            "rollout.max_new_tokens=16", "num_iterations=2", "data.reward_fn=tests.ckpt_fixtures:digit_reward", *extra]))
-
-    root = tmp_path / "runs"
-    straight = run("carry-straight")
-    tables = [pd.read_parquet(root / "algo-carry-straight" / "iterations" / f"{i:06d}" / "rollouts.parquet")
-              for i in range(2)]
+    cfg = _config(policy, tmp_path, "carry", [
+        "rollout.partial=carry", "rollout.partial_chunk_tokens=1", "rollout.over_sample=1.0",
+        "rollout.max_new_tokens=16", "num_iterations=2", "data.reward_fn=tests.ckpt_fixtures:digit_reward",
+        "checkpoint.save_interval=1"])
+    exp = tmp_path / "runs" / "algo-carry"
+    straight = train(cfg)
+    tables = [pd.read_parquet(exp / "iterations" / f"{i:06d}" / "rollouts.parquet") for i in range(2)]
     assert all(len(t) == 16 and (t["policy_version"] == i).all() for i, t in enumerate(tables))
     spans = [v for t in tables[1:] for v in t["token_versions"] if len(set(v)) > 1]
     assert spans, "no trained sample spans two versions: the carry was not exercised"
     for i, m in enumerate(straight["history"]):
         assert m["carry_out_groups"] >= 0 and 0 <= m["engine_idle_fraction"] < 1 and m["response_len_p99"] <= 16
         assert (m["carried_samples"] > 0) == (i > 0 and bool((tables[i]["first_version"] < i).any()))
-
-    first = run("carry-resumed", "debug_exit_after=1")
-    assert first["iterations"] == 1
-    state = json.loads((root / "algo-carry-resumed" / "checkpoints" / "iter_000001" / "state.json").read_text())
+    state = json.loads((exp / "checkpoints" / "iter_000001" / "state.json").read_text())
     assert state["rollout_carry"] and all(len(g["samples"]) == 4 for g in state["rollout_carry"])
     assert any(s["finish"] is None and s["ids"] for g in state["rollout_carry"] for s in g["samples"])
-    for d in (root / "algo-carry-resumed" / "iterations").glob("*/stages"):
+    weights = (exp / "checkpoints" / "iter_000002" / "model" / "model.safetensors").read_bytes()
+
+    shutil.rmtree(exp / "checkpoints" / "iter_000002")
+    (exp / ckpt.LATEST).write_text("iter_000001")
+    for d in (exp / "iterations").glob("*/stages"):
         shutil.rmtree(d)
-    second = run("carry-resumed")
+    second = train(cfg)
     assert (second["start"], second["iterations"]) == (1, 1)
-    for i in (1,):
-        again = pd.read_parquet(root / "algo-carry-resumed" / "iterations" / f"{i:06d}" / "rollouts.parquet")
-        pd.testing.assert_frame_equal(again, tables[i])
-    final = [root / f"algo-carry-{n}" / "checkpoints" / "iter_000002" / "model" / "model.safetensors"
-             for n in ("straight", "resumed")]
-    assert final[0].read_bytes() == final[1].read_bytes()
+    pd.testing.assert_frame_equal(pd.read_parquet(exp / "iterations" / "000001" / "rollouts.parquet"), tables[1])
+    assert (exp / "checkpoints" / "iter_000002" / "model" / "model.safetensors").read_bytes() == weights
 
 
 def test_stage_records_of_another_partial_setting_are_not_reused():
