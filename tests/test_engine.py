@@ -24,6 +24,7 @@ from reflow.engines.weights.mapped import MAPPED
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
 from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model
+from tests.engine_fixtures import served
 from tests.reference import greedy_reference
 
 KEY = new_api_key()  # the engines' API key (tests/test_http_auth.py: what it guards)
@@ -49,10 +50,8 @@ def gen(request, model, tok):
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy):
-    e = EmbeddedEngine(str(tiny_policy), "test-engine", threads=1, api_key=KEY)
-    assert e.ready()
-    yield e
-    e.shutdown()
+    with served(tiny_policy, "test-engine", KEY) as e:
+        yield e
 
 
 @pytest.fixture()

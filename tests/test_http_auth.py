@@ -26,6 +26,7 @@ from reflow.engines.rollout_client import EngineClient, EngineError, poll_health
 from reflow.engines.sglang import contract as sglang_contract
 from reflow.engines.sglang.router import Router
 from reflow.engines.weights.buckets import BucketError, load_payload, serialize_bucket, serialize_named_tensors
+from tests.engine_fixtures import served
 
 KEY = new_api_key()
 WRONG = new_api_key()
@@ -35,10 +36,8 @@ needs_wheel = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy):
-    e = EmbeddedEngine(str(tiny_policy), "auth-engine", threads=1, api_key=KEY)
-    e.ready()
-    yield e
-    e.shutdown()
+    with served(tiny_policy, "auth-engine", KEY) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

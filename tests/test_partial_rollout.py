@@ -14,13 +14,13 @@ import pytest
 
 from reflow.engines import partial_rollout as pr
 from reflow.engines import rollout_stages as ro
-from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.hf_io import load_tokenizer
 from reflow.engines.rollout_client import EngineClient, generate_batch
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.config.schema import load_config
 from reflow.infra.config.settings import ASYNC_TIS_CAP, loss_settings
 from reflow.rl.types import Prompt
+from tests.engine_fixtures import served
 from tests.test_engine import KEY
 
 N, MAX_NEW = 2, 8
@@ -47,10 +47,8 @@ def policy(tiny_policy, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def engine(policy):
-    e = EmbeddedEngine(str(policy), "partial-engine", threads=1, api_key=KEY)
-    e.ready()
-    yield e
-    e.shutdown()
+    with served(policy, "partial-engine", KEY) as e:
+        yield e
 
 
 @pytest.fixture(scope="module")

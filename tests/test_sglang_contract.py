@@ -12,10 +12,10 @@ import httpx
 import pytest
 
 from reflow.engines.embedded.contract import NO_INPUT
-from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient
 from reflow.engines.sglang import contract as sglang_contract
+from tests.engine_fixtures import served
 
 CONTRACT = sglang_contract.load()
 KEY = new_api_key()  # its auth against SGLang's own --api-key code: tests/test_http_auth.py
@@ -24,10 +24,8 @@ pytestmark = pytest.mark.skipif(CONTRACT is None, reason="sglang==0.5.23 is not 
 
 @pytest.fixture(scope="module")
 def engine(tiny_policy):
-    e = EmbeddedEngine(str(tiny_policy), "contract-engine", threads=1, api_key=KEY)
-    e.ready()
-    yield e
-    e.shutdown()
+    with served(tiny_policy, "contract-engine", KEY) as e:
+        yield e
 
 
 def _post(engine, body) -> tuple[int, str]:
