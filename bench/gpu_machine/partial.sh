@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the GPU machine: issue 55 point 3's partial_speedup and idle fractions (bench/partial_rollout.py): rollout
+# seconds per iteration with rollout.partial off, carry and drop at the same trained samples, on the embedded engine
+# over HTTP with CUDA graphs, the GPU demo's shape (113M, random weights ending responses at a steady rate: median
+# 512 tokens, p99 ~3.4k, capped at 4,096). The engine's HTTP side (fastapi, uvicorn, httpx) comes from the carried
+# wheels (bench/gpu_machine/install.sh; carry .gpuwheels/1, /2, ... over consecutive calls first).
+#   OUT=/tmp/o bash bench/gpu_machine/partial.sh [--prompts 64 --chunk 256 ...]
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
+[ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site > "$out/install.log"
+nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/gpus.txt"
+export PYTHONPATH=$PWD/src:$PWD/bench:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+python3 bench/partial_rollout.py --device cuda --size gpu --prompts 64 --n 4 --max-new 4096 --median 512 \
+  --chunk 256 --over 0.5 --iterations 5 --json "$out/gpu-partial.json" "$@" 2>&1 | tee "$out/partial.log"
