@@ -8,14 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from reflow.flows.cli import DEMO_CONFIG, _demo_policy, build_parser, main
+from reflow.flows.cli import DEMO_CONFIG, _demo_policy, bootstrap_folders, build_parser, main
 from reflow.infra.config.schema import load_config
 from tests.streams import without_ray_lines
 
 
-def test_bootstrap_writes_where_the_demo_config_looks():
-    bootstrap_out = build_parser().parse_args(["bootstrap"]).out
-    assert load_config(str(DEMO_CONFIG), []).model.path == bootstrap_out
+@pytest.mark.parametrize("argv, config", [([], "demo.yaml"), (["--task", "scratchpad"], "demo-scratchpad.yaml"),
+                                          (["--task", "scratchpad", "--size", "gpu"], "gpu-scratchpad.yaml")])
+def test_bootstrap_writes_where_the_demo_config_looks(argv, config):
+    out, data = bootstrap_folders(build_parser().parse_args(["bootstrap", *argv]))
+    cfg = load_config(str(DEMO_CONFIG.with_name(config)), [])
+    assert cfg.model.path == out
+    if cfg.data.task == "file":  # the scratchpad task's files, written beside the policy
+        assert (cfg.data.path, cfg.data.eval_path) == (f"{data}/train.jsonl", f"{data}/heldout.jsonl")
 
 
 def test_demo_seed_0_uses_the_configs_folder_and_other_seeds_their_own(tmp_path):
@@ -78,7 +83,7 @@ def test_demo_data_is_what_demo_retrain_yaml_names_and_demo_yaml_holds_out(tmp_p
 
     retrain_cfg = load_config(str(DEMO_CONFIG.with_name("demo-retrain.yaml")), [])
     assert [s.source for s in retrain_cfg.eval.sets] == [f"{DEMO_DATA}/heldout.jsonl"]
-    assert build_parser().parse_args(["bootstrap"]).data_out == DEMO_DATA
+    assert bootstrap_folders(build_parser().parse_args(["bootstrap"]))[1] == DEMO_DATA
     files = _demo_data(str(tmp_path / "demo"), 0, 2)
     d = load_config(str(DEMO_CONFIG), []).data
     train, heldout = make_problems(d.seed, d.num_train, d.num_eval, d.digits)

@@ -22,6 +22,10 @@ from reflow.infra.store import signing
 DEMO_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "demo.yaml"
 TOOLS_DEMO_CONFIG = DEMO_CONFIG.with_name("demo-tools.yaml")  # `reflow demo --task tools`
 GPU_DEMO_CONFIG = DEMO_CONFIG.with_name("gpu-demo.yaml")  # `reflow demo --gpu`: a ~113M policy, 3-digit addition
+# `reflow demo --task scratchpad [--gpu]`: long multiplication worked out step by step (reflow.rl.scratchpad_task)
+SCRATCHPAD_CONFIG = DEMO_CONFIG.with_name("demo-scratchpad.yaml")
+GPU_SCRATCHPAD_CONFIG = DEMO_CONFIG.with_name("gpu-scratchpad.yaml")
+ADDITION_POLICY = ".reflow/models/demo-policy"  # configs/demo.yaml's model.path, where `reflow bootstrap` writes
 DEMO_DATA = ".reflow/data/demo"  # the fixed eval file and new data configs/demo-retrain.yaml and the README name
 OVERRIDES_HELP = ("config overrides as dotted key=value pairs, validated like the file, "
                   "e.g. trainer.lr=1e-4 rollout.n_samples_per_prompt=8 num_iterations=5")
@@ -89,11 +93,46 @@ def cmd_bootstrap(args) -> None:
     kw = {k: v for k, v in (("steps", args.steps), ("lr", args.lr), ("batch", args.batch),
                             ("target_accuracy", args.target_accuracy)) if v is not None}
     device = args.device if args.device != "auto" else ("cuda" if _cuda() else "cpu")
-    report = bootstrap(args.out, seed=args.seed, digits=args.digits, device=device, **SIZES[args.size],
+    out, data_out = bootstrap_folders(args)
+    if args.task == "scratchpad":
+        if not data_out:
+            raise UsageError("reflow bootstrap --task scratchpad trains on its data files: give --data-out a folder "
+                             "(or leave it out for the default)")
+        print(json.dumps(_scratchpad_bootstrap(args.seed, args.size, device, out, data_out, **kw), indent=2))
+        return
+    report = bootstrap(out, seed=args.seed, digits=args.digits, device=device, **SIZES[args.size],
                        **{**WARMUP[args.size], **kw})
-    if args.data_out:
-        report["data"] = _demo_data(args.data_out, args.seed, args.digits)
+    if data_out:
+        report["data"] = _demo_data(data_out, args.seed, args.digits)
     print(json.dumps(report, indent=2))
+
+
+def bootstrap_folders(args) -> tuple[str, str]:
+    """`reflow bootstrap`'s (policy folder, data folder): the ones given, else the task's defaults, which its
+    config names for seed 0 (configs/demo.yaml; configs/demo-scratchpad.yaml, gpu-scratchpad.yaml by --size)."""
+    if args.task == "scratchpad":
+        return (args.out or str(_scratchpad_policy(args.seed, args.size)),
+                str(_scratchpad_data(args.seed, args.size)) if args.data_out is None else args.data_out)
+    return args.out or ADDITION_POLICY, DEMO_DATA if args.data_out is None else args.data_out
+
+
+def _scratchpad_bootstrap(seed: int, size: str, device: str, out: str | None = None, data_out: str | None = None,
+                          **warmup) -> dict:
+    """The scratchpad task's data files and policy (reflow.rl.scratchpad_demo), each in its default folder
+    unless given; the bootstrap's report with the files under "data"."""
+    from reflow.rl.scratchpad_demo import bootstrap_scratchpad, write_scratchpad_data
+
+    data = write_scratchpad_data(data_out or _scratchpad_data(seed, size), seed, size)
+    return bootstrap_scratchpad(out or _scratchpad_policy(seed, size), data, seed=seed, size=size, device=device,
+                                **warmup)
+
+
+def _scratchpad_policy(seed: int, size: str) -> Path:
+    return Path(f".reflow/models/scratchpad-{size}-s{seed}")
+
+
+def _scratchpad_data(seed: int, size: str) -> Path:
+    return Path(f".reflow/data/scratchpad-{size}-s{seed}")
 
 
 def _cuda() -> bool:
@@ -346,6 +385,28 @@ def _tools_demo(seed: int) -> list[str]:
     return [f"model.path={out}", f"data.path={data['train']}", f"data.eval_path={data['heldout']}"]
 
 
+def _scratchpad_demo(seed: int, size: str) -> list[str]:
+    """`reflow demo --task scratchpad`: the task's files and its policy (bootstrapped once per seed and size), as
+    overrides."""
+    from reflow.rl.scratchpad_demo import write_scratchpad_data
+
+    out, folder = _scratchpad_policy(seed, size), _scratchpad_data(seed, size)
+    if (out / "config.json").is_file():
+        data = {k: str(folder / f"{k}.jsonl") for k in ("train", "heldout")}
+        if not all(Path(f).is_file() for f in data.values()):  # the same files again: they are fixed by seed and size
+            data = write_scratchpad_data(folder, seed, size)
+    else:
+        print(f"reflow: bootstrapping the scratchpad policy into {out} (once per seed)", file=sys.stderr)
+        data = _scratchpad_bootstrap(seed, size, "cuda" if size == "gpu" else "cpu")["data"]
+    return [f"model.path={out}", f"data.path={data['train']}", f"data.eval_path={data['heldout']}"]
+
+
+def _demo_config(args) -> Path:
+    if args.task == "scratchpad":
+        return GPU_SCRATCHPAD_CONFIG if args.gpu else SCRATCHPAD_CONFIG
+    return GPU_DEMO_CONFIG if args.gpu else TOOLS_DEMO_CONFIG if args.task == "tools" else DEMO_CONFIG
+
+
 def cmd_demo(args) -> None:
     t0, started_at = time.perf_counter(), time.time()
     if args.task == "tools" and args.gpu:
@@ -353,7 +414,7 @@ def cmd_demo(args) -> None:
     if args.gpu and not _cuda():
         raise UsageError("reflow demo --gpu trains on a GPU, and torch sees none here: run `reflow demo` "
                          "(the CPU demo), or check CUDA_VISIBLE_DEVICES and that torch is a CUDA build")
-    config = GPU_DEMO_CONFIG if args.gpu else TOOLS_DEMO_CONFIG if args.task == "tools" else DEMO_CONFIG
+    config = _demo_config(args)
     base = _config(str(config), [])
     # A fresh experiment per invocation, so running the demo twice trains twice (every run
     # keeps its own checkpoints and records); pass experiment=NAME --resume auto to continue one.
@@ -361,6 +422,8 @@ def cmd_demo(args) -> None:
     overrides = [f"seed={args.seed}", f"data.seed={args.seed}", f"experiment={base.experiment}-s{args.seed}-{stamp}"]
     if args.task == "tools":
         overrides += _tools_demo(args.seed)
+    elif args.task == "scratchpad":
+        overrides += _scratchpad_demo(args.seed, "gpu" if args.gpu else "tiny")
     else:
         policy = _demo_policy(args.seed, base.data.digits, base.model.path, "gpu" if args.gpu else "tiny")
         overrides.append(f"model.path={policy}")
@@ -489,9 +552,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--gpu", action="store_true",
                    help="the GPU demo instead: a ~113M policy warmed up on the GPU, 3-digit addition, "
                         "configs/gpu-demo.yaml (one GPU colocated; see bench/RESULTS.md for two)")
-    d.add_argument("--task", choices=["addition", "tools"], default="addition",
-                   help="addition (default) or tools: multi-turn 2-digit multiplication with a calculator "
-                        "tool, configs/demo-tools.yaml")
+    d.add_argument("--task", choices=["addition", "tools", "scratchpad"], default="addition",
+                   help="addition (default); tools: multi-turn 2-digit multiplication with a calculator "
+                        "tool, configs/demo-tools.yaml; scratchpad: long multiplication worked out step by step "
+                        "(long responses), configs/demo-scratchpad.yaml, with --gpu configs/gpu-scratchpad.yaml")
     d.add_argument("--resume", default=None, metavar="auto|never|URL", help=RESUME_HELP)
     _flow_args(d, cmd_demo)
 
@@ -540,9 +604,14 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bootstrap", help="build the demo policy: tiny Llama + char tokenizer, warmed up, HF format",
                        description="Build a tiny causal LM and tokenizer, warm it up on the synthetic addition "
                                    "task and save it as an HF checkpoint folder (config, safetensors, tokenizer).")
-    b.add_argument("--out", default=".reflow/models/demo-policy", help="output folder (default %(default)s)")
+    b.add_argument("--task", choices=["addition", "scratchpad"], default="addition",
+                   help="addition (default): the demo's sums; scratchpad: long multiplication worked out step by "
+                        "step (reflow.rl.scratchpad_task), warmed up on worked traces")
+    b.add_argument("--out", default=None,
+                   help=f"output folder (default {ADDITION_POLICY}; scratchpad: .reflow/models/scratchpad-SIZE-sSEED, "
+                        f"where `reflow demo --task scratchpad` looks)")
     b.add_argument("--seed", type=int, default=0, help="seed (default 0)")
-    b.add_argument("--digits", type=int, default=2, help="digits per operand (default 2)")
+    b.add_argument("--digits", type=int, default=2, help="addition: digits per operand (default 2)")
     b.add_argument("--steps", type=int, default=None, help="warm-up optimizer steps at most (default: tuned value)")
     b.add_argument("--size", choices=["tiny", "gpu"], default="tiny",
                    help="model shape: tiny (~1M parameters, the CPU demo) or gpu (~113M, configs/gpu-demo.yaml)")
@@ -553,9 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--target-accuracy", type=float, default=None,
                    help="stop the warm-up once greedy train accuracy reaches this (default 0.4: partly competent, "
                         "so GRPO groups have mixed rewards)")
-    b.add_argument("--data-out", default=DEMO_DATA,
-                   help="also write the task's held-out split as a fixed eval file and a batch of new problems "
-                        "here, for configs/demo-retrain.yaml (default %(default)s; '' skips them)")
+    b.add_argument("--data-out", default=None,
+                   help=f"addition: also write the task's held-out split as a fixed eval file and a batch of new "
+                        f"problems here, for configs/demo-retrain.yaml (default {DEMO_DATA}; '' skips them); "
+                        f"scratchpad: the train and held-out files (default .reflow/data/scratchpad-SIZE-sSEED)")
     b.set_defaults(fn=cmd_bootstrap)
 
     ct = sub.add_parser("ctl", help="control a live train run: health, metrics, pause, resume, save, stop",
