@@ -11,7 +11,7 @@ Then one block per partial product after the first adds it, shifted, to the runn
 column the same way. The last characters, ")=<product>", are the answer. Every character is in the demo
 tokenizer's alphabet (reflow.rl.demo_policy.CHARS), one token each.
 
-Lengths: an n-digit by m-digit problem takes ~10nm + 10(m-1)(n + m/2) characters, so drawing n and m
+Lengths: an n-digit by m-digit problem takes ~10nm + 10(m-1)(n + m/2 + 1) characters, so drawing n and m
 independently gives lengths that vary with the problem and a tail of long ones (`length_stats`).
 
 Reward: 1.0 when the response ends with ")=<label>", else 0.0: the answer only, however the scratchpad
