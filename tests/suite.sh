@@ -28,6 +28,8 @@
 # Session 33 (Ray workers at nice 0, task workers importing ~2 s less each, uv installs, a cold mypy 57 -> 13 s, six
 # trainer ranks fewer): clean clone .ci/run 24m24s (the rest 1383 s, 1038 passed; these 1391 s) and 25m12s (1472 s;
 # 1479 s).
+# Session 34 (partial rollouts, the scratchpad task, SGLang rounds: ~40 tests more): clean clone .ci/run 25m22s (the
+# rest 1481 s, 1080 passed; these 1436 s); beside two `while 1: pass` loops at nice 0, 44m30s, green.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
