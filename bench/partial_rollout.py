@@ -89,7 +89,7 @@ def run_partial(clients, tok, args, sp, mode: str) -> dict:
         prompts = prompts_for(tok, it, m)
         t0 = time.perf_counter()
         batch, carry, stats = pr.roll(clients, settings, sp, args.n, it, carry, prompts,
-                                      ro.sample_seeds(7, it, m * args.n), it)
+                                      ro.sample_seeds(7, it, m * args.n))
         secs.append(time.perf_counter() - t0)
         lengths += [len(r) for r in batch.response_ids]
         idle.append(stats["engine_idle_fraction"])

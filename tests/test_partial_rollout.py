@@ -67,7 +67,7 @@ def _roll(engine, policy, prompts, mode, version, carried, chunk=1, target=2, ov
     m = pr.new_groups(settings.pool_groups, carried)
     seeds = ro.sample_seeds(11, version, m * N)
     return pr.roll([EngineClient(engine.url(), timeout=60, api_key=KEY)], settings, _sampling(policy),
-                   N, version, carried, prompts[:m], seeds, version)
+                   N, version, carried, prompts[:m], seeds)
 
 
 @pytest.mark.parametrize("chunk", [1, 3])
@@ -78,7 +78,7 @@ def test_rounds_continue_a_sample_as_one_request_draws_it(engine, policy, prompt
     seeds = ro.sample_seeds(5, 0, len(prompts))
     whole = generate_batch([c], [p.input_ids for p in prompts], _sampling(policy), 1, seeds=seeds)
     settings = pr.PartialSettings.of("drop", chunk, len(prompts), 0.0)
-    batch, rest, stats = pr.roll([c], settings, _sampling(policy), 1, 0, [], prompts, seeds, 0)
+    batch, rest, stats = pr.roll([c], settings, _sampling(policy), 1, 0, [], prompts, seeds)
     longest = max(len(o["output_ids"]) for o in whole)
     assert rest == [] and stats["partial_rounds"] == -(-longest // chunk)  # until the longest has finished
     assert batch.response_ids == [list(o["output_ids"]) for o in whole]

@@ -122,7 +122,7 @@ def test_partial_rollout_rounds_pass_sglangs_gate(backend):
     prompts = [Prompt(i, str(i), [5 + i, 6, 7]) for i in range(4)]
     settings = pr.PartialSettings.of("carry", 2, 2, 1.0)
     batch, rest, stats = pr.roll(backend.clients(1), settings, sampling_params(0.7, 1.0, -1, 5), 2, 3, [], prompts,
-                                 sample_seeds(1, 3, 8), 3)
+                                 sample_seeds(1, 3, 8))
     assert batch.n_groups == 2 and len(rest) == 2 and stats["partial_rounds"] >= 3  # 5 tokens in rounds of 2
     assert all(len(r) == len(lp) == len(v) for r, lp, v in zip(batch.response_ids, batch.rollout_logprobs,
                                                                   batch.token_versions))

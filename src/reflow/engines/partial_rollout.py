@@ -31,10 +31,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from reflow.engines.rollout_client import EngineClient, generate_batch
+from reflow.engines.rollout_client import EngineClient, generate_batch, result_logprobs
 from reflow.rl.types import Prompt, RolloutBatch
-
-MODES = ("off", "carry", "drop")
 
 
 @dataclass(frozen=True)
@@ -56,10 +54,10 @@ def new_groups(pool: int, carried: list[dict]) -> int:
     return max(pool - len(carried), 0)
 
 
-def _group(prompt: Prompt, n: int, seeds: list[int] | None, born: int) -> dict:
+def _group(prompt: Prompt, n: int, seeds: list[int] | None) -> dict:
     """A new group: n empty samples of `prompt`. Plain JSON-able data (the carry is saved in checkpoints)."""
     return {"prompt_index": prompt.index, "prompt_text": prompt.text, "prompt_ids": list(prompt.input_ids),
-            "label": prompt.label, "born": born,
+            "label": prompt.label,
             "samples": [{"seed": None if seeds is None else int(seeds[j]), "ids": [], "logprobs": [], "versions": [],
                          "text": "", "finish": None} for j in range(n)]}
 
@@ -93,9 +91,8 @@ def _round(clients: list[EngineClient], active: list[tuple[dict, dict]], samplin
     got = []
     for (_, s), o in zip(active, outs):
         new = list(o["output_ids"])
-        lps = [lp[0] for lp in o["meta_info"].get("output_token_logprobs", [])]
         s["ids"] += new
-        s["logprobs"] += lps
+        s["logprobs"] += result_logprobs(o)
         s["versions"] += [version] * len(new)
         s["text"] += o["text"]
         kind = o["meta_info"]["finish_reason"]["type"]
@@ -106,15 +103,14 @@ def _round(clients: list[EngineClient], active: list[tuple[dict, dict]], samplin
 
 
 def roll(clients: list[EngineClient], settings: PartialSettings, sampling: dict[str, Any], n: int, version: int,
-         carried: list[dict], prompts: list[Prompt], seeds: list[int] | None, born: int,
-         lora_path: str | None = None) -> tuple[RolloutBatch, list[dict], dict[str, float]]:
+         carried: list[dict], prompts: list[Prompt], seeds: list[int] | None, lora_path: str | None = None) -> tuple[RolloutBatch, list[dict], dict[str, float]]:
     """Generate rounds over the pool (the `carried` groups, then one group per new prompt) until
     `settings.target_groups` groups are complete; returns (the batch of those groups, the carry for the
     next iteration: [] with mode drop, the round statistics)."""
     max_new = int(sampling["max_new_tokens"])
     pool = [dict(g, samples=[dict(s, ids=list(s["ids"]), logprobs=list(s["logprobs"]), versions=list(s["versions"]))
                              for s in g["samples"]]) for g in carried]
-    pool += [_group(p, n, None if seeds is None else seeds[k * n:(k + 1) * n], born) for k, p in enumerate(prompts)]
+    pool += [_group(p, n, None if seeds is None else seeds[k * n:(k + 1) * n]) for k, p in enumerate(prompts)]
     if len(pool) < settings.target_groups:
         raise ValueError(f"partial rollout: {len(pool)} groups in the pool for {settings.target_groups} to train")
     rounds, row_steps, tokens = 0, 0, 0

@@ -250,6 +250,11 @@ def _request(prompts: list[list[int]], sampling_params: dict | list[dict], n: in
     return ids, sps
 
 
+def result_logprobs(out: dict[str, Any]) -> list[float]:
+    """The per-token log-probs of one `/generate` result (SGLang's (logprob, id, text) triples)."""
+    return [lp[0] for lp in out["meta_info"].get("output_token_logprobs", [])]
+
+
 def lora_fields(lora_path: str | None) -> dict:
     """The /generate fields that name a LoRA adapter (SGLang's `lora_path`); none for the base model."""
     return {} if lora_path is None else {"lora_path": lora_path}

@@ -29,7 +29,7 @@ import httpx
 
 from reflow.engines.http_serve import bearer
 from reflow.engines.partial_rollout import PartialSettings
-from reflow.engines.rollout_client import EngineError, _server_message, lora_fields
+from reflow.engines.rollout_client import EngineError, _server_message, lora_fields, result_logprobs
 from reflow.rl.rewards import _fn_name, _run_coroutine, _short, load_reward_fn
 from reflow.rl.types import Prompt, RolloutBatch
 
@@ -158,11 +158,6 @@ def _load_tokenizer(path: str) -> Any:
     from reflow.engines.hf_io import load_tokenizer
 
     return load_tokenizer(path)
-
-
-def result_logprobs(out: dict[str, Any]) -> list[float]:
-    """The per-token log-probs of one `/generate` result (SGLang's (logprob, id, text) triples)."""
-    return [lp[0] for lp in out["meta_info"].get("output_token_logprobs", [])]
 
 
 async def single_turn(request: RolloutRequest, engine: AsyncEngine) -> Trajectory:

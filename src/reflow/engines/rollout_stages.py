@@ -24,9 +24,9 @@ import pandas as pd
 from reflow.engines import partial_rollout
 from reflow.engines.gc_freeze import freeze_long_lived
 from reflow.engines.partial_rollout import lengths_stats
-from reflow.engines.rollout_client import EngineClient, generate_batch
+from reflow.engines.rollout_client import EngineClient, generate_batch, result_logprobs
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
-from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, result_logprobs, rollout_with_fn
+from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, rollout_with_fn
 from reflow.engines.weights.lora import adapter_name
 from reflow.rl.algorithms.base import AlgorithmBase
 from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
@@ -122,10 +122,8 @@ def _partial(s: RolloutSettings, batch: BatchRequest, seeds: list[int] | None, l
     m = partial_rollout.new_groups(s.partial.pool_groups, carry)
     if m > len(batch.prompts):
         raise ValueError(f"partial rollout: {len(batch.prompts)} new prompts for {m} groups to start")
-    born = batch.version if batch.seed_key is None else batch.seed_key
     out, rest, stats = partial_rollout.roll(clients, s.partial, s.sampling, s.n, batch.version, carry,
-                                            batch.prompts[:m], None if seeds is None else seeds[:m * s.n], born,
-                                            lora_path)
+                                            batch.prompts[:m], None if seeds is None else seeds[:m * s.n], lora_path)
     out.extra.update(carry=rest, partial_stats=stats)
     return out
 
