@@ -99,21 +99,23 @@ def run(gen, steps: Steps, prompts, lengths, wbytes: int, kvbytes: int, bw: floa
     return row
 
 
-def check_kernels() -> dict:
-    """Each decode-attention kernel against float32 SDPA on random bf16 regions (rows of 1..8000 keys)."""
+def check_kernels(dtype: torch.dtype = torch.bfloat16) -> dict:
+    """Each decode-attention kernel against float32 SDPA on random regions of `dtype` (rows of 1..8000 keys);
+    float32 regions: the Triton kernel only (flash attention takes half types), under this process's float32
+    matmul precision (IEEE at "highest", TF32 otherwise)."""
     from reflow.engines.embedded import decode_attention as TD
 
     g = torch.Generator(device="cuda").manual_seed(0)
     N, H, G, D, b = 40000, 2, 6, 128, 12
-    k, v = (torch.randn(N + 1, H, D, device="cuda", generator=g).bfloat16() for _ in range(2))
-    q = torch.randn(b, H, G, D, device="cuda", generator=g).bfloat16()
+    k, v = (torch.randn(N + 1, H, D, device="cuda", generator=g).to(dtype) for _ in range(2))
+    q = torch.randn(b, H, G, D, device="cuda", generator=g).to(dtype)
     used = torch.tensor([1, 7, 64, 65, 300, 1000, 1023, 2048, 3000, 5000, 7999, 8000], device="cuda")
     start = torch.cumsum(torch.cat([used.new_zeros(1), used[:-1] + 17]), 0)
     want = [F.scaled_dot_product_attention(q[r].float(), k[start[r]:start[r] + used[r]].transpose(0, 1).float(),
                                            v[start[r]:start[r] + used[r]].transpose(0, 1).float(), scale=0.088)
             for r in range(b)]
     out = {}
-    for name in ("triton", "flash"):
+    for name in ("triton", "flash") if dtype != torch.float32 else ("triton",):
         try:
             if name == "triton":
                 got = [TD.decode_attention(q, k, v, start, used.int(), 8192, 0.088, s) for s in (1, 4, 32)]
@@ -125,9 +127,17 @@ def check_kernels() -> dict:
                 got = [o.view(b, G, H, D).transpose(1, 2)]
             err = max((x[r].float() - want[r]).abs().max().item() for x in got for r in range(b))
             out[name] = {"max_abs_err": err}
+            if name == "triton":  # one graph-free call at 12 rows of up to 8k keys, for scale
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    TD.decode_attention(q, k, v, start, used.int(), 8192, 0.088, 4)
+                torch.cuda.synchronize()
+                out[name]["ms_per_call"] = (time.perf_counter() - t0) / 20 * 1e3
         except Exception as e:  # deliberate: a kernel that fails here is reported and not used
             out[name] = {"error": repr(e)[:400]}
-    print(f"  kernel check vs fp32 SDPA: {out}", flush=True)
+    print(f"  kernel check vs fp32 SDPA ({dtype}, matmul precision {torch.get_float32_matmul_precision()}): {out}",
+          flush=True)
     return out
 
 
@@ -354,6 +364,8 @@ def main() -> None:
     ap.add_argument("--kernel", default="auto", help="decode attention for the mismatch runs when throughput is skipped")
     ap.add_argument("--mm-len", type=int, default=2048)
     ap.add_argument("--skip", default="", help="comma list: throughput, mismatch")
+    ap.add_argument("--check-kernels", action="store_true",
+                    help="only the decode kernels against float32 SDPA: bf16, float32 (IEEE), float32 (TF32)")
     ap.add_argument("--anatomy", action="store_true", help="only anatomy(): one step's kernels and graph replay time")
     args = ap.parse_args()
     bw, card = bandwidth()
@@ -363,6 +375,13 @@ def main() -> None:
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     path = Path(args.out, "gpu-rollout-long.json")
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.check_kernels:
+        res = {"bf16": check_kernels(torch.bfloat16), "fp32": check_kernels(torch.float32)}
+        torch.set_float32_matmul_precision("high")
+        res["fp32_tf32"] = check_kernels(torch.float32)
+        torch.set_float32_matmul_precision("highest")
+        Path(args.out, "kernel-check.json").write_text(json.dumps({**out, "kernel_check": res}, indent=1, default=str))
+        return
     if args.anatomy:
         out["anatomy"] = anatomy(tok, "triton")
         Path(args.out, "anatomy.json").write_text(json.dumps(out, indent=1, default=str))

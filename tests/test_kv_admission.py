@@ -132,10 +132,13 @@ def test_sglang_reads_the_same_memory_fraction():
         RolloutConfig(kv_mem_fraction=1.0)
 
 
-def test_triton_decode_attention_matches_sdpa_per_region():
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_triton_decode_attention_matches_sdpa_per_region(precision):
     """The GPU decode kernel (engines/embedded/decode_attention.py) against SDPA over each row's own keys, with
-    the keys split 1, 3 and 4 ways. Runs where Triton is installed: on a GPU, or on CPU under TRITON_INTERPRET=1
-    (set before reflow is imported); skipped elsewhere (the CPU build of torch has no Triton)."""
+    the keys split 1, 3 and 4 ways, on float32 regions (an fp32 engine's): IEEE products at torch's default
+    float32 matmul precision, TF32 ones at "high" (trainer.tf32). Runs where Triton is installed: on a GPU, or
+    on CPU under TRITON_INTERPRET=1 (set before reflow is imported; triton 3.9's interpreter runs it, 3.6's does
+    not); skipped elsewhere (the CPU build of torch has no Triton)."""
     import os
 
     from reflow.engines.embedded import decode_attention as TD
@@ -149,13 +152,20 @@ def test_triton_decode_attention_matches_sdpa_per_region():
     start = torch.tensor([0, 700, 1500, 2000, N], device=dev)  # the last: one key at the scratch position
     used = torch.tensor([300, 513, 1, 900, 1], dtype=torch.int32, device=dev)
     q = torch.randn(5, H, G, D, generator=g).to(dev)
-    for splits in (1, 3, 4):
-        got = TD.decode_attention(q, k, v, start, used, 1024, 0.088, splits)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        assert TD.ieee_products(q.dtype) == (precision == "highest")
+        got = [TD.decode_attention(q, k, v, start, used, 1024, 0.088, splits) for splits in (1, 3, 4)]
+    finally:
+        torch.set_float32_matmul_precision(before)
+    tol = 1e-3 if precision == "highest" else 1e-2  # TF32: 10-bit mantissas in the products
+    for got_s in got:
         for r in range(5):
             keys = slice(int(start[r]), int(start[r] + used[r]))
             want = torch.nn.functional.scaled_dot_product_attention(
                 q[r], k[keys].transpose(0, 1), v[keys].transpose(0, 1), scale=0.088)  # [H, G, D]
-            torch.testing.assert_close(got[r], want, rtol=1e-3, atol=1e-3)
+            torch.testing.assert_close(got_s[r], want, rtol=tol, atol=tol)
 
 
 def test_a_call_that_fails_midway_leaves_the_pool_free(tok):
@@ -182,3 +192,26 @@ def test_a_new_kv_budget_recreates_a_long_lived_clusters_engines():
     budget = RunConfig.model_validate({"rollout": {"kv_mem_fraction": 0.6}})
     assert actor_spec(budget)["engines"]["kv_mem_fraction"] == 0.6
     assert fingerprint(budget) != fingerprint(base)
+
+
+def test_prefill_groups_by_length_give_the_same_samples(tok, monkeypatch):
+    """A batch whose prompts differ widely in length (a partial rollout continues samples of hundreds of tokens
+    beside new prompts of a few) is prefilled in length-sorted groups of bounded padded size, not one call padded
+    to the longest; every row decodes as it would after one padded call."""
+    from reflow.engines.embedded import generator as G
+
+    assert G.prefill_groups([5] * 10) == [list(range(10))]  # fits: one call, the order kept
+    assert G.prefill_groups([3000, 10, 10, 2000, 10], budget=4000) == [[0], [3, 1], [2, 4]]
+    assert G.prefill_groups([9000, 1], budget=4000) == [[0], [1]]  # longer than the budget: alone
+    model = _tiny("qwen2")
+    prompts = [[3 + (7 * i + n) % 90 for i in range(n)] for n in (150, 4, 90, 2, 7, 120)]
+    sps = [{"temperature": 0.0, "max_new_tokens": m, "ignore_eos": True} for m in (20, 40, 9, 30, 25, 12)]
+    one = Generator(copy.deepcopy(model), tok, max_batch_size=8, decoder="static").generate(prompts, sps)
+    calls: list[int] = []
+    gen = Generator(model, tok, max_batch_size=8, decoder="static")
+    monkeypatch.setattr(G, "PREFILL_TOKENS", 300)  # 6 x 150 padded > 300: groups
+    dec = gen.static_decoder()
+    real = dec.prefill
+    monkeypatch.setattr(dec, "prefill", lambda p, s, pad: calls.append(len(p)) or real(p, s, pad))
+    _assert_same(one, gen.generate(prompts, sps))
+    assert calls == [2, 3, 1], calls  # [150, 120] (2 x 150), [90, 7, 4] (3 x 90), [2]

@@ -8,6 +8,9 @@ that row's keys, so a batch's long tail of a few 8k-token rows left most of the 
 to 16 tile rows, the keys of its split in blocks of 64, online softmax (Dao et al. 2022); splits are chosen so
 that about two programs run per SM, and their partial results are merged by log-sum-exp weights.
 Layout: q [b, Hkv, G, D]; K/V pool [N + 1, Hkv, D] (static_decode.py); a row's keys at start .. start + used - 1.
+bf16/fp16 regions, and float32 ones (an fp32 engine: the GPU demo's): their products in IEEE float32, or on TF32
+tensor cores where the process allows TF32 for float32 products (reflow.engines.hf_io.set_tf32, trainer.tf32), as
+every other product of that engine.
 """
 from __future__ import annotations
 
@@ -34,7 +37,7 @@ if triton is not None:
     def _decode_kernel(q_ptr, k_ptr, v_ptr, start_ptr, used_ptr, o_ptr, lse_ptr, scale,
                        s_qb, s_qh, s_qg, s_kn, s_kh, s_ob, s_oh, s_os, s_og, s_lb, s_lh, s_ls,
                        G: tl.constexpr, D: tl.constexpr, CHUNK: tl.constexpr, GP: tl.constexpr,
-                       BLOCK_N: tl.constexpr):
+                       BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         row, head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         start = tl.load(start_ptr + row)
         used = tl.load(used_ptr + row)
@@ -52,13 +55,20 @@ if triton is not None:
             keep = offs < hi
             where = (start + offs)[:, None] * s_kn + head * s_kh + d[None, :]
             k = tl.load(k_ptr + where, mask=keep[:, None], other=0.0)  # [BLOCK_N, D]
-            s = tl.dot(q, tl.trans(k))  # [GP, BLOCK_N]
+            if IEEE:  # float32 regions, TF32 not allowed: exact float32 products
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")  # [GP, BLOCK_N]
+            else:
+                s = tl.dot(q, tl.trans(k))
             s = tl.where(keep[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, 1))
             p = tl.exp2(s - m_new[:, None])
             alpha = tl.exp2(m - m_new)
             v = tl.load(v_ptr + where, mask=keep[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
             den = den * alpha + tl.sum(p, 1)
             m = m_new
         full = den > 0
@@ -67,6 +77,17 @@ if triton is not None:
         tl.store(o_ptr + row * s_ob + head * s_oh + split * s_os + g[:, None] * s_og + d[None, :], out,
                  mask=g[:, None] < G)
         tl.store(lse_ptr + row * s_lb + head * s_lh + split * s_ls + g, lse, mask=g < G)
+
+
+def ieee_products(dtype: torch.dtype) -> bool:
+    """Whether the kernel's products run in IEEE float32: float32 regions where TF32 is not allowed (torch's
+    float32 matmul precision "highest", its default)."""
+    return dtype == torch.float32 and torch.get_float32_matmul_precision() == "highest"
+
+
+def serves(p: torch.Tensor) -> bool:
+    """Whether the kernel serves KV regions like `p`: on a CUDA device, in bf16, fp16 or float32."""
+    return available() and p.device.type == "cuda" and p.dtype in (torch.bfloat16, torch.float16, torch.float32)
 
 
 def splits_for(b: int, kv_heads: int, t: int, sms: int) -> int:
@@ -90,7 +111,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: t
                                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                                    out.stride(0), out.stride(1), out.stride(2), out.stride(3),
                                    lse.stride(0), lse.stride(1), lse.stride(2),
-                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=BLOCK_N, num_warps=4)
+                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=BLOCK_N, num_warps=4,
+                                   IEEE=ieee_products(q.dtype))
     if splits == 1:
         return out[:, :, 0].to(q.dtype)
     w = torch.exp2(lse - lse.amax(2, keepdim=True))  # [b, H, S, G]; an empty split weighs 0

@@ -10,10 +10,12 @@ Layout: K and V are one pool each, [L, N + 1, H_kv, D]; a row of the running bat
 region of the pool (kv_pool.py: its prompt + its own max_new_tokens; admitted when a region is free),
 its tokens at start .. start + len - 1. Running rows are rows 0..n-1 of the batch (finished ones leave;
 nothing in the cache moves, only the per-row starts do), so a step over n rows runs the graph captured
-for the batch bucket b >= n (rows n..b-1 are idle and write the scratch position N). Attention on a GPU in
-bf16/fp16 reads each row's own region for its own length (the long tail costs only what it reads): a Triton
-flash-decoding kernel (decode_attention.py) where Triton is installed, else flash attention's varlen kernel;
-elsewhere each row's first t positions are gathered and masked, t a power-of-two bucket >= the longest row.
+for the batch bucket b >= n (rows n..b-1 are idle and write the scratch position N). Attention on a GPU
+reads each row's own region for its own length (the long tail costs only what it reads): a Triton
+flash-decoding kernel (decode_attention.py; bf16, fp16 and float32) where Triton is installed, else flash
+attention's varlen kernel (bf16/fp16); elsewhere each row's first t positions are gathered and masked, t a
+power-of-two bucket >= the longest row (every row of a step reads t positions: one long row makes the whole
+batch pay for it).
 Graphs are captured lazily, once per (b, t), on first need.
 
 Fewer kernels per layer (a graph replays them back to back, so their count sets the step time at small
@@ -132,9 +134,9 @@ class StaticDecoder:
     def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False, attention: str = "auto"):
         """keep_params: never re-point the model's parameters (they live in the engine's weight arena): fused
         tensors whose members are not back to back there are copies, `refresh`ed after weight writes.
-        attention: "triton" (decode_attention.py: CUDA, bf16/fp16), "flash" (flash attention's varlen kernel:
+        attention: "triton" (decode_attention.py: CUDA, bf16/fp16/fp32), "flash" (flash attention's varlen kernel:
         CUDA, bf16/fp16), "gather" (each row's positions gathered, then SDPA with a mask: any device and dtype)
-        or "auto" (triton where Triton is installed, else flash where `flash_ok`, else gather)."""
+        or "auto" (triton where it serves the pool's dtype, else flash where `flash_ok`, else gather)."""
         self.model, self.max_batch_size, self.graphs = model, max_batch_size, graphs
         self.copies: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = [] if keep_params else None
         self.synced = None  # the generator's weight_writes the copies were last brought up to (Generator sets it)
@@ -232,7 +234,7 @@ class StaticDecoder:
         self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
         self.regions = RegionPool(positions, granule)
         self.kernel = self.attention if self.attention != "auto" else (
-            "triton" if triton_decode.available() and flash_ok(p) else "flash" if flash_ok(p) else "gather")
+            "triton" if triton_decode.serves(p) else "flash" if flash_ok(p) else "gather")
         self._sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.is_cuda else 1
         B = self.max_batch_size
         self._tok = torch.zeros(B, dtype=torch.long, device=p.device)  # graph inputs
