@@ -55,6 +55,7 @@ from reflow.engines.embedded.sampling import (
 from reflow.engines.embedded.static_decode import StaticDecoder
 from reflow.engines.embedded.weight_layout import Arena, byte_order, copy_runs
 
+PREFILL_TOKENS = 32768  # padded tokens one static prefill call takes at most (prefill_groups)
 BIG_COPY_BYTES = 4 << 20  # a mapped load copies runs this large one by one, the rest in one multi-tensor launch
 
 __all__ = ["Generator", "SamplingConfig", "SAMPLING_EPS", "TOP_K_ALL", "filter_probs", "sample_tokens"]
@@ -84,6 +85,23 @@ def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
 def _as_int64(x: int) -> int:
     """A Python int as the int64 with the same low 64 bits (seeds past int64 hash as their low bits)."""
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
+def prefill_groups(lengths: list[int], budget: int | None = None) -> list[list[int]]:
+    """Prompts (by index) for each prefill call: all at once where their padded batch (count x longest) fits
+    `budget` tokens, else length-sorted groups, longest first, each filled while its padded size fits (a prompt
+    longer than the budget alone). A batch of prompts of very different lengths (a partial rollout's continued
+    samples: prompt + hundreds of tokens beside new prompts of ten) otherwise pads every one to the longest."""
+    budget = PREFILL_TOKENS if budget is None else budget
+    if not lengths or len(lengths) * max(lengths) <= budget:
+        return [list(range(len(lengths)))]
+    groups: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
 
 
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[list[int]], list[int]]:
@@ -410,8 +428,15 @@ class Generator:
         first: dict[int, _Row] = {}  # distinct index -> its first sample
         for row, u in zip(rows, picks):
             first.setdefault(u, row)
+        groups = prefill_groups([len(p) for p in prompts])
         with self.lock:
-            logits = dec.prefill(prompts, [first[u].kv_start for u in range(len(prompts))], self.pad_id)  # [U, V]
+            parts = [dec.prefill([prompts[u] for u in g], [first[u].kv_start for u in g], self.pad_id) for g in groups]
+        if len(parts) == 1:
+            logits = parts[0]  # [U, V]
+        else:
+            logits = torch.empty((len(prompts), parts[0].shape[1]), dtype=parts[0].dtype, device=parts[0].device)
+            for g, part in zip(groups, parts):
+                logits[torch.tensor(g, device=logits.device)] = part
         repeats = [(row, first[u]) for row, u in zip(rows, picks) if first[u] is not row]
         if repeats:
             dec.copy_prefix([r.kv_start for r, _ in repeats], [f.kv_start for _, f in repeats],
