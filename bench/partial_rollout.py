@@ -32,22 +32,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common  # noqa: E402,F401  (puts src/ on the path where reflow is not installed)
 
 
-def build_policy(out: Path, size: str, median: int, max_new: int, device: str) -> Path:
-    """The demo-shaped random policy whose responses end with probability ln2/median a token."""
-    import torch
-
+def build_policy(out: Path, size: str, median: int, max_new: int, device: str) -> tuple[Path, dict]:
+    """The demo-shaped random policy whose responses end at about ln2/median a token (reflow.rl.long_tail's
+    calibration on the model's own samples of up to 2 x median tokens); returns (its folder, the rates)."""
     from reflow.rl.demo_policy import SIZES, build_model, build_tokenizer, save_policy
-    from reflow.rl.long_tail import end_responses_early
+    from reflow.rl.long_tail import calibrate_end_rate
 
     tok = build_tokenizer()
     model = build_model(tok, **SIZES[size], max_positions=max_new + 64, seed=0).to(device)
-    texts = ["12+34=", "5+6=", "70+8=", "40+2="]
-    with torch.no_grad():  # the logit eos needs beside the others' log-sum-exp for that rate
-        ids = tok(texts, return_tensors="pt", padding=True)["input_ids"].to(device)
-        lse = torch.logsumexp(model(ids).logits.float(), -1).mean().item()
-    p = math.log(2) / median
-    end_responses_early(model, tok, lse + math.log(p / (1 - p)), texts)
-    return save_policy(model.cpu(), tok, out)
+    rates = calibrate_end_rate(model, tok, median, ["12+34=", "5+6=", "70+8=", "40+2="],
+                               sample_tokens=min(max_new, 2 * median, 1024))
+    return save_policy(model.cpu(), tok, out), rates
 
 
 def prompts_for(tok, iteration: int, count: int, offset: int = 0):
@@ -111,6 +106,12 @@ def main() -> None:
     ap.add_argument("--over", type=float, default=0.5, help="rollout.over_sample")
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the engine")
+    ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                    help="the engine's dtype (GPU: bf16 decodes with the per-row-length attention kernels; fp32 "
+                         "gathers every row's keys up to the longest row's power-of-two bucket)")
+    ap.add_argument("--kv-mem-fraction", type=float, default=None,
+                    help="rollout.kv_mem_fraction (GPU: one KV pool, rows admitted by their own length; without it "
+                         "the engine reserves max_new_tokens for every row of the batch at once)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     _common.set_bench_env()
@@ -121,11 +122,11 @@ def main() -> None:
     from reflow.engines.rollout_client import EngineClient
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = build_policy(Path(tmp) / "policy", args.size, args.median, args.max_new, args.device)
+        path, rates = build_policy(Path(tmp) / "policy", args.size, args.median, args.max_new, args.device)
         tok = load_tokenizer(str(path))
         rows = math.ceil(args.prompts * (1 + args.over)) * args.n
-        engine = EmbeddedEngine(str(path), "partial-bench", threads=args.threads, device=args.device,
-                                max_batch_size=max(rows, args.prompts * args.n))
+        engine = EmbeddedEngine(str(path), "partial-bench", threads=args.threads, device=args.device, dtype=args.dtype,
+                                max_batch_size=max(rows, args.prompts * args.n), kv_mem_fraction=args.kv_mem_fraction)
         engine.ready()
         try:
             clients = [EngineClient(engine.url(), timeout=600, api_key=engine.api_key())]
@@ -139,7 +140,8 @@ def main() -> None:
     off = statistics.mean([per["off"], per["off_again"]])
     out = {"shape": {"size": args.size, "device": args.device, "prompts": args.prompts, "n": args.n,
                      "max_new_tokens": args.max_new, "median": args.median, "chunk": args.chunk, "over": args.over,
-                     "iterations": args.iterations},
+                     "iterations": args.iterations, "kv_mem_fraction": args.kv_mem_fraction,
+                     "dtype": args.dtype, "end_rate": rates},
            "seconds_per_iteration": per, "partial_speedup": off / per["carry"], "drop_speedup": off / per["drop"],
            "idle_fraction_off": res["off"]["idle_fraction"], "idle_fraction_carry": res["carry"]["idle_fraction"],
            "idle_fraction_drop": res["drop"]["idle_fraction"], "modes": res}

@@ -3,7 +3,8 @@
 # seconds per iteration with rollout.partial off, carry and drop at the same trained samples, on the embedded engine
 # over HTTP with CUDA graphs, the GPU demo's shape (113M, random weights ending responses at a steady rate: median
 # 512 tokens, p99 ~3.4k, capped at 4,096). The engine's HTTP side (fastapi, uvicorn, httpx) comes from the carried
-# wheels (bench/gpu_machine/install.sh; carry .gpuwheels/1, /2, ... over consecutive calls first).
+# wheels (bench/gpu_machine/install.sh; carry .gpuwheels/1, /2, ... over consecutive calls first). The engine in
+# bf16 with the per-row-length decode kernel; the policy's end rate calibrated on its own samples (long_tail.py).
 #   OUT=/tmp/o bash bench/gpu_machine/partial.sh [--prompts 64 --chunk 256 ...]
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -11,5 +12,8 @@ out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
 [ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site > "$out/install.log"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 export PYTHONPATH=$PWD/src:$PWD/bench:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+# The decode-attention kernels against float32 SDPA first (bf16; float32 with IEEE and with TF32 products)
+python3 bench/gpu_rollout_long.py --check-kernels --out "$out" 2>&1 | tee "$out/kernel-check.log"
 python3 bench/partial_rollout.py --device cuda --size gpu --prompts 64 --n 4 --max-new 4096 --median 512 \
-  --chunk 256 --over 0.5 --iterations 5 --json "$out/gpu-partial.json" "$@" 2>&1 | tee "$out/partial.log"
+  --chunk 256 --over 0.5 --iterations 3 --dtype bf16 --kv-mem-fraction 0.6 --json "$out/gpu-partial.json" "$@" 2>&1 \
+  | tee "$out/partial.log"

@@ -7,6 +7,8 @@ roughly constant rate, i.e. geometric lengths (p99 about 6.6x the median), whate
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -20,3 +22,46 @@ def end_responses_early(model, tokenizer, logit: float, texts: list[str] | None 
     mean = hidden.reshape(-1, hidden.shape[-1]).mean(0)  # [H]
     row = model.get_output_embeddings().weight
     row[tokenizer.eos_token_id] = (mean * (logit / mean.dot(mean))).to(row.dtype)
+
+
+@torch.no_grad()
+def calibrate_end_rate(model, tokenizer, median: int, texts: list[str], sample_tokens: int = 256,
+                       rows: int = 16, seed: int = 0) -> dict[str, float]:
+    """Set the eos row (as `end_responses_early`) so that the model's own continuations of `texts` end at about
+    ln2/`median` a token, i.e. geometric lengths of median ~`median`. The logit a fixed row gives eos drifts
+    with the position (a random model's hidden states move away from those of the short texts), so the rate is
+    measured where the samples are: `rows` continuations of `sample_tokens` tokens are sampled with eos
+    suppressed, and the row's scale is bisected until eos's mean probability over their positions is the
+    target. Returns {"target_rate", "rate"} (the mean probability reached on those positions)."""
+    device = next(model.parameters()).device
+    eos = tokenizer.eos_token_id
+    enc = tokenizer([texts[i % len(texts)] for i in range(rows)], return_tensors="pt", padding=True,
+                    padding_side="left").to(device)
+    gen_seed = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+    with gen_seed:
+        torch.manual_seed(seed)
+        seqs = model.generate(**enc, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
+                              max_new_tokens=sample_tokens, min_new_tokens=sample_tokens, suppress_tokens=[eos],
+                              pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos)
+    mask = torch.cat([enc["attention_mask"], torch.ones_like(seqs[:, enc["input_ids"].shape[1]:])], dim=1)
+    hidden = model.model(input_ids=seqs, attention_mask=mask).last_hidden_state.float()  # [R, T, H]
+    hidden = hidden[:, enc["input_ids"].shape[1] - 1:-1].reshape(-1, hidden.shape[-1])  # the positions sampled at
+    logits = model.get_output_embeddings()(hidden.to(model.dtype)).float()  # [R * new, V]
+    logits[:, eos] = float("-inf")
+    others = torch.logsumexp(logits, -1)  # [P]: the log-sum-exp every other token gives
+    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"].to(device)
+    direction = model.model(ids).last_hidden_state.float().reshape(-1, hidden.shape[-1]).mean(0)  # [H]
+    unit = hidden @ direction / direction.dot(direction)  # [P]: eos's logit per unit of the row's scale
+    target = math.log(2) / median
+
+    def rate(scale: float) -> float:
+        return torch.sigmoid(scale * unit - others).mean().item()
+
+    lo, hi = -1e3, 1e3
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
+    scale = (lo + hi) / 2
+    row = model.get_output_embeddings().weight
+    row[eos] = (direction * (scale / direction.dot(direction))).to(row.dtype)
+    return {"target_rate": target, "rate": rate(scale)}
