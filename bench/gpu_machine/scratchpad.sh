@@ -3,7 +3,8 @@
 # The scratchpad policy is bootstrapped on the GPU first, outside the timed run (its report, with the held-out
 # accuracy, the warm-up's steps and seconds: $OUT/scratchpad-bootstrap.json), then `reflow demo --gpu --task
 # scratchpad` (configs/gpu-scratchpad.yaml) runs through run.sh, which writes its log and records under $OUT.
-# NOT RUN YET: written before any GPU call; the TRL side of the issue's pair (compare.sh) is not written either.
+# NOT RUN YET: written before any GPU call. The issue's pair (this bootstrap and run, then TRL from the same policy
+# for reflow's trained seconds, one evaluator for both) is bench/gpu_machine/scratchpad_pair.sh, not run either.
 #   OUT=/tmp/o bash bench/gpu_machine/scratchpad.sh [overrides...]     # e.g. num_iterations=50 eval.interval=25
 set -euo pipefail
 cd "$(dirname "$0")/../.."
