@@ -6,13 +6,15 @@ number of trained samples, on the embedded engine over HTTP, as a run asks it.
 
 Policy: the demo's shape with random weights whose responses end at a steady rate (reflow.rl.long_tail: geometric
 lengths, median --median tokens, p99 ~6.6x that, capped at --max-new). Each iteration trains on --prompts groups
-of --n samples, seeded per iteration. Modes, in this order (off again last, to see drift):
+of --n samples, seeded per iteration. Modes (--modes, in that order; off again last, to see drift):
 - off: one batched request per iteration, every sample to its end (rollout.partial=off);
-- carry: rounds of --chunk tokens over a pool of prompts * (1 + --over) groups; the batch closes on the first
-  --prompts complete groups and the rest continue next iteration (rollout.partial=carry), the policy version
-  incremented each iteration as a run's would be (the weights stay: this measures the engine, not learning);
-- drop: the same rounds, the rest discarded.
-Reported: seconds per iteration (mean over iterations), partial_speedup = off / carry, the engines' idle share of
+- carry: a pool of prompts * (1 + --over) groups in one closing call (the embedded engine's: it stops at the step
+  the --prompts-th group completes, engines/partial_rollout.py); the rest continue next iteration
+  (rollout.partial=carry), the policy version incremented each iteration as a run's would be (the weights stay:
+  this measures the engine, not learning);
+- drop: the same, the rest discarded;
+- carry_rounds, drop_rounds: the same in rounds of --chunk tokens (how a run on SGLang closes).
+Reported: seconds per iteration (mean over iterations), partial_speedup = off / carry (<mode>_speedup for the others), the engines' idle share of
 row-steps (engines/partial_rollout.py), and the trained responses' mean length: closing on the first complete
 groups prefers short ones (carried long ones train later; dropped ones never), which this shows rather than hides.
 """
@@ -76,7 +78,8 @@ def run_partial(clients, tok, args, sp, mode: str) -> dict:
     from reflow.engines import partial_rollout as pr
     from reflow.engines import rollout_stages as ro
 
-    settings = pr.PartialSettings.of(mode, args.chunk, args.prompts, args.over)
+    rounds = mode.endswith("_rounds")  # SGLang's way (rounds of --chunk tokens); else the embedded engine's closing
+    settings = pr.PartialSettings.of(mode.removesuffix("_rounds"), args.chunk, args.prompts, args.over, not rounds)
     carry: list[dict] = []
     secs, lengths, idle, rounds, carried = [], [], [], [], []
     for it in range(args.iterations):
@@ -112,6 +115,9 @@ def main() -> None:
     ap.add_argument("--kv-mem-fraction", type=float, default=None,
                     help="rollout.kv_mem_fraction (GPU: one KV pool, rows admitted by their own length; without it "
                          "the engine reserves max_new_tokens for every row of the batch at once)")
+    ap.add_argument("--modes", default="off,carry,drop,carry_rounds,off_again",
+                    help="in this order; carry/drop close in one call per engine (the embedded engine's way), "
+                         "carry_rounds/drop_rounds in rounds of --chunk tokens (SGLang's)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     _common.set_bench_env()
@@ -132,24 +138,26 @@ def main() -> None:
             clients = [EngineClient(engine.url(), timeout=600, api_key=engine.api_key())]
             sp = ro.sampling_params(1.0, 1.0, -1, args.max_new, [tok.eos_token_id])
             run_off(clients, tok, argparse.Namespace(**{**vars(args), "iterations": 1}), sp)  # warm-up
-            res = {"off": run_off(clients, tok, args, sp), "carry": run_partial(clients, tok, args, sp, "carry"),
-                   "drop": run_partial(clients, tok, args, sp, "drop"), "off_again": run_off(clients, tok, args, sp)}
+            res = {m: run_off(clients, tok, args, sp) if m.startswith("off") else run_partial(clients, tok, args, sp, m)
+                   for m in args.modes.split(",")}
         finally:
             engine.shutdown()
     per = {k: statistics.mean(v["seconds"]) for k, v in res.items()}
-    off = statistics.mean([per["off"], per["off_again"]])
+    off = statistics.mean([v for k, v in per.items() if k.startswith("off")])
     out = {"shape": {"size": args.size, "device": args.device, "prompts": args.prompts, "n": args.n,
                      "max_new_tokens": args.max_new, "median": args.median, "chunk": args.chunk, "over": args.over,
                      "iterations": args.iterations, "kv_mem_fraction": args.kv_mem_fraction,
                      "dtype": args.dtype, "end_rate": rates},
-           "seconds_per_iteration": per, "partial_speedup": off / per["carry"], "drop_speedup": off / per["drop"],
-           "idle_fraction_off": res["off"]["idle_fraction"], "idle_fraction_carry": res["carry"]["idle_fraction"],
-           "idle_fraction_drop": res["drop"]["idle_fraction"], "modes": res}
+           "seconds_per_iteration": per, "modes": res,
+           **{f"{k}_speedup".replace("carry_speedup", "partial_speedup"): off / per[k] for k in per
+              if not k.startswith("off")},
+           **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"}}
     print(f"{'mode':10} {'s/iter':>8} {'idle':>6} {'trained len':>11}")
     for k in res:
         print(f"{k:10} {per[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f}")
     off_lens = res["off"]
-    print(f"partial_rollout: partial_speedup={out['partial_speedup']:.2f} drop_speedup={out['drop_speedup']:.2f} "
+    speedups = " ".join(f"{k}={v:.2f}" for k, v in out.items() if k.endswith("_speedup"))
+    print(f"partial_rollout: {speedups} "
           f"(off's lengths p50 {off_lens['response_len_p50']:.0f}, p99 {off_lens['response_len_p99']:.0f}; "
           f"{args.prompts}x{args.n} trained samples an iteration)")
     if args.json:

@@ -405,7 +405,7 @@ def test_every_embedded_route_is_sglangs_with_its_methods(engine):
     for path in ("/get_model_info", "/get_server_info", "/update_weight_version", "/model_info", "/server_info"):
         assert path in ours, f"the embedded engine does not serve {path}"
     extensions = {p for p in ours if p.startswith("/reflow/")}  # reflow's own, asked only where advertised
-    assert extensions == {"/reflow/map_weights", "/reflow/update_weights_from_mapped"}
+    assert extensions == {"/reflow/map_weights", "/reflow/update_weights_from_mapped", "/reflow/generate_closing"}
     assert all(path not in sglang for path in extensions)
     for path, methods in ours.items():
         if path in extensions:

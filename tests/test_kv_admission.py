@@ -215,3 +215,35 @@ def test_prefill_groups_by_length_give_the_same_samples(tok, monkeypatch):
     monkeypatch.setattr(dec, "prefill", lambda p, s, pad: calls.append(len(p)) or real(p, s, pad))
     _assert_same(one, gen.generate(prompts, sps))
     assert calls == [2, 3, 1], calls  # [150, 120] (2 x 150), [90, 7, 4] (3 x 90), [2]
+
+
+@pytest.mark.parametrize("decoder, kv_tokens, batch", [("static", None, 16), ("static", 512, 16), ("eager", None, 3)],
+                         ids=["static", "static-rows-wait", "eager-chunks"])
+def test_a_closing_call_stops_once_enough_groups_have_finished(tok, decoder, kv_tokens, batch):
+    """Generator.generate(close=(group per prompt, K)): decoding stops at the step where K groups have every row
+    finished, in both decode paths and whether rows run at once, wait for KV room or run in chunks; the rows cut
+    (finish abort, message CLOSED) hold a prefix of what they draw uncut, the rest exactly that."""
+    from reflow.engines.rollout_client import CLOSED
+
+    model = _tiny("qwen2")
+    sps = [{"temperature": 0.0, "max_new_tokens": m, "ignore_eos": True} for m in LENGTHS]  # 30, 7, 70, 3, 12
+    n = [2, 1, 3, 2, 1]
+    whole = Generator(copy.deepcopy(model), tok, max_batch_size=16, decoder="eager").generate(PROMPTS, sps, n=n)
+    gen = Generator(model, tok, max_batch_size=batch, decoder=decoder, kv_tokens=kv_tokens)
+    groups = [0, 1, 1, 2, 3]  # prompts 1 and 2 form one group; it completes when prompt 2's 70 tokens are done
+    got = gen.generate(PROMPTS, sps, n=n, close=(groups, 2))
+    row_group = [g for g, k in zip(groups, n) for _ in range(k)]
+    finished = {g: all(r["finish_reason"]["type"] == "length" for r, h in zip(got, row_group) if h == g)
+                for g in set(groups)}
+    assert sum(finished.values()) >= 2
+    # rows together: groups 2 (3 tokens) and 3 (12) first; in chunks of 3 rows, run one after another: 0, then 1
+    assert finished[1] == (decoder == "eager")
+    cut = [r for r in got if r["finish_reason"] == {"type": "abort", "message": CLOSED}]
+    assert cut and all(r["finish_reason"]["type"] in ("length", "abort") for r in got)
+    for a, b in zip(whole, got):
+        assert b["output_ids"] == a["output_ids"][:len(b["output_ids"])]
+        assert (b["output_ids"] == a["output_ids"]) == (b["finish_reason"]["type"] == "length")
+    if decoder == "static" and kv_tokens is None:  # all rows at once: cut at the step group 3 completes
+        assert {len(r["output_ids"]) for r in cut} == {12}
+    with pytest.raises(ValueError, match="one id per prompt"):
+        gen.generate(PROMPTS, sps, n=n, close=([0, 1], 2))

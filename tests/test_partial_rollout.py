@@ -15,7 +15,7 @@ import pytest
 from reflow.engines import partial_rollout as pr
 from reflow.engines import rollout_stages as ro
 from reflow.engines.hf_io import load_tokenizer
-from reflow.engines.rollout_client import EngineClient, generate_batch
+from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.config.schema import load_config
 from reflow.infra.config.settings import ASYNC_TIS_CAP, loss_settings
@@ -62,8 +62,8 @@ def _sampling(policy: Path, max_new: int = MAX_NEW) -> dict:
     return ro.sampling_params(1.0, 1.0, -1, max_new, [load_tokenizer(str(policy)).eos_token_id])
 
 
-def _roll(engine, policy, prompts, mode, version, carried, chunk=1, target=2, over=1.0):
-    settings = pr.PartialSettings.of(mode, chunk, target, over)
+def _roll(engine, policy, prompts, mode, version, carried, chunk=1, target=2, over=1.0, closing=False):
+    settings = pr.PartialSettings.of(mode, chunk, target, over, closing)
     m = pr.new_groups(settings.pool_groups, carried)
     seeds = ro.sample_seeds(11, version, m * N)
     return pr.roll([EngineClient(engine.url(), timeout=60, api_key=KEY)], settings, _sampling(policy),
@@ -89,11 +89,38 @@ def test_rounds_continue_a_sample_as_one_request_draws_it(engine, policy, prompt
     assert batch.token_versions == [[0] * len(r) for r in batch.response_ids]
 
 
-def test_carry_closes_on_complete_groups_and_continues_the_rest_under_the_next_version(engine, policy, prompts):
+def test_a_closing_call_cuts_every_sample_at_the_step_the_last_needed_group_completes(engine, policy, prompts):
+    """The embedded engine's closing call (rollout.partial on backend=embedded): one call runs the pool's samples
+    together and stops at the step where the target-th group (by that step) has every sample finished; each sample
+    then holds what one uninterrupted request draws, up to that step (the cut ones exactly that many tokens)."""
+    c = EngineClient(engine.url(), timeout=60, api_key=KEY)
+    m, target = 4, 2
+    seeds = ro.sample_seeds(11, 0, m * N)
+    whole = generate_batch([c], [p.input_ids for p in prompts[:m]], _sampling(policy), N, seeds=seeds)
+    lengths = [len(o["output_ids"]) for o in whole]
+    ends = [max(lengths[g * N:(g + 1) * N]) for g in range(m)]  # the step each group completes at
+    close = sorted(ends)[target - 1]
+    assert close < max(ends), "every group completes at once: the test would see no sample cut"
+    batch, rest, stats = _roll(engine, policy, prompts, "carry", 0, [], target=target, over=1.0, closing=True)
+    assert stats["partial_rounds"] == 1
+    done = [g for g in range(m) if ends[g] <= close][:target]
+    assert batch.response_ids == [whole[g * N + j]["output_ids"] for g in done for j in range(N)]
+    for g in rest:
+        k = next(i for i, p in enumerate(prompts[:m]) if p.input_ids == g["prompt_ids"])
+        for j, s in enumerate(g["samples"]):
+            want = whole[k * N + j]["output_ids"]
+            assert s["ids"] == want[:close] and (s["finish"] is None) == (len(want) > close)
+    assert any(s["finish"] is None for g in rest for s in g["samples"])
+    with pytest.raises(EngineError, match="close must be"):
+        c.generate_closing([prompts[0].input_ids], [_sampling(policy)], [0], 0)
+
+
+@pytest.mark.parametrize("closing", [False, True], ids=["rounds", "closing"])
+def test_carry_closes_on_complete_groups_and_continues_the_rest_under_the_next_version(engine, policy, prompts, closing):
     """Pool of 4 groups for 2 to train: the batch holds the first 2 complete groups in pool order; the other two
     are carried with their tokens so far and continued by the next version, which tops the pool up with new
     prompts; a carried sample's tokens record the version that generated each."""
-    first, carry, s0 = _roll(engine, policy, prompts, "carry", 0, [])
+    first, carry, s0 = _roll(engine, policy, prompts, "carry", 0, [], closing=closing)
     assert first.n_groups == 2 and len(first) == 2 * N and len(carry) == 2 and s0["carry_out_groups"] == 2
     assert all(f in ("stop", "length") for f in first.finish_reason)
     assert all(len(r) == MAX_NEW or f == "stop" for r, f in zip(first.response_ids, first.finish_reason))
@@ -102,7 +129,7 @@ def test_carry_closes_on_complete_groups_and_continues_the_rest_under_the_next_v
     assert all(set(s["versions"]) <= {0} and len(s["ids"]) == len(s["logprobs"]) for g in carry for s in g["samples"])
     json.dumps(carry)  # plain data: what a checkpoint's state.json holds
 
-    second, carry2, s1 = _roll(engine, policy, prompts, "carry", 1, carry)
+    second, carry2, s1 = _roll(engine, policy, prompts, "carry", 1, carry, closing=closing)
     assert s1["new_groups"] == 2 and second.policy_version == 1  # the pool is topped up to 4 with new prompts
     continued = 0
     for g in carry:  # each carried sample, wherever it finished: its old tokens first, as they were generated
@@ -119,15 +146,17 @@ def test_carry_closes_on_complete_groups_and_continues_the_rest_under_the_next_v
     assert all(v[-1:] in ([0], [1]) for g in carry2 for v in (s["versions"] for s in g["samples"]) if v)
 
 
-def test_drop_keeps_only_the_first_complete_groups(engine, policy, prompts):
-    batch, rest, stats = _roll(engine, policy, prompts, "drop", 0, [])
+@pytest.mark.parametrize("closing", [False, True], ids=["rounds", "closing"])
+def test_drop_keeps_only_the_first_complete_groups(engine, policy, prompts, closing):
+    batch, rest, stats = _roll(engine, policy, prompts, "drop", 0, [], closing=closing)
     assert rest == [] and stats["dropped_groups"] == 2 and stats["carry_out_groups"] == 0 and batch.n_groups == 2
     assert all(v == [0] * len(v) for v in batch.token_versions)
 
 
-def test_the_same_pool_and_seeds_give_the_same_batch(engine, policy, prompts):
-    a = _roll(engine, policy, prompts, "carry", 0, [])
-    b = _roll(engine, policy, prompts, "carry", 0, [])
+@pytest.mark.parametrize("closing", [False, True], ids=["rounds", "closing"])
+def test_the_same_pool_and_seeds_give_the_same_batch(engine, policy, prompts, closing):
+    a = _roll(engine, policy, prompts, "carry", 0, [], closing=closing)
+    b = _roll(engine, policy, prompts, "carry", 0, [], closing=closing)
     assert a[0] == b[0] and a[1] == b[1] and a[2] == b[2]
 
 

@@ -18,6 +18,10 @@ import httpx
 
 from reflow.engines.http_serve import bearer
 
+# The finish message (type "abort") of a sample cut because its closing call closed (EngineClient.generate_closing,
+# reflow's embedded engine): a partial rollout continues it in the next iteration
+CLOSED = "closed: enough groups complete (partial rollout)"
+
 
 class EngineError(RuntimeError):
     """An engine answered a request with an error status (or not at all)."""
@@ -96,6 +100,15 @@ class EngineClient:
         if rid is not None:
             body["rid"] = rid
         return self._call("POST", "/generate", body)
+
+    def generate_closing(self, input_ids: list[list[int]], sampling_params: list[dict], groups: list[int],
+                         complete: int, **extra: Any) -> list[dict]:
+        """reflow's embedded engine only (POST /reflow/generate_closing): a batch /generate that stops once
+        `complete` groups (`groups`: an id per prompt) have every sample finished; the samples still running
+        come back cut (finish abort, message reflow.engines.embedded.generator.CLOSED)."""
+        body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True,
+                "close": {"groups": groups, "complete": complete}, **extra}
+        return self._call("POST", "/reflow/generate_closing", body)
 
     def health_generate(self) -> bool:
         self._call("GET", "/health_generate", parse="text")
@@ -223,7 +236,7 @@ class EngineClient:
         return done
 
 
-def _shards(count: int, parts: int) -> list[tuple[int, int]]:
+def shard_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     """Contiguous [start, end) ranges, sizes differing by at most one, empty ones dropped."""
     base, extra = divmod(count, parts)
     bounds, start = [], 0
@@ -289,7 +302,7 @@ def generate_batch(clients: list[EngineClient], prompts: list[list[int]], sampli
             raise EngineError(client.url, "/generate", 200, f"expected {(hi - lo) * n} results, got {got}")
         return out
 
-    shards = _shards(len(prompts), len(clients))
+    shards = shard_bounds(len(prompts), len(clients))
     with ThreadPoolExecutor(max_workers=len(shards)) as pool:
         futures = [pool.submit(run, clients[i], lo, hi) for i, (lo, hi) in enumerate(shards)]
         return [rec for f in futures for rec in f.result()]

@@ -57,7 +57,8 @@ def rollout_settings(rt: Runtime) -> RolloutSettings:
     sampling = ro.sampling_params(r.temperature, r.top_p, r.top_k, r.max_new_tokens, [rt.eos_id],
                                   r.skip_special_tokens, r.no_stop_trim)
     partial = None if r.partial == "off" else PartialSettings.of(r.partial, r.partial_chunk_tokens,
-                                                                  r.prompts_per_iteration, r.over_sample)
+                                                                  r.prompts_per_iteration, r.over_sample,
+                                                                  closing=r.backend == "embedded")
     return RolloutSettings(rt.generate_urls, sampling, r.n_samples_per_prompt, r.request_timeout_s, rt.api_key,
                            r.generate_fn, r.max_concurrent_requests, r.turn_limits(), uses_adapter(cfg),
                            cfg.seed if r.seeded_sampling else None, partial)  # per-sample seeds: exact resume

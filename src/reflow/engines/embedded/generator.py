@@ -54,6 +54,7 @@ from reflow.engines.embedded.sampling import (
 )
 from reflow.engines.embedded.static_decode import StaticDecoder
 from reflow.engines.embedded.weight_layout import Arena, byte_order, copy_runs
+from reflow.engines.rollout_client import CLOSED
 
 PREFILL_TOKENS = 32768  # padded tokens one static prefill call takes at most (prefill_groups)
 BIG_COPY_BYTES = 4 << 20  # a mapped load copies runs this large one by one, the rest in one multi-tensor launch
@@ -135,6 +136,39 @@ class _Row:
     logprobs: list[float] = field(default_factory=list)
     finish: dict | None = None
     kv_start: int = -1  # where its KV region starts in the static decoder's pool (kv_pool.py)
+    group: int = -1  # its group under a closing call (Generator.generate's `close`)
+
+
+class _Closer:
+    """A call that closes once `complete` groups of rows have finished (every row of each): the rows still
+    running or waiting are then cut, finish {"type": "abort", "message": CLOSED}, with what they generated.
+    The decode loops report each row once, at the step it finishes; closing depends on token counts alone
+    (the step at which the last row of the complete-th group finishes), never on time."""
+
+    def __init__(self, rows: list[_Row], complete: int):
+        self.rows, self.complete = rows, complete
+        self.left: dict[int, int] = {}  # group -> its rows not yet finished
+        for r in rows:
+            self.left.setdefault(r.group, 0)
+            self.left[r.group] += r.finish is None
+        self.done = sum(v == 0 for v in self.left.values())
+        self.closed = False
+        self._close_if_due()
+
+    def finished(self, rows) -> bool:
+        """Count `rows` (just finished, each reported once); True once the call is closed."""
+        for r in rows:
+            self.left[r.group] -= 1
+            self.done += self.left[r.group] == 0
+        return self._close_if_due()
+
+    def _close_if_due(self) -> bool:
+        if not self.closed and self.done >= self.complete:
+            self.closed = True
+            for r in self.rows:
+                if r.finish is None:
+                    r.finish = {"type": "abort", "message": CLOSED}
+        return self.closed
 
 
 def _pow2_bucket(n: int, floor: int) -> int:
@@ -201,20 +235,35 @@ class Generator:
 
     def generate(self, prompts: list[list[int]], params: list[dict] | dict | None = None,
                  n: int | list[int] = 1, rids: list[str] | None = None,
-                 checkpoint: Checkpoint | None = None) -> list[dict]:
+                 checkpoint: Checkpoint | None = None, close: tuple[list[int], int] | None = None) -> list[dict]:
         """Sample `n` completions per prompt; records are prompt-major.
 
         params: one dict per prompt, or one dict for all. n: int, or one per prompt.
         rids: request id per prompt (for aborts and meta ids; random when None).
+        close: (a group id per prompt, complete): stop once `complete` groups have every sample finished; the
+        samples still running (or not started) come back cut, finish {"type": "abort", "message": CLOSED}
+        (a partial rollout's closing, engines/partial_rollout.py: one call instead of rounds).
         """
         rows = self._make_rows(prompts, params, n, rids)
+        closer = None
+        if close is not None:
+            groups, complete = close
+            if len(groups) != len(prompts) or complete < 1:
+                raise ValueError(f"close: {len(groups)} group ids for {len(prompts)} prompts, complete={complete} "
+                                 f"(expected one id per prompt and complete >= 1)")
+            ns = n if isinstance(n, list) else [n] * len(prompts)
+            for r, g in zip(rows, [g for g, k in zip(groups, ns) for _ in range(k)]):
+                r.group = int(g)
+            closer = _Closer(rows, int(complete))
         todo = [r for r in rows if r.finish is None]
         static = self.static_decoder() if todo else None
         if static is not None:
-            self._run_static(static, todo, checkpoint)
+            self._run_static(static, todo, checkpoint, closer)
         else:
             for start in range(0, len(todo), self.max_batch_size):
-                self._run_chunk(todo[start:start + self.max_batch_size], checkpoint)
+                chunk = [r for r in todo[start:start + self.max_batch_size] if r.finish is None]  # closed: cut
+                if chunk:
+                    self._run_chunk(chunk, checkpoint, closer)
         return [self._record(r) for r in rows]
 
     def static_decoder(self) -> StaticDecoder | None:
@@ -306,8 +355,8 @@ class Generator:
     # ------------------------------------------------------------ the decode loop
 
     @torch.inference_mode()
-    def _run_chunk(self, rows: list[_Row], checkpoint: Checkpoint | None) -> None:
-        """Prefill the chunk's distinct prompts once, then decode until every row finishes."""
+    def _run_chunk(self, rows: list[_Row], checkpoint: Checkpoint | None, closer: _Closer | None = None) -> None:
+        """Prefill the chunk's distinct prompts once, then decode until every row finishes (or `closer` closes)."""
         cache, logits, mask, pos = self._prefill(rows)
         active = list(range(len(rows)))  # row index of each batch slot
         while True:
@@ -317,6 +366,8 @@ class Generator:
                 self._append(rows[i], tok, lp)
             if checkpoint is not None:
                 self._apply_aborts(rows, active, checkpoint)
+            if closer is not None:
+                closer.finished([rows[i] for i in active if rows[i].finish is not None])
             keep = [s for s, i in enumerate(active) if rows[i].finish is None]
             if not keep:
                 return
@@ -329,7 +380,8 @@ class Generator:
             logits = self._forward(tokens[:, None], mask, pos[:, None], cache)
 
     @torch.inference_mode()
-    def _run_static(self, dec: StaticDecoder, rows: list[_Row], checkpoint: Checkpoint | None) -> None:
+    def _run_static(self, dec: StaticDecoder, rows: list[_Row], checkpoint: Checkpoint | None,
+                    closer: _Closer | None = None) -> None:
         """Continuous batching over the static cache: up to max_batch_size rows decode together, each in a
         region of the KV pool (kv_pool.py); finished rows leave after each step and give their region back,
         and waiting rows are admitted, in order, while a region fits (a row that does not fit waits).
@@ -360,6 +412,8 @@ class Generator:
                 self._append(r, tok, lp)
             if checkpoint is not None:
                 self._apply_aborts(active, list(range(len(active))), checkpoint)
+            if closer is not None and closer.finished([r for r in active if r.finish is not None]):
+                waiting.clear()  # cut before they started (the closer marked them)
             keep = [s for s, r in enumerate(active) if r.finish is None]
             for r in active:
                 if r.finish is not None:  # the step in flight writes inside its region: stream order keeps a

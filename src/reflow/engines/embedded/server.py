@@ -130,22 +130,51 @@ def build_app(generator: Generator, server_info: dict, api_key: str, *,
 def _data_plane(app: FastAPI, state: EngineState) -> None:
     @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request):
-        t0 = time.perf_counter()
-        try:
-            body = await _body(request)
-            check_lora_path(state, body)  # the merged adapter, or none named
-            job, single, want_lp = parse_generate(body, state.gen)
-            recs = await asyncio.wrap_future(state.submit(job))
-        except (ValueError, EngineStateError) as e:
-            return _error(e)
-        out = [make_response(r, lp, state.gen.weight_version, time.perf_counter() - t0)
-               for r, lp in zip(recs, want_lp)]
-        try:
-            check_responses(out)
-        except ResponseContractError as e:
-            return _error(e, status=500)
-        return JSONResponse(out[0] if single else out)  # direct: FastAPI's encoder walks every float
+        return await _generate(state, request, closing=False)
 
+    @app.post("/reflow/generate_closing")
+    async def generate_closing(request: Request):
+        """/generate's body plus "close": {"groups": [a group id per prompt], "complete": K}: the call stops once
+        K groups have every sample finished, the rest cut with what they generated (finish abort, message
+        generator.CLOSED). reflow's partial rollouts on this engine: one call where SGLang takes rounds."""
+        return await _generate(state, request, closing=True)
+
+    _probe_routes(app, state)
+
+
+def _close_of(body: dict) -> tuple[list[int], int]:
+    close = body.pop("close", None)
+    if not isinstance(close, dict) or not isinstance(close.get("groups"), list) \
+            or not all(isinstance(g, int) for g in close["groups"]) or not isinstance(close.get("complete"), int) \
+            or close["complete"] < 1:
+        raise ContractError('close must be {"groups": [an int per prompt], "complete": an int >= 1}')
+    return close["groups"], close["complete"]
+
+
+async def _generate(state: EngineState, request: Request, closing: bool):
+    t0 = time.perf_counter()
+    try:
+        body = await _body(request)
+        close = _close_of(body) if closing and isinstance(body, dict) else None
+        check_lora_path(state, body)  # the merged adapter, or none named
+        job, single, want_lp = parse_generate(body, state.gen)
+        if close is not None:
+            if len(close[0]) != len(job.prompts):
+                raise ContractError(f"close.groups has {len(close[0])} ids for {len(job.prompts)} prompts")
+            job.close = close
+        recs = await asyncio.wrap_future(state.submit(job))
+    except (ValueError, EngineStateError) as e:
+        return _error(e)
+    out = [make_response(r, lp, state.gen.weight_version, time.perf_counter() - t0)
+           for r, lp in zip(recs, want_lp)]
+    try:
+        check_responses(out)
+    except ResponseContractError as e:
+        return _error(e, status=500)
+    return JSONResponse(out[0] if single else out)  # direct: FastAPI's encoder walks every float
+
+
+def _probe_routes(app: FastAPI, state: EngineState) -> None:
     @app.get("/health")
     async def health():
         return Response(status_code=200)

@@ -34,6 +34,7 @@ class _Job:
     ns: list[int]
     rids: list[str]
     logprob_starts: list[int | None] | None = None  # per prompt: input logprobs from this token (None: none)
+    close: tuple[list[int], int] | None = None  # (group per prompt, complete): a closing call (Generator.generate)
     future: Future = field(default_factory=Future)
 
 
@@ -85,7 +86,11 @@ class EngineState:
                                                           and not self.writers))
                 if self._stop:
                     return
-                jobs, self.queue, self.running = self.queue, [], self.queue
+                # a closing job runs alone (its closing cuts every row of its call); the others merge up to it
+                k = next((i for i, j in enumerate(self.queue) if j.close is not None), len(self.queue))
+                take = max(k, 1)
+                jobs, self.queue = self.queue[:take], self.queue[take:]
+                self.running = jobs
             try:
                 self._run(jobs)
             finally:
@@ -98,7 +103,8 @@ class EngineState:
         prompts = [p for j in jobs for p in j.prompts]
         try:
             recs = self.gen.generate(prompts, [c for j in jobs for c in j.cfgs], [k for j in jobs for k in j.ns],
-                                     [r for j in jobs for r in j.rids], checkpoint=self._checkpoint)
+                                     [r for j in jobs for r in j.rids], checkpoint=self._checkpoint,
+                                     close=jobs[0].close if len(jobs) == 1 else None)
         except Exception as e:  # deliberate: every waiting request gets the failure, the worker lives on
             for j in jobs:
                 j.future.set_exception(e)
