@@ -249,10 +249,25 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
 def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], accuracy: Accuracy, report: dict, *,
                  seed: int, steps: int, batch: int, lr: float, target_accuracy: float | None, hidden: int,
                  layers: int, heads: int, mlp: int, max_positions: int = 128, check_every: int = 25,
-                 batch_fn=None, progress: bool = True, device: str = "cpu") -> dict:
+                 batch_fn=None, progress: bool = True, device: str = "cpu", tf32: bool = False) -> dict:
     """A task's bootstrap: build the model, warm it up on `train` (`warmup`; the check on the first
     len(held_out) train rows), save it and bootstrap.json: `report` plus the held-out `accuracy`
-    before and after, the warm-up's metrics and the seconds taken. Returns that report."""
+    before and after, the warm-up's metrics and the seconds taken. Returns that report. `tf32`: on a GPU,
+    float32 products on TF32 tensor cores meanwhile (the weights stay float32)."""
+    before_precision = torch.get_float32_matmul_precision()
+    if tf32 and device != "cpu":
+        torch.set_float32_matmul_precision("high")
+    try:
+        return _train_policy(out_dir, train, held_out, accuracy, report, seed=seed, steps=steps, batch=batch, lr=lr,
+                             target_accuracy=target_accuracy, hidden=hidden, layers=layers, heads=heads, mlp=mlp,
+                             max_positions=max_positions, check_every=check_every, batch_fn=batch_fn,
+                             progress=progress, device=device, tf32=tf32 and device != "cpu")
+    finally:
+        torch.set_float32_matmul_precision(before_precision)
+
+
+def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, batch, lr, target_accuracy, hidden,
+                  layers, heads, mlp, max_positions, check_every, batch_fn, progress, device, tf32) -> dict:
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, max_positions=max_positions,
@@ -265,6 +280,7 @@ def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], a
     out = save_policy(model.cpu(), tokenizer, out_dir)
     report = {**report, "eval_accuracy_before": before, "eval_accuracy_after": after,
               "num_parameters": sum(p.numel() for p in model.parameters()),
-              "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out), "device": device}
+              "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out), "device": device,
+              "tf32": tf32}
     (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
     return report

@@ -22,12 +22,14 @@ from reflow.rl.demo_policy import SIZES, answer_batch, greedy_accuracy, one_thre
 # tiny, measured (seed 0, 2 shared cores): the target reached at the check of step 225, 151 s, held-out 0.415.
 # gpu is a first guess, not yet run on a GPU: lr as the GPU addition demo's warm-up, stopped in the issue's
 # target band (0.2-0.4); checks every 250 steps because each greedy check decodes up to ~900 tokens per
-# prompt-length group (tens of seconds).
+# prompt-length group (tens of seconds); TF32 products (a step is 64 rows padded to up to ~900 tokens: in IEEE
+# float32 about a second on an H100, so 4,000 steps would be an hour).
 SETTINGS: dict[str, dict[str, Any]] = {
     "tiny": {"num_train": 4000, "max_positions": 256,
              "warmup": {"steps": 600, "batch": 32, "lr": 1e-3, "target_accuracy": 0.3, "check_every": 25}},
     "gpu": {"num_train": 50000, "max_positions": 1024,
-            "warmup": {"steps": 4000, "batch": 64, "lr": 3e-4, "target_accuracy": 0.3, "check_every": 250}},
+            "warmup": {"steps": 4000, "batch": 64, "lr": 3e-4, "target_accuracy": 0.3, "check_every": 250,
+                       "tf32": True}},
 }
 
 
