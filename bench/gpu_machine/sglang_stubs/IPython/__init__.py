@@ -1,0 +1,1 @@
+"""Stand-in (reflow bench/gpu_machine/sglang_stubs): not IPython. Only `IPython.display` exists."""
