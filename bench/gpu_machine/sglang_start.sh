@@ -45,7 +45,11 @@ if [ "${SGLANG_SKIP_INSTALL:-0}" != 1 ]; then
   fi
   say "install: $(tail -2 "$OUT/install.log" | tr '\n' ' ')"
 fi
-export PYTHONPATH=$SITE:$REPO/src:$STUBS  # stand-ins last: a real package wins
+# fastapi, uvicorn, pydantic, orjson come from reflow's own set (.gpuwheels/1-3, installed into /tmp/site by
+# bench/gpu_machine/install.sh in an earlier call, BEFORE the sglang folders arrive: install.sh gathers every wheel
+# below the folder it is given)
+[ -e /tmp/site/fastapi ] || fail "reflow's wheels (.gpuwheels/1-3) are not installed in /tmp/site: carry and install them first"
+export PYTHONPATH=$SITE:/tmp/site:$REPO/src:$STUBS  # stand-ins last: a real package wins
 say "PYTHONPATH=$PYTHONPATH"
 
 # 2. preflight imports: each in the same child, a failure printed with its traceback, then go on
