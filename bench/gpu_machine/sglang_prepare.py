@@ -26,7 +26,7 @@ Stand-ins (bench/gpu_machine/sglang_stubs/, put LAST on PYTHONPATH by sglang_sta
 Left out without a stand-in: llguidance (absent from this index; imported only by the llguidance grammar backend,
 constructed only when `--grammar-backend llguidance`), the others in LEFT_OUT.
 
-Output: .gpuwheels/sglang/N/ of <= --bin-mb each (wheels over --part-mb split into NAME.whl.part00, ...; 
+Output: .gpuwheels/sglang/N/ of <= --bin-mb each (wheels over --part-mb split into NAME.whl.part00, ...;
 bench/gpu_machine/install.sh joins them), a table of wheels and sizes, and the number of transfers.
 sglang_carry.md says how to carry them and sglang_start.sh what runs there.
 """
