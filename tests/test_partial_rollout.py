@@ -15,7 +15,7 @@ import pytest
 from reflow.engines import partial_rollout as pr
 from reflow.engines import rollout_stages as ro
 from reflow.engines.hf_io import load_tokenizer
-from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
+from reflow.engines.rollout_client import GENERATE_CLOSING, EngineClient, EngineError, generate_batch
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings
 from reflow.infra.config.schema import load_config
 from reflow.infra.config.settings import ASYNC_TIS_CAP, loss_settings
@@ -111,6 +111,7 @@ def test_a_closing_call_cuts_every_sample_at_the_step_the_last_needed_group_comp
             want = whole[k * N + j]["output_ids"]
             assert s["ids"] == want[:close] and (s["finish"] is None) == (len(want) > close)
     assert any(s["finish"] is None for g in rest for s in g["samples"])
+    assert c.server_info()[GENERATE_CLOSING] is True  # advertised, as every reflow extension (docs/ENGINE_CONTRACT.md)
     with pytest.raises(EngineError, match="close must be"):
         c.generate_closing([prompts[0].input_ids], [_sampling(policy)], [0], 0)
 

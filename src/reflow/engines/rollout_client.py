@@ -21,6 +21,7 @@ from reflow.engines.http_serve import bearer
 # The finish message (type "abort") of a sample cut because its closing call closed (EngineClient.generate_closing,
 # reflow's embedded engine): a partial rollout continues it in the next iteration
 CLOSED = "closed: enough groups complete (partial rollout)"
+GENERATE_CLOSING = "reflow_generate_closing"  # in an engine's /server_info: it serves /reflow/generate_closing
 
 
 class EngineError(RuntimeError):

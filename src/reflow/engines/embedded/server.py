@@ -46,6 +46,7 @@ from reflow.engines.embedded.state import EngineState, EngineStateError, _Job
 from reflow.engines.hf_io import copy_verified, load_causal_lm
 from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, HttpGuard
 from reflow.engines.local_control import LOCAL_CONTROL, LocalControlServer
+from reflow.engines.rollout_client import GENERATE_CLOSING
 from reflow.engines.storage_access import StorageAccess, StorageError, is_local
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import BucketError, load_buckets, load_payload
@@ -214,7 +215,7 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
     @app.get("/server_info")
     async def server_info():
         return {**state.info, "dtype": str(state.gen.dtype).removeprefix("torch."), "tp_size": 1, CAPABILITY: True,
-                DISK_FILES: True,
+                DISK_FILES: True, GENERATE_CLOSING: True,
                 "max_running_requests": state.gen.max_batch_size, "context_length": state.gen.context_len,
                 "weight_version": state.gen.weight_version, "internal_states": [state.load()],
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),
