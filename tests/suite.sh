@@ -30,6 +30,8 @@
 # 1479 s).
 # Session 34 (partial rollouts, the scratchpad task, SGLang rounds: ~40 tests more): clean clone .ci/run 25m22s (the
 # rest 1481 s, 1080 passed; these 1436 s); beside two `while 1: pass` loops at nice 0, 44m30s, green.
+# Session 35 (partial rollouts' closing call, fp32 Triton decode, prefill groups; ~10 tests more): clean clone .ci/run
+# 25m23s (the rest 1487 s, 1088 passed; these 1449 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
