@@ -114,6 +114,9 @@ def test_a_closing_call_cuts_every_sample_at_the_step_the_last_needed_group_comp
     assert c.server_info()[GENERATE_CLOSING] is True  # advertised, as every reflow extension (docs/ENGINE_CONTRACT.md)
     with pytest.raises(EngineError, match="close must be"):
         c.generate_closing([prompts[0].input_ids], [_sampling(policy)], [0], 0)
+    with pytest.raises(EngineError, match="one id per prompt") as bad:
+        c.generate_closing([prompts[0].input_ids], [_sampling(policy)], [0, 1], 1)
+    assert bad.value.status == 400
 
 
 @pytest.mark.parametrize("closing", [False, True], ids=["rounds", "closing"])

@@ -145,12 +145,12 @@ def _closing(clients: list[EngineClient], pool: list[dict], need: int, sampling:
 
     def run(client: EngineClient, lo: int, hi: int) -> list[int]:
         mine = groups[lo:hi]
-        active = [(g, s) for g in mine for s in g["samples"] if not _done(s)]
-        ids = [id(g) for g in mine]
+        at = [(k, g, s) for k, g in enumerate(mine) for s in g["samples"] if not _done(s)]  # k: its group's id
+        active = [(g, s) for _, g, s in at]
         entries = [_entry(g, s, sampling, max_new - len(s["ids"])) for g, s in active]
         complete = min(len(mine), math.ceil(need * len(mine) / len(groups)))
-        outs = client.generate_closing([e[0] for e in entries], [e[1] for e in entries],
-                                       [ids.index(id(g)) for g, _ in active], complete, **lora_fields(lora_path))
+        outs = client.generate_closing([e[0] for e in entries], [e[1] for e in entries], [k for k, _, _ in at],
+                                       complete, **lora_fields(lora_path))
         if not isinstance(outs, list) or len(outs) != len(active):
             raise EngineError(client.url, "/reflow/generate_closing", 200, f"expected {len(active)} results")
         return _apply(active, outs, version, max_new)

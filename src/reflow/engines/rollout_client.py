@@ -106,7 +106,7 @@ class EngineClient:
                          complete: int, **extra: Any) -> list[dict]:
         """reflow's embedded engine only (POST /reflow/generate_closing): a batch /generate that stops once
         `complete` groups (`groups`: an id per prompt) have every sample finished; the samples still running
-        come back cut (finish abort, message reflow.engines.embedded.generator.CLOSED)."""
+        come back cut (finish abort, message CLOSED)."""
         body = {"input_ids": input_ids, "sampling_params": sampling_params, "return_logprob": True,
                 "close": {"groups": groups, "complete": complete}, **extra}
         return self._call("POST", "/reflow/generate_closing", body)

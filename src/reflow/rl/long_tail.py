@@ -15,13 +15,21 @@ import torch
 @torch.no_grad()
 def end_responses_early(model, tokenizer, logit: float, texts: list[str] | None = None) -> None:
     """Set the eos row of `model`'s output head (in place) so that eos scores ~`logit` at the positions of `texts`."""
-    texts = texts or ["12+34=46", "5+6=11", "7+8=15", "40+2=42"]
-    device = next(model.parameters()).device
-    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"].to(device)
+    _set_eos_row(model, tokenizer, _mean_hidden(model, tokenizer, texts or ["12+34=46", "5+6=11", "7+8=15", "40+2=42"]),
+                 logit)
+
+
+def _mean_hidden(model, tokenizer, texts: list[str]) -> torch.Tensor:
+    """The model's final hidden state averaged over every position of `texts`, float32 [H]."""
+    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"].to(next(model.parameters()).device)
     hidden = model.model(ids).last_hidden_state.float()  # [B, T, H]
-    mean = hidden.reshape(-1, hidden.shape[-1]).mean(0)  # [H]
+    return hidden.reshape(-1, hidden.shape[-1]).mean(0)
+
+
+def _set_eos_row(model, tokenizer, direction: torch.Tensor, logit: float) -> None:
+    """The eos row of the output head along `direction`, scaled so that a hidden state equal to it scores `logit`."""
     row = model.get_output_embeddings().weight
-    row[tokenizer.eos_token_id] = (mean * (logit / mean.dot(mean))).to(row.dtype)
+    row[tokenizer.eos_token_id] = (direction * (logit / direction.dot(direction))).to(row.dtype)
 
 
 @torch.no_grad()
@@ -49,8 +57,7 @@ def calibrate_end_rate(model, tokenizer, median: int, texts: list[str], sample_t
     logits = model.get_output_embeddings()(hidden.to(model.dtype)).float()  # [R * new, V]
     logits[:, eos] = float("-inf")
     others = torch.logsumexp(logits, -1)  # [P]: the log-sum-exp every other token gives
-    ids = tokenizer(texts, return_tensors="pt", padding=True)["input_ids"].to(device)
-    direction = model.model(ids).last_hidden_state.float().reshape(-1, hidden.shape[-1]).mean(0)  # [H]
+    direction = _mean_hidden(model, tokenizer, texts)  # [H]
     unit = hidden @ direction / direction.dot(direction)  # [P]: eos's logit per unit of the row's scale
     target = math.log(2) / median
 
@@ -62,6 +69,5 @@ def calibrate_end_rate(model, tokenizer, median: int, texts: list[str], sample_t
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if rate(mid) < target else (lo, mid)
     scale = (lo + hi) / 2
-    row = model.get_output_embeddings().weight
-    row[eos] = (direction * (scale / direction.dot(direction))).to(row.dtype)
+    _set_eos_row(model, tokenizer, direction, scale)
     return {"target_rate": target, "rate": rate(scale)}

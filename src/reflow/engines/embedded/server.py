@@ -137,7 +137,7 @@ def _data_plane(app: FastAPI, state: EngineState) -> None:
     async def generate_closing(request: Request):
         """/generate's body plus "close": {"groups": [a group id per prompt], "complete": K}: the call stops once
         K groups have every sample finished, the rest cut with what they generated (finish abort, message
-        generator.CLOSED). reflow's partial rollouts on this engine: one call where SGLang takes rounds."""
+        rollout_client.CLOSED). reflow's partial rollouts on this engine: one call where SGLang takes rounds."""
         return await _generate(state, request, closing=True)
 
     _probe_routes(app, state)
@@ -159,10 +159,7 @@ async def _generate(state: EngineState, request: Request, closing: bool):
         close = _close_of(body) if closing and isinstance(body, dict) else None
         check_lora_path(state, body)  # the merged adapter, or none named
         job, single, want_lp = parse_generate(body, state.gen)
-        if close is not None:
-            if len(close[0]) != len(job.prompts):
-                raise ContractError(f"close.groups has {len(close[0])} ids for {len(job.prompts)} prompts")
-            job.close = close
+        job.close = close  # its groups against the prompts: checked by Generator.generate
         recs = await asyncio.wrap_future(state.submit(job))
     except (ValueError, EngineStateError) as e:
         return _error(e)
