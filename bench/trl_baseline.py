@@ -30,7 +30,6 @@ pyproject).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import tempfile
 import time
@@ -73,18 +72,14 @@ def _budget_callback(seconds: float, clock: str):
     return Budget()
 
 
-def _load(spec: str):
-    """A `module:function` reference (a reflow config's data.reward_fn)."""
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def train_trl(a, train_rows: list[dict], tokenizer) -> tuple[object, dict]:
     """TRL GRPO from `a.policy` for `a.seconds`; returns (model, stats)."""
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    task_reward = _load(a.reward_fn)
+    from reflow.rl.rewards import load_reward_fn
+
+    task_reward = load_reward_fn(a.reward_fn)
     seen = {"samples": 0, "tokens": 0, "trace_exact": 0.0}
 
     def reward(prompts, completions, label, completion_ids=None, **_):
