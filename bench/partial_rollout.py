@@ -110,8 +110,7 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the engine")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
-                    help="the engine's dtype (GPU: bf16 decodes with the per-row-length attention kernels; fp32 "
-                         "gathers every row's keys up to the longest row's power-of-two bucket)")
+                    help="the engine's dtype (on a GPU both decode with the Triton per-row-length attention kernel)")
     ap.add_argument("--kv-mem-fraction", type=float, default=None,
                     help="rollout.kv_mem_fraction (GPU: one KV pool, rows admitted by their own length; without it "
                          "the engine reserves max_new_tokens for every row of the batch at once)")
@@ -149,7 +148,7 @@ def main() -> None:
                      "iterations": args.iterations, "kv_mem_fraction": args.kv_mem_fraction,
                      "dtype": args.dtype, "end_rate": rates},
            "seconds_per_iteration": per, "modes": res,
-           **{f"{k}_speedup".replace("carry_speedup", "partial_speedup"): off / per[k] for k in per
+           **{"partial_speedup" if k == "carry" else f"{k}_speedup": off / per[k] for k in per
               if not k.startswith("off")},
            **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"}}
     print(f"{'mode':10} {'s/iter':>8} {'idle':>6} {'trained len':>11}")
