@@ -14,7 +14,9 @@ the installed folder as its path lets exactly those import:
     (it imports nothing of sglang's).
 
 `load()` returns None when sglang is not installed (it is a test dependency, installed with
---no-deps); callers then fall back to reflow's own checks. When the real runtime is importable
+--no-deps), or when the installed one predates these modules (0.5.17, the GPU machine's SGLang, has
+neither api_types nor api_contract); callers then fall back to reflow's own checks. `bucket_code()` gives
+the bucket classes of any installed sglang, 0.5.17's included. When the real runtime is importable
 (a GPU box with the full sglang install), the normal package is used as is.
 """
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 PINNED_VERSION = "0.5.23"
+_CONTRACT_MODULES = ("sglang.api.v1.api_types", "sglang.srt.entrypoints.api_contract")
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,38 @@ def _installed_version() -> str:
         return "unknown"
 
 
+def _has_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:  # deliberate: a parent package is missing, so the module is too
+        return False
+
+
+@dataclass(frozen=True)
+class BucketCode:
+    """SGLang's weight-bucket classes, from whichever sglang is installed (0.5.17's have no `.empty`)."""
+
+    version: str
+    FlattenedTensorBucket: Any
+    FlattenedTensorMetadata: Any
+
+
 @functools.lru_cache(maxsize=1)
-def load() -> Contract | None:
-    """SGLang's contract code, or None when sglang is not installed."""
+def bucket_code() -> BucketCode | None:
+    """SGLang's FlattenedTensorBucket and its metadata class, or None when sglang is not installed."""
     if not _register_bare_package():
         return None
-    api = importlib.import_module("sglang.api.v1.api_types")
-    gate = importlib.import_module("sglang.srt.entrypoints.api_contract")
+    tb = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
+    return BucketCode(_installed_version(), tb.FlattenedTensorBucket, tb.FlattenedTensorMetadata)
+
+
+@functools.lru_cache(maxsize=1)
+def load() -> Contract | None:
+    """SGLang's contract code, or None when sglang is not installed or predates it (0.5.17 has neither
+    sglang.api.v1.api_types nor sglang.srt.entrypoints.api_contract)."""
+    if not _register_bare_package() or not all(map(_has_module, _CONTRACT_MODULES)):
+        return None
+    api, gate = map(importlib.import_module, _CONTRACT_MODULES)
     sp = importlib.import_module("sglang.srt.sampling.sampling_params")
     tb = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
     return Contract(version=_installed_version(), generate_contract_error=gate.generate_contract_error,

@@ -382,8 +382,8 @@ def _sglang_meta_class():
     """SGLang's own metadata class when sglang is installed (so its bucket code reads it), else ours."""
     from reflow.engines.sglang import contract as sglang_contract
 
-    contract = sglang_contract.load()
-    return contract.FlattenedTensorMetadata if contract is not None else FlattenedTensorMetadata
+    code = sglang_contract.bucket_code()
+    return code.FlattenedTensorMetadata if code is not None else FlattenedTensorMetadata
 
 
 def rebuild_bucket(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.Tensor]]:
@@ -392,13 +392,13 @@ def rebuild_bucket(flat: torch.Tensor, metadata: list) -> list[tuple[str, torch.
     from reflow.engines.sglang import contract as sglang_contract
 
     views = unflatten(flat, metadata)  # validates dtype, layout and bounds
-    contract = sglang_contract.load()
-    if contract is None:
+    code = sglang_contract.bucket_code()
+    if code is None:
         return views
-    meta = [m if isinstance(m, contract.FlattenedTensorMetadata) else
-            contract.FlattenedTensorMetadata(n, torch.Size(t.shape), t.dtype, *_meta_fields(m)[3:])
+    meta = [m if isinstance(m, code.FlattenedTensorMetadata) else
+            code.FlattenedTensorMetadata(n, torch.Size(t.shape), t.dtype, *_meta_fields(m)[3:])
             for m, (n, t) in zip(metadata, views)]
-    return contract.FlattenedTensorBucket(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
+    return code.FlattenedTensorBucket(flattened_tensor=flat, metadata=meta).reconstruct_tensors()
 
 
 def _allowed_globals() -> dict[tuple[str, str], object]:

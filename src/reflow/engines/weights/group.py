@@ -157,11 +157,15 @@ def _parse(name: str) -> torch.dtype:
 
 
 def _empty_bucket(names, dtypes, shapes, device):
-    """SGLang's own FlattenedTensorBucket.empty when installed, else a local equivalent."""
-    contract = sglang_contract.load()
-    if contract is not None:
-        return contract.FlattenedTensorBucket.empty(names, dtypes, shapes, device)
-    return _LocalBucket(names, dtypes, shapes, device)
+    """The receive buffer as the installed SGLang's own receiver makes it (`FlattenedTensorBucket.empty`; 0.5.17,
+    which has no `.empty`, flattens empty tensors of those shapes: the same layout), else a local equivalent."""
+    code = sglang_contract.bucket_code()
+    if code is None:
+        return _LocalBucket(names, dtypes, shapes, device)
+    if hasattr(code.FlattenedTensorBucket, "empty"):
+        return code.FlattenedTensorBucket.empty(names, dtypes, shapes, device)
+    return code.FlattenedTensorBucket(named_tensors=[(n, torch.empty(s, dtype=dt, device=device))
+                                                     for n, dt, s in zip(names, dtypes, shapes)])
 
 
 class _LocalBucket:

@@ -1,0 +1,56 @@
+"""SGLang 0.5.17 (the GPU machine's: the newest that pins its torch 2.11) beside the venv's 0.5.23, for
+tests/test_sglang_0517.py.
+
+Its wheel is installed --no-deps into TARGET (git-ignored), as the Makefile installs 0.5.23 into the venv:
+`pip install --no-deps --target .cache/sglang-0.5.17 sglang==0.5.17` (22 MB, a few seconds). A process that
+puts TARGET first on its path imports 0.5.17's `sglang` and reads its version from its dist-info there.
+`target()` installs it on first use when it is missing, and gives None with the reason when it cannot be had
+(no index reachable): the tests then skip, naming it.
+"""
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+VERSION = "0.5.17"
+REPO = Path(__file__).resolve().parents[1]
+TARGET = REPO / ".cache" / f"sglang-{VERSION}"
+_WHY: list[str] = []
+
+
+def target() -> Path | None:
+    """The folder holding sglang 0.5.17, installed now if missing; None when pip cannot get it (`why_missing`)."""
+    if (TARGET / f"sglang-{VERSION}.dist-info").is_dir():
+        return TARGET
+    if _WHY:
+        return None
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", str(TARGET),
+           f"sglang=={VERSION}"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if run.returncode != 0:
+        _WHY.append(f"`{' '.join(cmd[2:])}` failed: {(run.stderr or run.stdout).strip()[-300:]}")
+        return None
+    return TARGET
+
+
+def why_missing() -> str:
+    return _WHY[0] if _WHY else f"sglang=={VERSION} is not in {TARGET}"
+
+
+@contextlib.contextmanager
+def imported_first(folder: Path):
+    """This process sees `folder`'s sglang instead of the venv's for the block: the sglang modules loaded
+    before are set aside and put back after, and every sglang module loaded inside is dropped."""
+    saved = {n: m for n, m in sys.modules.items() if n == "sglang" or n.startswith("sglang.")}
+    for name in saved:
+        del sys.modules[name]
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+        for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
