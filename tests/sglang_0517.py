@@ -54,3 +54,38 @@ def imported_first(folder: Path):
         for name in [n for n in sys.modules if n == "sglang" or n.startswith("sglang.")]:
             del sys.modules[name]
         sys.modules.update(saved)
+
+
+def start_apps(model_dir: Path, receivers: int, log: Path) -> tuple[subprocess.Popen, list[str]]:
+    """`receivers` SGLang 0.5.17 app servers of the model in `model_dir` (tests/sglang_app_0517.py, launched
+    with reflow's launcher flags), in one child process with 0.5.17 first on its path; waits until healthy."""
+    import json
+    import os
+
+    from reflow.engines.rollout_client import poll_health
+    from reflow.engines.sglang.launcher import command_line, server_args
+    from tests.sglang_backends import KEY, free_port, stop
+
+    ports = [free_port() for _ in range(receivers)]
+    serve = [arg for p in ports for arg in ("--serve", json.dumps(command_line(server_args(
+        str(model_dir), host="127.0.0.1", port=p, nccl_port=free_port(), api_key=KEY, dtype="float32"),
+        secrets_dir=log.parent)[3:]))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TARGET), str(REPO)]), "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    with log.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "tests.sglang_app_0517", *serve], cwd=REPO, env=env,
+                                stdout=out, stderr=subprocess.STDOUT)
+
+    def alive():
+        if proc.poll() is not None:
+            raise RuntimeError(f"tests.sglang_app_0517 exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url in urls:  # 240 s: the import takes ~20 s of CPU, and the suite runs other work beside it
+            if (last := poll_health(url, 240.0, 0.2, alive)) is not None:
+                raise AssertionError(f"SGLang {VERSION} app {url} not healthy: {last}\n{log.read_text()[-6000:]}")
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, urls

@@ -84,6 +84,20 @@ def _model_class():
     return StandInModel
 
 
+class MemorySaver:
+    """What SGLang's TorchMemorySaverAdapter is asked to do (it is GPU-only: torch_memory_saver
+    unmaps CUDA memory); the events are reported in /server_info's internal_states."""
+
+    def __init__(self):
+        self.events: list[tuple[str, str]] = []
+
+    def pause(self, tag):
+        self.events.append(("release", tag))
+
+    def resume(self, tag):
+        self.events.append(("resume", tag))
+
+
 def _scheduler_side(model, model_config):
     """SGLang's scheduler-side weight code over one stand-in runner: the real
     SchedulerWeightUpdaterManager (sessions), TpModelWorker payload decoding, the model runner's
@@ -96,19 +110,6 @@ def _scheduler_side(model, model_config):
     from sglang.srt.runtime_context import get_parallel
     from sglang.srt.utils.common import MultiprocessingSerializer
     from sglang.srt.utils.patch_torch import monkey_patch_torch_reductions
-
-    class MemorySaver:
-        """What SGLang's TorchMemorySaverAdapter is asked to do (it is GPU-only: torch_memory_saver
-        unmaps CUDA memory); the events are reported in /server_info's internal_states."""
-
-        def __init__(self):
-            self.events: list[tuple[str, str]] = []
-
-        def pause(self, tag):
-            self.events.append(("release", tag))
-
-        def resume(self, tag):
-            self.events.append(("resume", tag))
 
     class RunnerWeights:  # ModelRunner.weight_updater
         update_weights_from_tensor = WeightUpdater.update_weights_from_tensor
@@ -226,7 +227,7 @@ def _generate_one(hf, input_ids: list[int], sp, eos: int | None, return_logprob:
     return out, lps if return_logprob else None, finish
 
 
-def _tokenizer_manager_class():
+def _tokenizer_manager_class(scheduler_side=_scheduler_side):
     """The stand-in tokenizer manager: SGLang's TokenizerManager with its ZMQ transport replaced.
 
     It subclasses the real class, so the control-plane methods the routes call are SGLang's own
@@ -256,11 +257,12 @@ def _tokenizer_manager_class():
             self.enable_lora = False
             if get_lora().enable_lora:  # launched with reflow's LoRA flags: SGLang's LoRA path (tests/sglang_lora_side.py)
                 sglang_lora_side.attach(self, hf)
-            self.scheduler = _scheduler_side(_model_class()(hf), model_config)
+            self.scheduler = scheduler_side(_model_class()(hf), model_config)
             s = self.scheduler
             self.update_weights_from_tensor_communicator = self._direct(s.update_weights_from_tensor)
-            self.begin_weight_update_communicator = self._direct(s.begin_weight_update)
-            self.end_weight_update_communicator = self._direct(s.end_weight_update)
+            if hasattr(s, "begin_weight_update"):  # weight sessions (0.5.23; tests/sglang_app_0517.py has none)
+                self.begin_weight_update_communicator = self._direct(s.begin_weight_update)
+                self.end_weight_update_communicator = self._direct(s.end_weight_update)
             self.get_weights_by_name_communicator = self._direct(s.get_weights_by_name)
             # Blocking on the trainer (rendezvous, broadcast): run off the event loop, as the real
             # scheduler runs in another process.
@@ -399,7 +401,7 @@ def serve(hs, argv: list[str]) -> None:
     hs._setup_and_run_http_server(server_args, tm, TemplateManager(), None, [scheduler_info], None)
 
 
-def serve_many(launches: list[list[str]]) -> None:
+def serve_many(launches: list[list[str]], serve_one=None, load=load_http_server) -> None:
     """One server process per list of launch flags, forked after the one slow import (~10 s of CPU
     each otherwise). SIGTERM to this process stops them all; each child also gets SIGTERM if
     this process dies (PR_SET_PDEATHSIG). SIGUSR1 has every server print its threads' stacks."""
@@ -418,7 +420,7 @@ def serve_many(launches: list[list[str]]) -> None:
             time.sleep(0.2)  # one dump after the other in the shared log
 
     signal.signal(signal.SIGUSR1, dump)  # set before the slow import: a dump asked early must not kill us
-    hs = load_http_server()
+    hs = load()
     for argv in launches:  # SGLang's model registry resolves lazily: do it once, before forking
         path = argv[argv.index("--model-path") + 1]
         sglang_model_class(json.loads((Path(path) / "config.json").read_text())["architectures"])
@@ -428,7 +430,7 @@ def serve_many(launches: list[list[str]]) -> None:
             ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
             faulthandler.register(signal.SIGUSR1, all_threads=True)  # the harness's ask for stacks on a hang
             try:
-                serve(hs, argv)
+                (serve_one or serve)(hs, argv)
             finally:
                 os._exit(0)
         children.append(pid)

@@ -87,6 +87,11 @@ class _StandInModule(types.ModuleType):
         return _PlaceholderMeta(name, (_Placeholder,), {})
 
 
+class _NoDriver:
+    def __getattr__(self, name):
+        raise RuntimeError("0 active drivers ([]). There should only be one.")  # triton's text without a GPU
+
+
 def _special(name: str) -> types.ModuleType | None:
     """Stand-ins that must behave, not just exist."""
     import pickle
@@ -103,6 +108,8 @@ def _special(name: str) -> types.ModuleType | None:
         mod.dumps, mod.loads = pickle.dumps, pickle.loads
     elif name == "python_multipart":
         mod.__version__ = "0.0.99"
+    elif name == "triton":  # no GPU driver: as real triton on a CPU machine, asking for one raises
+        mod.runtime = types.SimpleNamespace(driver=_NoDriver())  # (0.5.17's fla/utils.py then picks "cpu")
     else:
         return None
     return mod
@@ -132,7 +139,7 @@ def load_http_server():
     """Import SGLang's http_server with the stand-ins; returns the module."""
     from reflow.engines.sglang import contract
 
-    if contract.load() is None:
+    if contract.bucket_code() is None:  # registers the bare sglang package (any version)
         raise RuntimeError("sglang is not installed")
     # torch and transformers probe for triton once and cache the answer: let them see none.
     import torch._dynamo  # noqa: F401

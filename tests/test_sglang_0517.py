@@ -7,12 +7,21 @@ that differ between the two: no weight-update sessions, no contract modules, a r
 """
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
+from reflow.engines.rollout_client import EngineClient
 from reflow.engines.sglang import contract as sglang_contract
 from reflow.engines.weights import group as weight_group
+from reflow.engines.weights.buckets import SharedBucket
+from reflow.engines.weights.push import close_weight_groups, push_weights, update_window
+from reflow.engines.weights.settings import PushSettings
 from tests import sglang_0517
+from tests.reference import greedy_reference
+from tests.sglang_backends import KEY, build, probe_of, pushed, stop
 
 TARGET = sglang_0517.target()
 pytestmark = pytest.mark.skipif(TARGET is None, reason=f"no SGLang {sglang_0517.VERSION}: {sglang_0517.why_missing()}")
@@ -55,3 +64,91 @@ def test_distributed_receive_uses_sglang_0517s_bucket_which_has_no_empty(sglang_
     bucket.get_flattened_tensor().copy_(flat)
     got = dict(bucket.reconstruct_tensors())
     assert all(torch.equal(got[n], t) for n, t in named)
+
+
+# ---------------------------------------------------------------- 0.5.17's real app (one child process)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny_llama_0517")
+    build("llama", d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def urls(model_dir, tmp_path_factory):
+    """Two SGLang 0.5.17 app servers of a tiny Llama (SGLang's Llama reads weights back: verify=full)."""
+    proc, urls = sglang_0517.start_apps(model_dir, 2, tmp_path_factory.mktemp("sglang_0517") / "servers.log")
+    try:
+        yield urls
+    finally:
+        close_weight_groups()  # the distributed push's group, kept open for a next push
+        stop(proc)
+
+
+def _clients(urls, k=None) -> list[EngineClient]:
+    return [EngineClient(u, timeout=60, api_key=KEY) for u in urls[:k]]
+
+
+def _generation_follows(clients, model, version: str) -> None:
+    prompt = [5, 6, 7, 8]
+    for c in clients:
+        out = c.generate(input_ids=prompt, sampling_params={"max_new_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert out["meta_info"]["weight_version"] == version == c.model_info()["weight_version"]
+        assert out["output_ids"] == greedy_reference(model, prompt, 4, eos=())
+
+
+@pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
+def test_every_push_mode_lands_on_0517_which_has_no_weight_sessions(urls, mode, tmp_path):
+    """0.5.17 serves no /begin_weight_update or /end_weight_update (404): the pusher finds that out from the 404
+    and pushes inside its pause window alone, which is how 0.5.17 keeps an update whole (a paused manager
+    updates at once; new requests wait on the pause). Every mode lands, the read-back check passes, and
+    generation runs again on the pushed weights."""
+    from reflow.engines.weights.push import publish_weights
+    from reflow.rl.demo_policy import save_policy
+
+    clients = _clients(urls)
+    model, tok, named = pushed("llama", seed={"tensor": 1, "distributed": 2, "disk": 3}[mode])
+    version = f"{mode}-{time.time_ns()}"
+    path = publish_weights(lambda out: save_policy(model, tok, out), str(tmp_path), version).path if mode == "disk" else None
+    stats = push_weights(clients, named, version, PushSettings(mode=mode, backend="gloo", verify="full",
+                                                               bucket_bytes=16 << 10),
+                         model_path=path, probe=probe_of(model))
+    assert stats["mode"] == mode and stats["engines"] == 2 and stats["verify_method"] == "weights"  # read back
+    _generation_follows(clients, model, version)
+
+
+def test_a_request_sent_inside_the_window_decodes_on_the_pushed_weights(urls):
+    """What keeps an update whole on 0.5.17, which has no session: inside the pusher's window (paused) a new
+    request waits, the paused manager loads the update at once, and the request decodes on the pushed weights
+    once the window closes."""
+    c = _clients(urls, 1)[0]
+    model, _, named = pushed("llama", seed=4)
+    version, prompt, done = f"window-{time.time_ns()}", [5, 6, 7, 8], []
+    request = threading.Thread(target=lambda: done.append(c.generate(input_ids=prompt, sampling_params={
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True})))
+    with update_window([c]):
+        assert c.weight_sessions is False  # learnt from the 404
+        request.start()
+        time.sleep(0.5)
+        bucket = SharedBucket(named)
+        out = c.update_weights_from_tensor(bucket.payloads(1), "flattened_bucket", True, version)
+        assert out["success"] and not done, out
+    request.join(60)
+    assert done[0]["meta_info"]["weight_version"] == version
+    assert done[0]["output_ids"] == greedy_reference(model, prompt, 4, eos=())
+
+
+def test_take_over_of_a_0517_engine_skips_the_session_it_does_not_have(urls):
+    """A later flow run takes over an engine a killed one left paused with its memory released
+    (EngineClient.take_over): 0.5.17's 404 on /end_weight_update is skipped like the 400 of an engine with no
+    session open; the memory comes back and generation runs."""
+    c = _clients(urls, 1)[0]
+    c.pause_generation("abort")
+    c.release_memory_occupation(["weights", "kv_cache"])
+    fresh = _clients(urls, 1)[0]
+    assert fresh.take_over(["weights", "kv_cache"]) == ["resume weights", "resume kv_cache"]
+    assert fresh.weight_sessions is False
+    out = fresh.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
+    assert out["meta_info"]["completion_tokens"] == 2

@@ -57,6 +57,7 @@ class EngineClient:
         self.url = url.rstrip("/")
         self.timeout = timeout
         self._api_key = api_key
+        self.weight_sessions: bool | None = None  # whether the engine serves them; None: not asked yet
         # verify=False for plain http only: building the TLS context costs ~40 ms per client (certifi's
         # bundle), paid on every push and rollout that makes one, for a check http never does.
         self._http = httpx.Client(base_url=self.url, timeout=httpx.Timeout(timeout, connect=10.0),
@@ -141,6 +142,23 @@ class EngineClient:
     def end_weight_update(self) -> dict:
         return self._call("POST", "/end_weight_update", {})
 
+    def open_weight_session(self) -> bool:
+        """begin_weight_update where the engine has weight-update sessions (SGLang 0.5.23 requires one around
+        tensor and distributed updates); False where it answers 404: SGLang without them (0.5.17) loads an update
+        at once, and a paused engine loads it while its requests wait (the caller pauses first). Known from the
+        first answer: later calls on this client send nothing."""
+        if self.weight_sessions is False:
+            return False
+        try:
+            self.begin_weight_update()
+        except EngineError as e:
+            if e.status != 404:
+                raise
+            self.weight_sessions = False
+            return False
+        self.weight_sessions = True
+        return True
+
     def update_weights_from_tensor(self, serialized_named_tensors: Sequence[str], load_format: str | None = None,
                                    flush_cache: bool = True, weight_version: str | None = None) -> dict:
         """`serialized_named_tensors`: one payload per TP rank (reflow.engines.weights.buckets makes them)."""
@@ -222,7 +240,8 @@ class EngineClient:
         """Bring an engine an earlier client left (a flow run killed mid-push, a lost trainer node) back to what a
         fresh one is: generating, no weight-update session open, every tag in `memory_tags` held. Each step is its
         own request; a 400 (the engine is already so: "no weight-update session is open", "not released") skips
-        it. Returns the steps that changed something."""
+        it, and so does a 404 on the session step (an engine without sessions, SGLang 0.5.17). Returns the steps
+        that changed something."""
         done = []
         steps: list[tuple[str, str, dict[str, Any]]] = [("end_weight_update", "/end_weight_update", {})]
         steps += [(f"resume {t}", "/resume_memory_occupation", {"tags": [t]}) for t in memory_tags]
@@ -231,7 +250,9 @@ class EngineClient:
                 self._call("POST", endpoint, body)
                 done.append(step)
             except EngineError as e:
-                if e.status != 400:
+                if e.status == 404 and endpoint == "/end_weight_update":
+                    self.weight_sessions = False
+                elif e.status != 400:
                     raise
         self.continue_generation()  # last: what was parked decodes on weights and memory that are back
         return done

@@ -1,7 +1,8 @@
 """Trainer -> engines weight sync over SGLang's HTTP API, then proof that it landed.
 
 Per docs/ENGINE_CONTRACT.md (and slime/miles), every push is pause -> flush -> begin session -> updates ->
-end session -> continue (`update_window`; the disk mode needs no session in SGLang). Modes:
+end session -> continue (`update_window`; the disk mode needs no session in SGLang; SGLang 0.5.17 has no
+sessions at all, and gets the window without them). Modes:
 - tensor: one update_weights_from_tensor(load_format="flattened_bucket") per bucket of
   <= bucket_bytes; each bucket is packed once into one shared buffer and pickled once per receiver
   (every engine, and every TP rank of an engine: a handle pays for one rebuild, see
@@ -362,16 +363,20 @@ def _finish(paused: list[EngineClient], opened: list[EngineClient]) -> list[str]
 
 @contextmanager
 def update_window(clients: list[EngineClient], pause_mode: str = "abort", session: bool = True):
-    """pause -> flush -> begin session ... end session -> continue, on every engine, whatever fails."""
+    """pause -> flush -> begin session ... end session -> continue, on every engine, whatever fails. An engine
+    without weight-update sessions (SGLang 0.5.17 answers 404) gets none: there the pause alone keeps the update
+    whole (a paused 0.5.17 loads each update at once while new requests wait for continue_generation)."""
     paused, opened, failed = [], [], True
     try:
         for c in clients:
             c.pause_generation(pause_mode)
             paused.append(c)
             _flush(c)
-            if session:
-                c.begin_weight_update()
+            if session and c.open_weight_session():
                 opened.append(c)
+            elif session:
+                log.info("engine %s serves no weight-update sessions (SGLang 0.5.17): updating inside its pause "
+                         "alone", c.url)
         yield
         failed = False
     finally:
