@@ -19,6 +19,7 @@ at import; here a clash keeps transformers' own class. (The GPU machine's transf
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import types
 
@@ -108,6 +109,20 @@ def serve(hs, argv: list[str]) -> None:
         def __init__(self, *args):
             self._config_updates: list = []  # 0.5.17's record of control-plane updates (weight_version, ...)
             super().__init__(*args)
+
+        def _generate_all(self, obj):
+            """0.5.17 keeps one rid per prompt (0.5.23 expands them n times): as its _handle_batch_request,
+            prompt i's n samples are children of obj[i], each with a rid regenerated from the prompt's."""
+            if obj.is_single:
+                return super()._generate_all(obj)
+            out = []
+            for i in range(obj.batch_size):
+                sub = obj[i]
+                for _ in range(obj.parallel_sample_num):
+                    rid = copy.copy(sub).regenerate_rid(prefix=sub.rid)
+                    out.append(self._sample(sub.input_ids, sub.text, sub.sampling_params, sub.return_logprob, rid,
+                                            sub.logprob_start_len, sub.lora_id))
+            return out
 
     tm = StandInTokenizerManager(server_args, model_config, hf, AutoTokenizer.from_pretrained(path), path)
     print(f"sglang_app_0517 {path}: dtype {model_config.dtype}", flush=True)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from reflow.engines.rollout_client import EngineClient
+from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
 from reflow.engines.sglang import contract as sglang_contract
 from reflow.engines.weights import group as weight_group
 from reflow.engines.weights.buckets import SharedBucket
@@ -76,6 +76,9 @@ def model_dir(tmp_path_factory):
     return d
 
 
+SERVED = pytest.mark.slow  # the tests below share a child process serving 0.5.17's app for the module
+
+
 @pytest.fixture(scope="module")
 def urls(model_dir, tmp_path_factory):
     """Two SGLang 0.5.17 app servers of a tiny Llama (SGLang's Llama reads weights back: verify=full)."""
@@ -99,6 +102,7 @@ def _generation_follows(clients, model, version: str) -> None:
         assert out["output_ids"] == greedy_reference(model, prompt, 4, eos=())
 
 
+@SERVED
 @pytest.mark.parametrize("mode", ["tensor", "distributed", "disk"])
 def test_every_push_mode_lands_on_0517_which_has_no_weight_sessions(urls, mode, tmp_path):
     """0.5.17 serves no /begin_weight_update or /end_weight_update (404): the pusher finds that out from the 404
@@ -119,6 +123,7 @@ def test_every_push_mode_lands_on_0517_which_has_no_weight_sessions(urls, mode, 
     _generation_follows(clients, model, version)
 
 
+@SERVED
 def test_a_request_sent_inside_the_window_decodes_on_the_pushed_weights(urls):
     """What keeps an update whole on 0.5.17, which has no session: inside the pusher's window (paused) a new
     request waits, the paused manager loads the update at once, and the request decodes on the pushed weights
@@ -140,6 +145,7 @@ def test_a_request_sent_inside_the_window_decodes_on_the_pushed_weights(urls):
     assert done[0]["output_ids"] == greedy_reference(model, prompt, 4, eos=())
 
 
+@SERVED
 def test_take_over_of_a_0517_engine_skips_the_session_it_does_not_have(urls):
     """A later flow run takes over an engine a killed one left paused with its memory released
     (EngineClient.take_over): 0.5.17's 404 on /end_weight_update is skipped like the 400 of an engine with no
@@ -152,3 +158,26 @@ def test_take_over_of_a_0517_engine_skips_the_session_it_does_not_have(urls):
     assert fresh.weight_sessions is False
     out = fresh.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 2
+
+
+@SERVED
+def test_a_404_names_the_sglang_that_lacks_the_endpoint(urls):
+    """An endpoint the server does not serve (here 0.5.17's missing session) is a 404 whose message names the
+    server's SGLang version and the versions reflow is tested against, so a run on another SGLang says why."""
+    with pytest.raises(EngineError) as e:
+        _clients(urls, 1)[0].begin_weight_update()
+    assert e.value.status == 404
+    assert f"SGLang {sglang_0517.VERSION}" in e.value.message and "0.5.23" in e.value.message
+
+
+@SERVED
+def test_batches_as_reflow_sends_them(urls):
+    """0.5.17 has no /generate schema gate (entrypoints/api_contract); its GenerateReqInput normalizes reflow's
+    batches: n samples per prompt, prompt-major, and seeded ones as one entry per sample."""
+    clients = _clients(urls)
+    prompts, sp = [[5, 6, 7], [8, 9]], {"max_new_tokens": 3, "temperature": 0.7, "ignore_eos": True}
+    outs = generate_batch(clients, prompts, sp, n=2)
+    assert [o["meta_info"]["prompt_tokens"] for o in outs] == [3, 3, 2, 2]
+    assert len({o["meta_info"]["id"] for o in outs}) == 4
+    seeded = [generate_batch(clients, prompts, sp, n=2, seeds=[1, 2, 3, 4]) for _ in range(2)]
+    assert [o["output_ids"] for o in seeded[0]] == [o["output_ids"] for o in seeded[1]]

@@ -22,6 +22,9 @@ from reflow.engines.http_serve import bearer
 # reflow's embedded engine): a partial rollout continues it in the next iteration
 CLOSED = "closed: enough groups complete (partial rollout)"
 GENERATE_CLOSING = "reflow_generate_closing"  # in an engine's /server_info: it serves /reflow/generate_closing
+# SGLang releases whose own HTTP app the tests drive reflow against (tests/test_sglang_real_app.py: the pinned one;
+# tests/test_sglang_0517.py: the GPU machine's, the newest that pins its torch 2.11)
+TESTED_SGLANG = ("0.5.23", "0.5.17")
 
 
 class EngineError(RuntimeError):
@@ -83,10 +86,20 @@ class EngineClient:
         except httpx.HTTPError as e:
             raise EngineError(self.url, endpoint, None, f"{type(e).__name__}: {e}") from e
         if r.status_code >= 300:
-            raise EngineError(self.url, endpoint, r.status_code, _server_message(r))
+            missing = self._served_by() if r.status_code == 404 else ""
+            raise EngineError(self.url, endpoint, r.status_code, _server_message(r) + missing)
         if parse == "text" or not r.content:
             return r.text
         return r.json()
+
+    def _served_by(self) -> str:
+        """For a 404's message: the SGLang version the server reports, beside the ones reflow is tested against
+        (an endpoint missing there means another SGLang release, e.g. 0.5.17 has no weight-update sessions)."""
+        try:
+            version = self._http.get("/server_info").json().get("version")
+        except (httpx.HTTPError, ValueError, AttributeError):  # deliberate: best effort, the 404 is raised anyway
+            return ""
+        return f" (the server is SGLang {version}; reflow is tested against SGLang {', '.join(TESTED_SGLANG)})"
 
     # ------------------------------------------------------------ data plane
 
