@@ -66,6 +66,14 @@ def test_distributed_receive_uses_sglang_0517s_bucket_which_has_no_empty(sglang_
     assert all(torch.equal(got[n], t) for n, t in named)
 
 
+def test_launcher_flags_are_fields_of_0517s_server_args():
+    """Every flag reflow's launcher passes (SERVER_ARG_TYPES, LoRA's included, which the served tests below do not
+    launch with) is a field of 0.5.17's ServerArgs of the same type (0.5.17 declares them in server_args.py)."""
+    from tests.test_sglang_engine import check_field_table, wheel_fields
+
+    check_field_table(wheel_fields(TARGET / "sglang"), sglang_0517.VERSION)
+
+
 # ---------------------------------------------------------------- 0.5.17's real app (one child process)
 
 

@@ -43,11 +43,12 @@ def _args(**kw):
     return server_args("/models/policy", **{**base, **kw})
 
 
-def _wheel_fields() -> dict[str, str]:
-    """ServerArgs field name -> annotated value type, from the wheel's arg_groups/fields sources."""
-    root = Path(sglang_contract.installed_root()) / "srt" / "arg_groups" / "fields"
+def wheel_fields(root: Path | None = None) -> dict[str, str]:
+    """ServerArgs field name -> annotated value type, from an sglang folder's sources (default: the venv's): its
+    arg_groups/fields (0.5.23), or server_args.py itself (0.5.17 declares them there)."""
+    srt = Path(root or sglang_contract.installed_root()) / "srt"
     out = {}
-    for path in root.glob("*.py"):
+    for path in [*(srt / "arg_groups" / "fields").glob("*.py"), srt / "server_args.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
                 ann = node.annotation
@@ -57,16 +58,20 @@ def _wheel_fields() -> dict[str, str]:
     return out
 
 
-@needs_wheel
-def test_field_table_matches_the_wheel():
-    fields = _wheel_fields()
+def check_field_table(fields: dict[str, str], version: str) -> None:
+    """Every flag the launcher passes is a ServerArgs field of `fields` (wheel_fields), of the type it passes."""
     assert len(fields) > 200  # the whole ServerArgs surface was read
     for name, kind in SERVER_ARG_TYPES.items():
-        assert name in fields, f"ServerArgs has no field {name!r} in sglang {CONTRACT.version}"
+        assert name in fields, f"ServerArgs has no field {name!r} in sglang {version}"
         if kind is list:  # a nargs flag (lora_target_modules: Union[set[str], List[str]])
             assert "List[str]" in fields[name], (name, fields[name])
             continue
         assert fields[name].removeprefix("Optional[").removesuffix("]") == kind.__name__, (name, fields[name])
+
+
+@needs_wheel
+def test_field_table_matches_the_wheel():
+    check_field_table(wheel_fields(), CONTRACT.version)
 
 
 def _sglang_parser() -> tuple[argparse.ArgumentParser, set[str]]:
