@@ -14,8 +14,11 @@ behind a flag reflow does not pass). The requirements of what is carried are the
 downloaded wheel's METADATA (markers for CPython 3.12 on Linux x86_64), dropping what the GPU image has (IMAGE:
 the device docs' package list of 2026-11-17), what reflow's own carried set brings (.gpuwheels/1-3, or
 prepare.py's walk), and torch/triton/nvidia-*/cuda-* (the image's own builds). A requirement whose version the
-image or reflow's set does not satisfy is printed (transformers: sglang pins 5.12.1, the image has 5.17.0: the
-image's is used; sglang_start.sh says so in its log).
+image or reflow's set does not satisfy is printed. transformers travels at sglang's pin, 5.12.1 (with a tokenizers it
+accepts), in the engine's folder only: the image's 5.17.0 already registers "qwen3_asr", which sglang 0.5.17's
+configs/qwen3_asr.py registers again without exist_ok, so `import sglang.srt.entrypoints.http_server` raises
+ValueError under it (seen on CPU under transformers 5.25, tests/sglang_app_0517.py; 5.17.0's auto_mappings.py has the
+entry). reflow's trainer keeps the image's.
 
 Stand-ins (bench/gpu_machine/sglang_stubs/, put LAST on PYTHONPATH by sglang_start.sh, so a real package wins):
   - IPython: only `from IPython.display import HTML, display` at the top of sglang/utils.py (notebook helpers,
@@ -71,6 +74,8 @@ VIA_WALK = {"distro": "openai's"}
 # sglang's own requirements that travel (pins as sglang 0.5.17 gives them), and where the server imports them.
 ROOTS = {
     "sglang": (SGLANG, "the server"),
+    "tokenizers": ("0.22.2", "transformers 5.12.1 wants >=0.22.0,<=0.23.0 (the image has 0.23.2; no 0.23.0 wheel here)"),
+    "transformers": ("5.12.1", "sglang's pin: the image's 5.17.0 fails sglang's import (module docstring)"),
     "sglang-kernel": ("0.4.5", "sgl_kernel: flashattention_backend (fa3, Hopper's default), sampler, layernorm, rotary"),
     "flashinfer-python": ("0.6.15.post1", "layers/sampler.py: `if is_cuda(): from flashinfer.sampling import ...`"),
     "apache-tvm-ffi": ("0.1.11", "flashinfer's and sgl_kernel's FFI (flashinfer imports tvm_ffi at import)"),
@@ -121,7 +126,6 @@ LEFT_OUT = {
     "watchfiles": "uvicorn reload only",
     "zstandard": "only with SGLANG_ENABLE_REQUEST_DECOMPRESSION",
     "easydict": "multimodal model configs only",
-    "transformers": "the image's 5.17.0 is used (sglang pins 5.12.1): reflow's trainer and engine use the image's",
 }
 
 
