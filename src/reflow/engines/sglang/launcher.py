@@ -36,7 +36,8 @@ from reflow.engines.http_serve import advertised_url, check_api_key, new_api_key
 from reflow.engines.rollout_client import poll_health
 
 INSTALL_HINT = ("rollout.backend=sglang needs SGLang on the engine nodes: pip install 'reflow[sglang]' "
-                "(sglang==0.5.23 with its CUDA dependencies; see https://docs.sglang.ai/get_started/install.html)")
+                "(sglang==0.5.23 with its CUDA dependencies; 0.5.17, the newest for torch 2.11, is tested too: "
+                "docs/ENGINE_CONTRACT.md; see https://docs.sglang.ai/get_started/install.html)")
 # ServerArgs fields (sglang 0.5.23) this launcher sets, with their value types. The CLI flag of a
 # field is `--` + name with `_` -> `-` (SGLang's arg_utils); booleans are store_true flags.
 SERVER_ARG_TYPES: dict[str, type] = {
