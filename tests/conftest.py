@@ -94,7 +94,7 @@ def ray_cluster():
     """A real local Ray cluster shared by the whole test session."""
     import ray
 
-    from reflow.infra.cluster.ray_connect import _closed_local_cluster
+    from reflow.infra.cluster.ray_connect import _closed_local_cluster, inherited_by_workers
     from reflow.infra.cluster.ray_head import private_temp_dir, worker_pool_config
 
     # Closed as a run's own cluster is (infra/cluster/ray_connect.py): loopback only (else Ray's processes listen on, and
@@ -103,9 +103,11 @@ def ray_cluster():
     tmp = private_temp_dir()
     _closed_local_cluster(tmp.parent)
     env = {"TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"], "TOKENIZERS_PARALLELISM": "false"}
-    # The worker pool a run's own cluster gets (infra/cluster/ray_head.py): no idle workers started up front.
-    ctx = ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True,
-                   _system_config=worker_pool_config(8), runtime_env={"env_vars": env})
+    # The worker pool a run's own cluster gets (infra/cluster/ray_head.py): no idle workers started up front; the
+    # workers' environment inherited, as a run's own cluster passes it (no runtime_env: no setup_worker.py per worker).
+    with inherited_by_workers(env):
+        ctx = ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True,
+                       _system_config=worker_pool_config(8))
     yield ctx
     ray.shutdown()
 

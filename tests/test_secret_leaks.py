@@ -139,7 +139,9 @@ KEY = "k" * 16 + "0123456789abcdef0123"
 def test_ray_processes_of_a_run_never_get_the_signing_key(tmp_path):
     """A run's own local cluster (infra/ray_connect.connect, as a flow starts it) in a fresh process whose
     environment holds REFLOW_CHECKPOINT_KEY: no Ray task or actor sees the key, while the driver's keyring
-    still signs and verifies with it."""
+    still signs and verifies with it. Its workers get the run's worker environment (ray_connect.worker_env) by
+    inheritance, with no job runtime_env (which would start every worker through Ray's setup_worker.py), and
+    the driver's own environment is left as it was."""
     code = textwrap.dedent("""
         import hashlib, hmac, json, os, sys, ray
         from reflow.infra.store import signing
@@ -152,6 +154,10 @@ def test_ray_processes_of_a_run_never_get_the_signing_key(tmp_path):
             def env(self):
                 return {k: v for k, v in os.environ.items() if v == KEY or k == signing.KEY_ENV}
 
+            def worker_env(self):
+                return ({k: os.environ.get(k) for k in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")},
+                        ray.get_runtime_context().runtime_env)
+
         probe = Probe.remote()
         task = ray.get(ray.remote(lambda: {k: v for k, v in os.environ.items() if k == signing.KEY_ENV}).remote())
         keys = signing.keyring("exp")
@@ -162,10 +168,12 @@ def test_ray_processes_of_a_run_never_get_the_signing_key(tmp_path):
                                     "driver_env": signing.KEY_ENV in os.environ, "kid": kid,
                                     "verified": found is not None and hmac.compare_digest(
                                         hmac.new(found[0], b"manifest", hashlib.sha256).hexdigest(), mac),
-                                    "source": keys.source}))
+                                    "source": keys.source, "worker_env": ray.get(probe.worker_env.remote()),
+                                    "driver_verbosity": os.environ.get("TRANSFORMERS_VERBOSITY")}))
         ray.shutdown()
     """)
-    base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("RAY_") and k not in ("TRANSFORMERS_VERBOSITY", "HF_HUB_DISABLE_PROGRESS_BARS")}
     env = {**base, "HOME": str(tmp_path), signing.KEY_ENV: KEY, signing.KEYS_DIR_ENV: str(tmp_path / "keys")}
     p = subprocess.run([sys.executable, "-c", code, KEY], env=env, capture_output=True, text=True, timeout=180, cwd=REPO)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
@@ -175,6 +183,10 @@ def test_ray_processes_of_a_run_never_get_the_signing_key(tmp_path):
     assert not res["driver_env"], "the driver kept the key in its environment, where its children inherit it"
     assert res["kid"] == signing.key_id(KEY.encode()) and res["verified"], res
     assert signing.KEY_ENV in res["source"], res
+    seen, runtime_env = res["worker_env"]
+    assert seen == {"TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}, res
+    assert runtime_env == {}, res
+    assert res["driver_verbosity"] is None, res
 
 
 def test_the_driver_holds_the_key_after_taking_it_from_the_environment(monkeypatch, tmp_path):
