@@ -32,11 +32,13 @@ $(BIN)/.installed: pyproject.toml
 	touch $@
 
 # Test extras, plus SGLang's own request/response/bucket code for the contract tests: the
-# sglang wheel only (39 MB, no CUDA stack), which `pip install -e .[test]` cannot say (--no-deps);
+# sglang wheel only (39 MB, no CUDA stack), which `pip install -e .[test]` cannot say (--no-deps); SGLang 0.5.17's
+# (the GPU machine's: the newest for its torch 2.11) into a folder of its own (tests/sglang_0517.py);
 # and sglang-router's binary (31 MB wheel, ~1 s; + setproctitle, its one import not installed already).
 $(BIN)/.installed-test: $(BIN)/.installed
 	$(INSTALL) -e '.[test]'
 	$(INSTALL) --no-deps sglang==0.5.23 sglang-router==0.3.2 setproctitle==1.3.8
+	$(INSTALL) --no-deps --target .cache/sglang-0.5.17 sglang==0.5.17
 	touch $@
 
 setup: $(BIN)/.installed
