@@ -34,9 +34,13 @@ def _ray_daemons(session: int) -> set[int]:
 
 
 def _cli_env(tmp_path) -> dict[str, str]:
-    """The CLI's environment: its own Ray and Prefect server, this checkout importable, a private lease folder."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "PREFECT_API_URL")}
-    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"))
+    """The CLI's environment: its own Ray, the session's Prefect server (a temporary server of the CLI's own, which
+    starts beside the preflight too, is tests/test_preflight_cli.py's subject; here it only cost each run ~6-13 s of
+    CPU), this checkout importable, a private lease folder."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(PYTHONPATH=str(REPO), REFLOW_LEASE_DIR=str(tmp_path / "leases"), PREFECT_API_URL=PREFECT_API_URL.value())
     return env
 
 
@@ -69,7 +73,7 @@ def _no_daemons_left(session: int) -> None:
     assert not left, f"Ray daemons left running after the failed preflight: {left}"
 
 
-def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_policy):
+def test_a_failed_preflight_stops_the_ray_it_started_beside_it(prefect_server, tmp_path, tiny_policy):
     (tmp_path / "p.jsonl").write_text("".join(json.dumps({"q": f"{i}+1=", "a": i + 1}) + "\n" for i in range(12)))
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early-bad",
                        **{"data.task": "file", "data.path": str(tmp_path / "p.jsonl"), "data.prompt_key": "q",
@@ -84,7 +88,7 @@ def test_a_failed_preflight_stops_the_ray_it_started_beside_it(tmp_path, tiny_po
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path, tiny_policy):
+def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(prefect_server, tmp_path, tiny_policy):
     """The actors begin beside the preflight: one that fails while they start (a check the runtime's build does not
     repeat) still ends with its one line, and neither the actors nor a Ray they would call later outlive it (Ray
     starts a new local cluster on any call made without one: the build's next call must fail instead)."""
@@ -106,7 +110,7 @@ def test_a_preflight_failing_while_the_actors_start_stops_them_and_ray(tmp_path,
     assert not (tmp_path / "runs" / "early-late" / "config.yaml").exists()
 
 
-def test_the_flow_takes_the_actors_started_beside_the_preflight(tmp_path, tiny_policy):
+def test_the_flow_takes_the_actors_started_beside_the_preflight(prefect_server, tmp_path, tiny_policy):
     """The actors begin while the preflight still runs (once Ray is up), not after it: the preflight here waits
     (up to 120 s) for the runtime's build to begin, and says whether it did."""
     cfg = write_config(tmp_path / "c.yaml", tiny_policy, f"file://{tmp_path}/runs", "early",

@@ -169,8 +169,9 @@ def _terminal(args, cfg):
 
     def abandon() -> None:
         if early is not None:
+            early.join()  # the runtime's build has begun (or Ray's start failed)
+            forget_ahead(cfg.experiment)  # ... and ended: no Ray call of its thread spans the shutdown that follows
             early.abandon()
-            forget_ahead(cfg.experiment)
 
     return console.terminal(args.verbose, preflight=lambda: _preflight(cfg), meanwhile=lambda: _connect_ray(cfg, early),
                             abandon=abandon if early is not None else None)

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -505,9 +506,18 @@ def begin_runtime(cfg: RunConfig) -> bool:
     return True
 
 
-def forget_ahead(experiment: str) -> None:
-    """The runtime begun ahead is not wanted (a failed preflight; the CLI stops its Ray, and with it the actors)."""
-    _AHEAD.pop(experiment, None)
+def forget_ahead(experiment: str, wait_s: float = 120.0) -> None:
+    """The runtime begun ahead is not wanted (a failed preflight; the CLI stops its Ray next, and with it the
+    actors). Waits (up to `wait_s`) for its build to end first: it fails on the same bad input (and lets go of the
+    actors it asked for) or finishes starting them. A Ray call of that thread under way while the CLI's
+    ray.shutdown runs ends the whole process (Ray's core worker exits it: "The core worker has already been
+    shutdown"), instead of the failed preflight's one line and exit status 2."""
+    entry = _AHEAD.pop(experiment, None)
+    if entry is not None:
+        done, _ = futures_wait([entry[1]], timeout=wait_s)
+        if not done:
+            log.warning("the runtime begun beside the preflight is still starting after %.0f s: stopping Ray anyway",
+                        wait_s)
 
 
 def _built_ahead(cfg: RunConfig) -> Runtime | None:
