@@ -32,6 +32,9 @@
 # rest 1481 s, 1080 passed; these 1436 s); beside two `while 1: pass` loops at nice 0, 44m30s, green.
 # Session 35 (partial rollouts' closing call, fp32 Triton decode, prefill groups; ~10 tests more): clean clone .ci/run
 # 25m23s (the rest 1487 s, 1088 passed; these 1449 s).
+# Session 36 (workers inherit their environment instead of a runtime_env: ~0.3 s of CPU a worker; start_early's CLI runs
+# on the session's Prefect server; SGLang 0.5.17's wire tests, ~10 tests more): clean clone .ci/run 25m06s (the rest
+# 1469 s, 1098 passed; these 1433 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
