@@ -170,7 +170,7 @@ def _terminal(args, cfg):
     def abandon() -> None:
         if early is not None:
             early.join()  # the runtime's build has begun (or Ray's start failed)
-            forget_ahead(cfg.experiment)  # ... and ended: no Ray call of its thread spans the shutdown that follows
+            forget_ahead(cfg)  # ... and ended: no Ray call of its thread spans the shutdown that follows
             early.abandon()
 
     return console.terminal(args.verbose, preflight=lambda: _preflight(cfg), meanwhile=lambda: _connect_ray(cfg, early),

@@ -506,18 +506,22 @@ def begin_runtime(cfg: RunConfig) -> bool:
     return True
 
 
-def forget_ahead(experiment: str, wait_s: float = 120.0) -> None:
+def forget_ahead(cfg: RunConfig, wait_s: float = 120.0) -> None:
     """The runtime begun ahead is not wanted (a failed preflight; the CLI stops its Ray next, and with it the
-    actors). Waits (up to `wait_s`) for its build to end first: it fails on the same bad input (and lets go of the
-    actors it asked for) or finishes starting them. A Ray call of that thread under way while the CLI's
-    ray.shutdown runs ends the whole process (Ray's core worker exits it: "The core worker has already been
-    shutdown"), instead of the failed preflight's one line and exit status 2."""
-    entry = _AHEAD.pop(experiment, None)
-    if entry is not None:
-        done, _ = futures_wait([entry[1]], timeout=wait_s)
-        if not done:
-            log.warning("the runtime begun beside the preflight is still starting after %.0f s: stopping Ray anyway",
-                        wait_s)
+    actors). Its build must end first: a Ray call of that thread under way while the CLI's ray.shutdown runs ends
+    the whole process (Ray's core worker exits it: "The core worker has already been shutdown") instead of the
+    failed preflight's one line and exit status 2. So its actors are killed (again each second, for one the build
+    asks for after: it creates them all before it waits for any), which ends its waits at once with an error, and
+    the build is waited for (up to `wait_s`, then Ray is stopped anyway, with a warning)."""
+    entry = _AHEAD.pop(cfg.experiment, None)
+    if entry is None:
+        return
+    namespace, deadline = namespace_for(cfg.cluster.namespace_prefix, cfg.experiment), time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        actors.kill_named(namespace)
+        if futures_wait([entry[1]], timeout=1.0).done:
+            return
+    log.warning("the runtime begun beside the preflight was still starting after %.0f s: stopping Ray anyway", wait_s)
 
 
 def _built_ahead(cfg: RunConfig) -> Runtime | None:
