@@ -34,7 +34,8 @@
 # 25m23s (the rest 1487 s, 1088 passed; these 1449 s).
 # Session 36 (workers inherit their environment instead of a runtime_env: ~0.3 s of CPU a worker; start_early's CLI runs
 # on the session's Prefect server; SGLang 0.5.17's wire tests, ~10 tests more): clean clone .ci/run 25m06s (the rest
-# 1469 s, 1098 passed; these 1433 s).
+# 1469 s, 1098 passed; these 1433 s) and, with a failed preflight no longer waiting for the actors, 24m10s (1393 s;
+# 1414 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
