@@ -116,8 +116,9 @@ def load() -> Contract | None:
         return None
     api, gate = map(importlib.import_module, _CONTRACT_MODULES)
     sp = importlib.import_module("sglang.srt.sampling.sampling_params")
-    tb = importlib.import_module("sglang.srt.weight_sync.tensor_bucket")
-    return Contract(version=_installed_version(), generate_contract_error=gate.generate_contract_error,
+    tb = bucket_code()
+    assert tb is not None  # the bare package registered above
+    return Contract(version=tb.version, generate_contract_error=gate.generate_contract_error,
                     GenerateRequest=api.GenerateRequest, GenerateResponse=api.GenerateResponse,
                     JsonContractError=api.JsonContractError, SamplingParams=sp.SamplingParams,
                     FlattenedTensorBucket=tb.FlattenedTensorBucket,
