@@ -361,6 +361,9 @@ def _finish(paused: list[EngineClient], opened: list[EngineClient]) -> list[str]
     return errors
 
 
+_SESSIONLESS_TOLD: set[str] = set()  # engines update_window has logged as having no weight-update sessions
+
+
 @contextmanager
 def update_window(clients: list[EngineClient], pause_mode: str = "abort", session: bool = True):
     """pause -> flush -> begin session ... end session -> continue, on every engine, whatever fails. An engine
@@ -374,7 +377,8 @@ def update_window(clients: list[EngineClient], pause_mode: str = "abort", sessio
             _flush(c)
             if session and c.open_weight_session():
                 opened.append(c)
-            elif session:
+            elif session and c.url not in _SESSIONLESS_TOLD:  # said once: each push makes new clients
+                _SESSIONLESS_TOLD.add(c.url)
                 log.info("engine %s serves no weight-update sessions (SGLang 0.5.17): updating inside its pause "
                          "alone", c.url)
         yield
