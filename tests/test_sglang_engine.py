@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import os
 import stat
 import sys
 import textwrap
@@ -247,6 +248,70 @@ def test_health_timeout_is_a_clear_error(tmp_path):
     finally:
         e.shutdown()
     assert sys.executable in e.cmd[0]
+
+
+def test_server_runs_under_its_own_interpreter(tmp_path):
+    """rollout.sglang_python: SGLang installed where only its own interpreter sees it (a venv whose pins
+    clash with the trainer's): the probe and the server run under that interpreter, the engine's
+    environment is left as it was."""
+    stub = _stub_sglang(tmp_path, False)["PYTHONPATH"]
+    venv_python = tmp_path / "sglang-venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f"#!/bin/sh\nPYTHONPATH={stub} exec {sys.executable} \"$@\"\n")
+    venv_python.chmod(0o755)
+    with pytest.raises(SGLangUnavailable):  # the engine's own interpreter cannot import the stand-in
+        require_sglang(env={**os.environ, "PYTHONPATH": ""})
+    e = SGLangEngine("/models/x", "venv-0", host="127.0.0.1", python=str(venv_python), startup_timeout_s=60,
+                     env={"PYTHONPATH": ""})
+    try:
+        assert e.cmd[0] == str(venv_python) and e.ready()
+    finally:
+        e.shutdown()
+    with pytest.raises(SGLangUnavailable, match=r"'/no/such/python'.*rollout.sglang_python"):
+        SGLangEngine("/models/x", "venv-1", host="127.0.0.1", python="/no/such/python")
+
+
+def test_server_args_extra_are_flags_and_owned_ones_are_refused(tmp_path):
+    from reflow.infra.config.schema import ConfigError, load_config
+
+    cfg = load_config(None, ["rollout.backend=sglang", "rollout.sglang_server_args.attention_backend=triton",
+                             "rollout.sglang_server_args.disable_cuda_graph=true",
+                             "rollout.sglang_server_args.cuda_graph_max_bs=false"])
+    cmd = command_line(_args(), python="py", secrets_dir=tmp_path, extra=cfg.rollout.sglang_server_args)
+    assert cmd[-3:] == ["--attention-backend", "triton", "--disable-cuda-graph"]
+    parser = argparse.ArgumentParser()  # the flags parse as SGLang's own parser would read them (store_true, value)
+    parser.add_argument("--attention-backend")
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    got, _ = parser.parse_known_args(cmd[3:])
+    assert got.attention_backend == "triton" and got.disable_cuda_graph
+    with pytest.raises(ConfigError, match=r"sets --mem-fraction-static itself from rollout.mem_fraction_static"):
+        load_config(None, ["rollout.sglang_server_args.mem_fraction_static=0.5"])
+    with pytest.raises(ValueError, match=r"'--port' is not a ServerArgs field name"):
+        SGLangEngine("/m", "x", server_args_extra={"--port": 1})
+
+
+def test_runtime_hands_sglang_python_to_the_engine(monkeypatch):
+    from reflow.infra.cluster import runtime
+    from reflow.infra.config.schema import load_config
+
+    seen = {}
+
+    class Options:
+        def __init__(self, **opts):
+            seen["options"] = opts
+
+        def remote(self, **kwargs):
+            seen["kwargs"] = kwargs
+
+    class Remote:
+        options = Options
+
+    monkeypatch.setattr(runtime.ray, "remote", lambda cls: Remote)
+    for value in (None, "/opt/sglang-venv/bin/python"):
+        over = ["rollout.backend=sglang", "cluster.gpus=off"] + ([f"rollout.sglang_python={value}"] if value else [])
+        cfg = load_config(None, over)
+        runtime._engine_actor(cfg, "ns", 0, False, "k" * 32)
+        assert seen["kwargs"].get("python") == value
 
 
 # ---------------------------------------------------------------- the engine dtype: pinned, and checked in

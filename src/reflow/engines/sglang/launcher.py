@@ -23,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -104,12 +105,43 @@ def _lora_args(rank: int, target_modules: list[str] | tuple[str, ...]) -> dict:
 
 
 CONFIG_FILE = "server-config.yaml"
+# rollout.sglang_server_args: more ServerArgs flags for a user's setup (an attention backend, CUDA graphs off, ...).
+# Not the fields reflow sets from its own settings: each names the setting that owns it.
+OWNED_SERVER_ARGS = {
+    "model_path": "model.path", "tokenizer_path": "model.path", "host": "cluster.bind_host", "port": "(leased)",
+    "api_key": "(the runtime's key)", "tp_size": "rollout.tp_size", "mem_fraction_static": "rollout.mem_fraction_static",
+    "enable_memory_saver": "cluster.colocate", "nccl_port": "(leased)", "dist_init_addr": "(leased)",
+    "base_gpu_id": "(Ray's placement)", "dtype": "trainer.precision", "random_seed": "seed",
+    "enable_lora": "trainer.lora.rank", "max_lora_rank": "trainer.lora.rank",
+    "lora_target_modules": "trainer.lora.target_modules", "max_loras_per_batch": "(reflow's LORAS_PER_BATCH)",
+    "config": "(the key's file)",
+}
 
 
-def command_line(args: dict, python: str = sys.executable, secrets_dir: str | Path | None = None) -> list[str]:
+def extra_flags(extra: dict) -> list[str]:
+    """`--name value` for each of rollout.sglang_server_args (True: a bare store_true flag; False/None: left
+    out; a list: its items after the flag). A field reflow sets itself is refused, naming the setting to use."""
+    out: list[str] = []
+    for name, value in extra.items():
+        key = name.replace("-", "_")
+        if not re.fullmatch(r"[a-z][a-z0-9_]*", key):
+            raise ValueError(f"rollout.sglang_server_args: {name!r} is not a ServerArgs field name (e.g. "
+                             f"attention_backend, disable_cuda_graph)")
+        if key in OWNED_SERVER_ARGS:
+            raise ValueError(f"rollout.sglang_server_args.{name}: reflow sets --{key.replace('_', '-')} itself "
+                             f"from {OWNED_SERVER_ARGS[key]}; set that instead")
+        if value is None or value is False:
+            continue
+        flag = "--" + key.replace("_", "-")
+        out += [flag] if value is True else [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+    return out
+
+
+def command_line(args: dict, python: str = sys.executable, secrets_dir: str | Path | None = None,
+                 extra: dict | None = None) -> list[str]:
     """`python -m sglang.launch_server` with one flag per non-null field (checked against the table), except
     `api_key`, which goes into `secrets_dir/server-config.yaml` (mode 0600; `secrets_dir` must be a folder only
-    this user can enter, e.g. a fresh mkdtemp) passed as `--config`."""
+    this user can enter, e.g. a fresh mkdtemp) passed as `--config`; then the user's `extra` flags (extra_flags)."""
     cmd = [python, "-m", "sglang.launch_server"]
     if args.get("api_key") is not None:
         if secrets_dir is None:
@@ -133,7 +165,7 @@ def command_line(args: dict, python: str = sys.executable, secrets_dir: str | Pa
                 raise TypeError(f"ServerArgs.{name} must be {kind.__name__}, got {value!r}")
         flag = "--" + name.replace("_", "-")
         cmd += [flag] if kind is bool else [flag, *map(str, value)] if kind is list else [flag, str(value)]
-    return cmd
+    return cmd + extra_flags(extra or {})
 
 
 def allocate_ports(count: int, host: str = "", registry: Path | None = None) -> list[int]:
@@ -164,12 +196,19 @@ def _read_json(path: Path) -> dict:
 
 def require_sglang(python: str = sys.executable, env: dict | None = None, timeout: float = 300.0) -> None:
     """Import SGLang's HTTP server in a child interpreter (the one that will run it): the real import
-    needs CUDA-side packages that a bare `find_spec` would not notice."""
-    probe = subprocess.run([python, "-c", "import sglang.srt.entrypoints.http_server"], capture_output=True,
+    needs CUDA-side packages that a bare `find_spec` would not notice. `python` is a path or a command
+    on PATH (rollout.sglang_python)."""
+    exe = shutil.which(python, path=(env or os.environ).get("PATH"))
+    if exe is None:
+        raise SGLangUnavailable(f"the interpreter for SGLang's server, {python!r}, is not an executable file nor a "
+                                f"command on PATH: set rollout.sglang_python to one that imports sglang (or leave it "
+                                f"null to use the engine's own)")
+    probe = subprocess.run([exe, "-c", "import sglang.srt.entrypoints.http_server"], capture_output=True,
                            text=True, timeout=timeout, env=env)
     if probe.returncode != 0:
         tail = (probe.stderr or probe.stdout).strip().splitlines()[-3:]
-        raise SGLangUnavailable(f"{INSTALL_HINT}. Importing sglang.srt.entrypoints.http_server failed: "
+        where = "" if python == sys.executable else f" (under {python})"
+        raise SGLangUnavailable(f"{INSTALL_HINT}. Importing sglang.srt.entrypoints.http_server failed{where}: "
                                 f"{' | '.join(tail)}")
 
 
@@ -180,8 +219,10 @@ class SGLangEngine:
                  mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
                  multi_node: bool = False, dtype: str = "float32", seed: int | None = None,
                  startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None,
-                 api_key: str | None = None, lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = ()):
+                 api_key: str | None = None, lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = (),
+                 server_args_extra: dict | None = None):
         self.engine_id, self.startup_timeout_s = engine_id, startup_timeout_s
+        extra_flags(server_args_extra or {})  # refused before anything starts
         self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
         self.env = {**os.environ, **(env or {})}
         require_sglang(python, self.env)
@@ -193,7 +234,7 @@ class SGLangEngine:
                                 base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed,
                                 api_key=self._api_key, lora_rank=lora_rank, lora_target_modules=lora_target_modules)
         self._secrets = tempfile.mkdtemp(prefix="reflow-sglang-")  # 0700: the key's file (command_line)
-        self.cmd = command_line(self.args, python, self._secrets)
+        self.cmd = command_line(self.args, python, self._secrets, server_args_extra)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-{engine_id}-{port}.log"
         with open(self.log_path, "w") as log:  # the child keeps its own handle
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,

@@ -133,7 +133,9 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s,
                       api_key=api_key, dtype=sglang_dtype(engine_dtype(cfg, True)), lora_rank=cfg.trainer.lora.rank,
-                      lora_target_modules=list(cfg.trainer.lora.target_modules))
+                      lora_target_modules=list(cfg.trainer.lora.target_modules),
+                      server_args_extra=dict(r.sglang_server_args),
+                      **({"python": r.sglang_python} if r.sglang_python else {}))
     if detached:
         options["lifetime"] = "detached"
     if r.node_resources:  # only nodes started with these custom resources may host it (docs/scale-out.md)

@@ -175,6 +175,15 @@ class RolloutConfig(_Strict):
         """YAML reads a bare `off` as false: `partial: off` means what it says."""
         return "off" if v is False else v
 
+    @field_validator("sglang_server_args")
+    @classmethod
+    def _sglang_flags(cls, v: dict) -> dict:
+        """A field reflow owns, or a name that is no field, is refused when the config loads, not at launch."""
+        from reflow.engines.sglang.launcher import extra_flags
+
+        extra_flags(v)
+        return v
+
     @model_validator(mode="after")
     def _kv_mem_fraction_for_sglang(self) -> RolloutConfig:
         """SGLang reads the one memory fraction it has (mem_fraction_static); both set differently is refused."""
@@ -186,6 +195,8 @@ class RolloutConfig(_Strict):
                 self.mem_fraction_static = self.kv_mem_fraction
         return self
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
+    sglang_server_args: dict[str, str | int | float | bool | list[str] | None] = Field(default_factory=dict, description="backend=sglang: more flags for SGLang's launch_server, by ServerArgs field name, e.g. {attention_backend: triton, disable_cuda_graph: true} (true: a bare flag; false/null: left out). Fields reflow sets from its own settings (model, host, ports, key, tp_size, mem_fraction_static, dtype, seed, LoRA, the memory saver) are refused, naming the setting to use.")
+    sglang_python: str | None = Field(None, min_length=1, description="backend=sglang: the Python interpreter (path, or a command on PATH) that runs SGLang's server, e.g. a virtualenv's bin/python where SGLang's pins (torch, transformers) clash with the trainer's; it must import sglang.srt.entrypoints.http_server (checked before launch). Null: the engine actor's own interpreter. The trainer side still needs the `sglang` package importable (not imported whole) for CUDA IPC pushes in SGLang's own bucket format.")
     generate_ahead: bool = Field(True, description="Synchronous loop (max_staleness 0): the rollout source launches each iteration's batch right after the push of its policy and scores it in the background, so Prefect's bookkeeping between iterations (and a checkpoint due then) overlaps the engines' work. Same prompts, seeds and policy, hence the same batch. False: each iteration generates and scores in its own flow run's tasks (visible as task runs in the UI).")
     update_ahead: bool | None = Field(None, description="Synchronous loop with generate_ahead: the rollout source also computes the next batch's advantages and submits its update before its flow run starts, so the bookkeeping between flow runs overlaps the trainer's work too; the same batch and update. Null (auto): on where the run uses GPUs, where it measured faster; off on CPU, where it did not. Never with cluster.hand_over (the update waits for the hand-over in its flow run) or a critic (it must score the batch first).")
     max_staleness: int = Field(0, ge=0, le=8, description="Asynchronous rollout: 0 is the synchronous loop (generate, then train); k >= 1 lets the engines generate the next batches while the trainer trains, each batch by a policy at most k versions behind the one it trains (a push waits for the batch being generated, so every batch has one version, recorded per sample). Stale batches are corrected by truncated importance sampling at algorithm.tis_cap (2.0 when unset). Needs engines that stay resident (not colocated with hand-overs).")
