@@ -15,7 +15,7 @@ out=${OUT:-gpu-out}; mkdir -p "$out"
 [ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site >"$out/install.log"
 [ -e /tmp/site/reflow/flows/cli.py ] && [ -z "${REINSTALL_REFLOW:-}" ] \
   || python3 -m pip install -q --no-index --no-deps --upgrade --target /tmp/site .gpuwheels/reflow/*.whl
-export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+export PYTHONPATH=/tmp/site${RUN_PYTHONPATH:+:$RUN_PYTHONPATH} PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PREFECT_HOME=/tmp/prefect-home RAY_USAGE_STATS_ENABLED=0
 # Prefect's database, created once per Prefect home before any timed run: on a fresh home its migrations are most of
 # the temporary server's start (this VM: 13.4 s on a fresh home against 3.9 s on one that exists; RESULTS 25), which
