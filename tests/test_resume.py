@@ -4,7 +4,8 @@ Every run is `reflow train` in a subprocess (fresh Ray, the session's Prefect se
 iterations, a checkpoint after each. Kill points are the fault-injection env vars checked in
 tasks/checkpoint.py. One uninterrupted run (module fixture) is the reference for all tests. Each
 subprocess run costs ~40-50 s of start-up and shutdown on 2 cores, so one experiment carries several
-failures in a row (a failed background commit, two kills) instead of one experiment each.
+failures in a row (a failed background commit, a kill mid-save) instead of one experiment each; the S3 run
+is killed right after a commit.
 """
 from __future__ import annotations
 
@@ -87,19 +88,20 @@ def _state(flow_run_id: str):
         return client.read_flow_run(flow_run_id).state
 
 
-@pytest.mark.timeout(1500)  # five `reflow train` runs (and the baseline's, when this test runs first): ~5 min quiet
+@pytest.mark.timeout(1500)  # four `reflow train` runs (and the baseline's, when this test runs first): ~4 min quiet
 def test_failed_background_commit_kills_and_resume_exactly(env, baseline, tiny_policy, tmp_path):
-    """One experiment through four runs, each ending another way, then a fifth with nothing left to do:
+    """One experiment through three runs, each ending another way, then a fourth with nothing left to do:
 
     A. checkpoints commit in the background while the next iteration runs (checkpoint.background_commit, the
        default, which the baseline ran with); commit 2 fails, which stops the run at the next iteration's end
        with the reason, leaving it uncommitted;
-    B. resumed with synchronous saves, SIGKILLed right after commit 3 (its Ray helpers outlive it);
-    C. resumed in the background mode, SIGKILLed in the middle of save 5 (files written, never committed); it
-       first cleans up after B and marks B's flow run CRASHED;
-    D. resumed from 4, completes: bit-identical to the uninterrupted baseline, so both ways of saving
-       checkpoint the same weights, with one lineage chain over the four runs;
-    E. finds num_iterations reached, says so and trains nothing."""
+    B. resumed (background mode again), SIGKILLed in the middle of save 5 (files written, never committed; its
+       Ray helpers outlive it);
+    C. resumed from 4 with synchronous saves: first cleans up after B and marks B's flow run CRASHED, then
+       completes bit-identical to the uninterrupted baseline, so both ways of saving checkpoint the same weights,
+       with one lineage chain over the three runs;
+    D. finds num_iterations reached, says so and trains nothing.
+    (A kill right after a commit, and a resume from it, is test_s3_outage_then_kill_then_resume_exactly's.)"""
     root = f"file://{tmp_path}/runs"
     cfg = write_config(tmp_path / "run.yaml", tiny_policy, root, "killed")
     sync = write_config(tmp_path / "sync.yaml", tiny_policy, root, "killed", **{"checkpoint.background_commit": False})
@@ -112,26 +114,22 @@ def test_failed_background_commit_kills_and_resume_exactly(env, baseline, tiny_p
     assert not store.exists(f"{ckpt.ROOT}/{ckpt.name_of(2)}/{ckpt.MARKER}")
     assert not store.exists("iterations/000003/metrics.json")  # no iteration starts once the failure is known
 
-    rc, out = run_train(sync, env | {"REFLOW_FAULT_KILL_AFTER_COMMIT": "3"}, leave_leftovers=True)
+    rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_DURING_SAVE": "5"}, leave_leftovers=True)
     assert rc == -9 and f"{ckpt.name_of(1)}: 1 iterations done" in out, out[-3000:]
-    assert store.read_text(ckpt.LATEST) == ckpt.name_of(3)
+    assert store.read_text(ckpt.LATEST) == ckpt.name_of(4)
+    assert not store.exists(f"{ckpt.ROOT}/{ckpt.name_of(5)}/{ckpt.MARKER}")  # files written, never committed
     killed = leases.read("killed")
     left = [p for p in killed.processes if leases.running(p[0], p[1])]
     assert left, "Ray's agents outlive a SIGKILLed driver: the cleanup below would be checked vacuously"
     assert _state(killed.flow_run_id).type.value == "RUNNING"  # nothing could report the kill
 
-    rc, out = run_train(cfg, env | {"REFLOW_FAULT_KILL_DURING_SAVE": "5"})
-    assert rc == -9 and "resumed from" in out and ckpt.name_of(3) in out, out[-3000:]
+    rc, out = run_train(sync, env)
+    assert rc == 0 and f"{ckpt.name_of(4)}: 4 iterations done" in out, out[-3000:]
     # The third run cleaned up after the second before building its runtime.
     assert not [p for p in left if leases.running(p[0], p[1])]
     assert "process(es) left behind by flow run" in out, out[-3000:]
     state = _state(killed.flow_run_id)
     assert state.type.value == "CRASHED" and "marked CRASHED by the next run" in state.message
-    assert store.read_text(ckpt.LATEST) == ckpt.name_of(4)
-    assert not store.exists(f"{ckpt.ROOT}/{ckpt.name_of(5)}/{ckpt.MARKER}")  # files written, never committed
-
-    rc, out = run_train(cfg, env)
-    assert rc == 0 and f"{ckpt.name_of(4)}: 4 iterations done" in out, out[-3000:]
     _assert_matches_baseline(store, baseline, tmp_path)
     _assert_lineage_after_resumes(store, str(tiny_policy))
 
@@ -141,17 +139,17 @@ def test_failed_background_commit_kills_and_resume_exactly(env, baseline, tiny_p
 
 
 def _assert_lineage_after_resumes(store: ExperimentStore, initial: str) -> None:
-    """Four runs (A saved 1, its commit 2 failed; B saved 2 and 3, killed; C saved 4, killed saving 5; D saved 5
-    and 6): one chain 6..1 back to the initial model, each checkpoint naming the train flow run that saved it,
-    and consuming one iteration."""
+    """Three runs (A saved 1, its commit 2 failed; B saved 2, 3 and 4, killed saving 5; C saved 5 and 6): one
+    chain 6..1 back to the initial model, each checkpoint naming the train flow run that saved it, and
+    consuming one iteration."""
     from reflow.infra.store import lineage
 
     nodes = lineage.chain(store.url(ckpt.ROOT, ckpt.name_of(N)), store)
     assert [n.step for n in nodes] == list(range(N, 0, -1)) and nodes[-1].lineage["initial_model"] == initial
     assert [n.live for n in nodes] == [True, True] + [False] * (N - 2)  # keep_last=2: the rest from records
     train_runs = [n.lineage["flow_runs"]["train"] for n in nodes]  # the flow runs that saved 6, 5, .., 1
-    assert train_runs[0] == train_runs[1] and train_runs[3] == train_runs[4], train_runs  # D: 6, 5; B: 3, 2
-    assert len(set(train_runs)) == 4 and None not in train_runs, train_runs  # C saved 4 alone, A saved 1
+    assert train_runs[0] == train_runs[1] and train_runs[2] == train_runs[3] == train_runs[4], train_runs  # C; B
+    assert len(set(train_runs)) == 3 and None not in train_runs, train_runs  # A saved 1
     cursors = [n.lineage["data"]["cursor"] for n in nodes]
     assert [(c["from_iteration"], c["to_iteration"]) for c in cursors] == [(s - 1, s) for s in range(N, 0, -1)]
     its = nodes[0].lineage["flow_runs"]["iterations"]
