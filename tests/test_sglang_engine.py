@@ -271,19 +271,32 @@ def test_server_runs_under_its_own_interpreter(tmp_path):
         SGLangEngine("/models/x", "venv-1", host="127.0.0.1", python="/no/such/python")
 
 
+@needs_wheel
 def test_server_args_extra_are_flags_and_owned_ones_are_refused(tmp_path):
+    """rollout.sglang_server_args, as the H100 run needed them (grammar_backend none: that machine has no
+    xgrammar): each a ServerArgs field of the wheel, spelled as its declared type wants (their arg groups do not
+    import on CPU, so SGLang's parser cannot read them here); a flag reflow sets itself is refused by the config."""
+    from reflow.engines.sglang.launcher import OWNED_SERVER_ARGS
     from reflow.infra.config.schema import ConfigError, load_config
 
-    cfg = load_config(None, ["rollout.backend=sglang", "rollout.sglang_server_args.attention_backend=triton",
-                             "rollout.sglang_server_args.disable_cuda_graph=true",
-                             "rollout.sglang_server_args.cuda_graph_max_bs=false"])
+    extra = {"grammar_backend": "none", "attention_backend": "triton", "disable_cuda_graph": True,
+             "enable_torch_compile": False}
+    cfg = load_config(None, ["rollout.backend=sglang"] + [f"rollout.sglang_server_args.{k}={str(v).lower()}"
+                                                          for k, v in extra.items()])
+    assert cfg.rollout.sglang_server_args == extra
     cmd = command_line(_args(), python="py", secrets_dir=tmp_path, extra=cfg.rollout.sglang_server_args)
-    assert cmd[-3:] == ["--attention-backend", "triton", "--disable-cuda-graph"]
-    parser = argparse.ArgumentParser()  # the flags parse as SGLang's own parser would read them (store_true, value)
-    parser.add_argument("--attention-backend")
-    parser.add_argument("--disable-cuda-graph", action="store_true")
-    got, _ = parser.parse_known_args(cmd[3:])
-    assert got.attention_backend == "triton" and got.disable_cuda_graph
+    assert cmd[-5:] == ["--grammar-backend", "none", "--attention-backend", "triton", "--disable-cuda-graph"]
+    fields = wheel_fields()
+    assert set(extra) <= set(fields) and set(OWNED_SERVER_ARGS) - {"config"} <= set(fields)
+    for name, value in extra.items():  # each as SGLang declares it: a bool field is a bare store_true flag
+        flag = "--" + name.replace("_", "-")
+        assert (fields[name] == "bool") == isinstance(value, bool), (name, fields[name])
+        if value is True:
+            assert flag in cmd and (cmd.index(flag) == len(cmd) - 1 or cmd[cmd.index(flag) + 1].startswith("--"))
+        elif value is False:
+            assert flag not in cmd
+        else:
+            assert cmd[cmd.index(flag) + 1] == value
     with pytest.raises(ConfigError, match=r"sets --mem-fraction-static itself from rollout.mem_fraction_static"):
         load_config(None, ["rollout.sglang_server_args.mem_fraction_static=0.5"])
     with pytest.raises(ValueError, match=r"'--port' is not a ServerArgs field name"):

@@ -19,8 +19,10 @@ STATE=/tmp/sglang-state; mkdir -p "$STATE"
 say() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/next.log"; }
 FLAGS=("" "--attention-backend triton --sampling-backend pytorch"
        "--attention-backend triton --sampling-backend pytorch --disable-cuda-graph")
-JSONS=('{}' '{"attention_backend": "triton", "sampling_backend": "pytorch"}'
-       '{"attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}')
+# as rollout.sglang_server_args (grammar_backend none as sglang_start.sh launches: xgrammar is not carried; without
+# it SGLang's scheduler imports its xgrammar backend and dies at start: seen on the H100, 2026-12-06)
+JSONS=('{"grammar_backend": "none"}' '{"grammar_backend": "none", "attention_backend": "triton", "sampling_backend": "pytorch"}'
+       '{"grammar_backend": "none", "attention_backend": "triton", "sampling_backend": "pytorch", "disable_cuda_graph": true}')
 
 if [ ! -e "$STATE/started" ]; then
   k=$(cat "$STATE/attempt" 2>/dev/null || echo 0)
@@ -43,7 +45,7 @@ fi
 # The server's interpreter and the bare package for reflow's side
 cat > /tmp/sglang-python <<EOF
 #!/bin/sh
-PYTHONPATH=/tmp/sglang-site:/tmp/site:$REPO/bench/gpu_machine/sglang_stubs exec python3 "\$@"
+PYTHONPATH=/tmp/sglang-site:/tmp/site-sg:$REPO/bench/gpu_machine/sglang_stubs exec python3 "\$@"
 EOF
 chmod 755 /tmp/sglang-python
 mkdir -p /tmp/sglang-bare && ln -sfn /tmp/sglang-site/sglang /tmp/sglang-bare/sglang

@@ -49,7 +49,10 @@ fi
 # bench/gpu_machine/install.sh in an earlier call, BEFORE the sglang folders arrive: install.sh gathers every wheel
 # below the folder it is given)
 [ -e /tmp/site/fastapi ] || fail "reflow's wheels (.gpuwheels/1-3) are not installed in /tmp/site: carry and install them first"
-export PYTHONPATH=$SITE:/tmp/site:$REPO/src:$STUBS  # stand-ins last: a real package wins
+# reflow's site without `kernels`: its 0.19 API breaks transformers 5.12.1's hub_kernels at import ("Either a
+# revision or a version must be specified", seen on the H100); without it transformers skips hub kernels
+mkdir -p /tmp/site-sg && for f in /tmp/site/*; do case $(basename "$f") in kernels|kernels-*) ;; *) ln -sfn "$f" /tmp/site-sg/ ;; esac; done
+export PYTHONPATH=$SITE:/tmp/site-sg:$REPO/src:$STUBS  # stand-ins last: a real package wins
 say "PYTHONPATH=$PYTHONPATH"
 
 # 2. preflight imports: each in the same child, a failure printed with its traceback, then go on
