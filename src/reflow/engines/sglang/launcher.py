@@ -16,7 +16,8 @@ otherwise (a multi-node cluster sets cluster.bind_host=0.0.0.0). The key never g
 (any user of the node reads /proc/<pid>/cmdline): it is written to a YAML file of mode 0600 in a private
 folder and handed over as SGLang's own `--config FILE`, which SGLang merges into its flags while parsing
 them; the file is removed once the server answers (it was read at start-up).
-Untested here (no GPU): the real server start, CUDA device placement, NCCL.
+On a GPU (bench/RESULTS.md 39, an H100): the real server start, generation and colocated CUDA IPC pushes ran with
+SGLang 0.5.17; NCCL pushes, tensor parallelism and multi-node placement have not run on GPUs yet.
 """
 from __future__ import annotations
 
