@@ -148,3 +148,15 @@ def prefect_server(tmp_path_factory):
 
     with prefect_test_harness(server_startup_timeout=180):
         yield
+
+
+@pytest.fixture(scope="session")
+def ppo_run(ray_cluster, prefect_server, tiny_policy, tmp_path_factory):
+    """One 2-iteration PPO experiment (tests/test_algorithms_e2e.py's "ppo" case, experiment algo-ppo), run once
+    for two tests: test_estimator_two_iterations[ppo] checks its metrics and records, and test_ppo resumes it to
+    3 iterations against a straight 3-iteration run. Returns (storage folder, the train summary)."""
+    from reflow.flows.train import train
+    from tests.test_algorithms_e2e import CASES, _config
+
+    tmp = tmp_path_factory.mktemp("ppo_run")
+    return tmp, train(_config(tiny_policy, tmp, "ppo", CASES["ppo"]))

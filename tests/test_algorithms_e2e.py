@@ -41,10 +41,13 @@ def _config(policy, tmp_path, name, extra):
 
 
 @pytest.mark.parametrize("name", list(CASES))
-def test_estimator_two_iterations(ray_cluster, prefect_server, tiny_policy, tmp_path, name):
+def test_estimator_two_iterations(ray_cluster, prefect_server, tiny_policy, tmp_path, name, request):
     from reflow.flows.train import train
 
-    summary = train(_config(tiny_policy, tmp_path, name, CASES[name]))
+    if name == "ppo":  # the run test_ppo resumes (conftest's ppo_run): made once for both
+        tmp_path, summary = request.getfixturevalue("ppo_run")
+    else:
+        summary = train(_config(tiny_policy, tmp_path, name, CASES[name]))
     assert summary["iterations"] == 2
     for i, m in enumerate(summary["history"]):
         warmup = name == "ppo" and i == 0  # the policy does not update during the critic's warm-up

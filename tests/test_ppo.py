@@ -210,20 +210,20 @@ def test_checkpoint_restores_the_critic_bit_for_bit(ray_cluster, critic, tiny_po
             g.kill()
 
 
-def test_resumed_ppo_run_equals_the_uninterrupted_one(ray_cluster, prefect_server, tiny_policy, tmp_path):
-    """2 iterations, then a resume to 3, gives the critic (and policy) of a straight 3-iteration run
-    bit for bit: the train flow saves the critic with the policy and restores it exactly."""
+def test_resumed_ppo_run_equals_the_uninterrupted_one(ppo_run, tiny_policy, tmp_path):
+    """2 iterations (conftest's ppo_run, shared with the estimator test), then a resume to 3, gives the critic
+    (and policy) of a straight 3-iteration run bit for bit: the train flow saves the critic with the policy and
+    restores it exactly."""
     from reflow.flows.train import train
     from tests.test_algorithms_e2e import CASES, _config
 
-    def run(name, n):  # experiment algo-<name>
-        return train(_config(tiny_policy, tmp_path, name, CASES["ppo"] + [f"num_iterations={n}"]))
-
-    assert run("ppo-resumed", 2)["iterations"] == 2
-    resumed = run("ppo-resumed", 3)
+    first, summary = ppo_run
+    assert summary["iterations"] == 2
+    resumed = train(_config(tiny_policy, first, "ppo", CASES["ppo"] + ["num_iterations=3"]))
     assert (resumed["start"], resumed["iterations"]) == (2, 1)
-    run("ppo-straight", 3)
-    final = {n: tmp_path / "runs" / f"algo-{n}" / "checkpoints" / "iter_000003" for n in ("ppo-resumed", "ppo-straight")}
+    train(_config(tiny_policy, tmp_path, "ppo-straight", CASES["ppo"] + ["num_iterations=3"]))
+    final = {n: root / "runs" / f"algo-{n}" / "checkpoints" / "iter_000003" for n, root in
+             (("ppo", first), ("ppo-straight", tmp_path))}
     for rel in ("critic/model/model.safetensors", "critic/model/value_head.safetensors", "model/model.safetensors"):
         a, b = ((final[n] / rel).read_bytes() for n in final)
         assert a == b, f"{rel} differs after resume"
