@@ -177,7 +177,7 @@ class RolloutConfig(_Strict):
 
     @field_validator("sglang_server_args")
     @classmethod
-    def _sglang_flags(cls, v: dict) -> dict:
+    def _sglang_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
         """A field reflow owns, or a name that is no field, is refused when the config loads, not at launch."""
         from reflow.engines.sglang.launcher import extra_flags
 
