@@ -133,9 +133,14 @@ def extra_flags(extra: dict) -> list[str]:
                              f"from {OWNED_SERVER_ARGS[key]}; set that instead")
         if value is None or value is False:
             continue
-        flag = "--" + key.replace("_", "-")
-        out += [flag] if value is True else [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
+        out += _flag_words(key, value)
     return out
+
+
+def _flag_words(name: str, value) -> list[str]:
+    """A ServerArgs field on SGLang's command line: True a bare store_true flag, a list its items after the flag."""
+    flag = "--" + name.replace("_", "-")
+    return [flag] if value is True else [flag, *map(str, value)] if isinstance(value, list) else [flag, str(value)]
 
 
 def command_line(args: dict, python: str = sys.executable, secrets_dir: str | Path | None = None,
@@ -164,8 +169,7 @@ def command_line(args: dict, python: str = sys.executable, secrets_dir: str | Pa
         if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
             if not (kind is float and isinstance(value, int)):
                 raise TypeError(f"ServerArgs.{name} must be {kind.__name__}, got {value!r}")
-        flag = "--" + name.replace("_", "-")
-        cmd += [flag] if kind is bool else [flag, *map(str, value)] if kind is list else [flag, str(value)]
+        cmd += _flag_words(name, value)
     return cmd + extra_flags(extra or {})
 
 
