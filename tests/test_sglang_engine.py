@@ -298,6 +298,10 @@ def test_server_args_extra_are_flags_and_owned_ones_are_refused(tmp_path):
         load_config(None, ["rollout.sglang_server_args.mem_fraction_static=0.5"])
     with pytest.raises(ValueError, match=r"'--port' is not a ServerArgs field name"):
         SGLangEngine("/m", "x", server_args_extra={"--port": 1})
+    assert "admin_api_key" in fields  # a credential flag SGLang has: never on its command line, never echoed
+    with pytest.raises(ConfigError, match=r"admin_api_key would put a credential on SGLang's command line") as e:
+        load_config(None, ["rollout.sglang_server_args.admin_api_key=hunter2-secret"])
+    assert "hunter2" not in str(e.value)
 
 
 def test_runtime_hands_sglang_python_to_the_engine(monkeypatch):

@@ -178,9 +178,15 @@ class RolloutConfig(_Strict):
     @field_validator("sglang_server_args")
     @classmethod
     def _sglang_flags(cls, v: dict[str, Any]) -> dict[str, Any]:
-        """A field reflow owns, or a name that is no field, is refused when the config loads, not at launch."""
+        """A field reflow owns, or a name that is no field, is refused when the config loads, not at launch; so is
+        a credential (admin_api_key, ...): on SGLang's command line every local user could read it."""
         from reflow.engines.sglang.launcher import extra_flags
 
+        for name in v:
+            if secret_name(name):
+                raise ValueError(f"rollout.sglang_server_args.{name} would put a credential on SGLang's command line, "
+                                 f"which every user of the node can read (/proc/<pid>/cmdline); reflow hands SGLang "
+                                 f"its own key in a private file (the runtime's --api-key), not this way")
         extra_flags(v)
         return v
 
