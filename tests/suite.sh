@@ -37,8 +37,8 @@
 # 1469 s, 1098 passed; these 1433 s) and, with a failed preflight no longer waiting for the actors, 24m10s (1393 s;
 # 1414 s).
 # Session 37 (test_resume's file:// chain one `reflow train` run shorter, the PPO 2-iteration run shared by two tests;
-# SGLang's new launcher settings' tests): clean clone .ci/run 25m15s (the rest 1468 s, 1101 passed; these 1415 s):
-# the runs taken out (~40 s of CPU) are within this VM's run-to-run spread.
+# SGLang's new launcher settings' tests): clean clone .ci/run 25m15s (the rest 1468 s, 1101 passed; these 1415 s) and
+# 24m53s (1453 s; 1398 s): the runs taken out (~40 s of CPU) are within this VM's run-to-run spread.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
