@@ -54,7 +54,10 @@ PRECISIONS = {"packed-mixed": {"precision": "bf16-mixed"}, "packed-tf32": {"prec
               # attention over packed rows through FlexAttention's block mask (empty blocks skipped) instead of SDPA
               "packed-flex": {"attn_implementation": "flex_attention"},
               # packed-flex, DeepSpeed folding each bf16 gradient into fp32 as backward makes it (no bf16 sum per row)
-              "packed-flex-igu": {"attn_implementation": "flex_attention", "immediate_grad_update": True}}
+              "packed-flex-igu": {"attn_implementation": "flex_attention", "immediate_grad_update": True},
+              # packed-flex summing the rows' gradients in bf16 (trainer.grad_accum_dtype=bf16), as the plain loop's
+              # autograd does; the optimizer still steps fp32 master weights
+              "packed-flex-bf16acc": {"attn_implementation": "flex_attention", "grad_accum_dtype": "bf16"}}
 
 
 def _sync() -> None:
