@@ -1,4 +1,4 @@
-"""GPU benchmark in one process: trainer tokens/s and MFU, engine tokens/s, weight-push GB/s.
+"""GPU benchmark: trainer tokens/s and MFU (each variant in a process of its own), engine tokens/s, weight-push GB/s.
 
     python3 bench/gpu.py                          # on one H200 (a Qwen2.5-0.5B-shaped model, bf16)
     .venv/bin/python bench/gpu.py --device cpu --tiny    # a smoke test of the same code on CPU
@@ -7,17 +7,26 @@
                                                   # the GPU demo's policy shape (113M) at its batch
 
 The GPU machine has torch and transformers but no Ray or Prefect, so the classes the Ray actors
-host are driven directly in this process: `reflow.engines.train.trainer.TrainerRank` (DeepSpeed, one rank,
-ZeRO-1, bf16; a plain torch loop with the same loss if DeepSpeed cannot be imported), and
+host are driven directly: `reflow.engines.train.trainer.TrainerRank` (DeepSpeed, one rank, ZeRO-1, bf16; a
+plain torch loop with the same loss if DeepSpeed cannot be imported), and
 `reflow.engines.embedded.engine.EmbeddedEngine` (its HTTP server in a thread; the model moved to the
 GPU). Wheels for DeepSpeed and the HTTP server are carried along (see bench/RESULTS.md).
+
+Each trainer variant (each name in --variants, the plain loops included; the profile in the default's)
+runs in a child process of its own, this script again with a hidden `--one NAME`: dynamo's recompile
+limit and the CUDA caching allocator are per process, and in one process the compiled plain loop left
+reflow's layers uncompiled for the variants after it (bench/gpu_trainer.py says more). The engine and
+push parts run in this process, after the trainer's children have exited. Run it from anywhere, the
+project root included: only bench/ joins sys.path (as the script's folder), and reflow is the installed
+package, or src/reflow where none is installed (bench/_common.py).
 
 - trainer (bench/gpu_trainer.py): `train_iteration` on a synthetic batch of B x T tokens (one
   PPO-clip step) under several settings (ZeRO-1/2/3, compiled layers or not, old log-probs from the
   training forward or a separate pass, gradient accumulation dtype, micro-batch), next to a plain
-  torch loop (same model, SDPA, fused AdamW on bf16 weights, HF cross-entropy) uncompiled and with
-  compiled layers, plus a profile of one default step. MFU = model FLOPs executed / seconds / peak
-  (989 TFLOP/s dense bf16, the H200's datasheet figure). Model FLOPs per sequence: forward
+  torch loop (same model, SDPA, fused AdamW on bf16 weights, HF cross-entropy, use_cache=False as the
+  trainer calls it) uncompiled and with compiled layers, plus a profile of one default step; each
+  variant in a child process, its wall seconds as `process_s`. MFU = model FLOPs executed / seconds /
+  peak (989 TFLOP/s dense bf16, the H200's datasheet figure). Model FLOPs per sequence: forward
   2*N*T + 2*L*d*T^2 (causal attention), N = parameters of the matrix products (the tied embedding
   counted once, as the LM head); a forward/backward counts 3 forwards, a separate old-logprob
   pass 1 more. Results also go to $OUT/gpu-trainer.json (-> bench/results/gpu-trainer.json).
@@ -36,6 +45,7 @@ import socket
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -121,8 +131,6 @@ def start_engine(folder: Path, args):
 
 def push_on_gpu(trainer, folder: Path, cfg, res: dict, args) -> None:
     """CUDA IPC push and the colocated hand-over, the engine in a child process (bench/gpu_push.py)."""
-    import traceback
-
     proc, stop, client = GP.start_engine_process(folder)
     parts = {"push": lambda: GP.bench_push(trainer, client, args),
              "handover": lambda: GP.handover(trainer, client, GT._iteration(sys.modules[__name__], trainer, cfg, args, 32),
@@ -206,10 +214,26 @@ def main() -> None:
     p.add_argument("--nccl", action="store_true", help="only the two-GPU NCCL push (trainer GPU 0, engine GPU 1)")
     p.add_argument("--commit", default=None, help="the commit measured, for the JSON results (default: git's, "
                                                    "which a copy without .git does not have)")
+    p.add_argument("--one", default=None, help=argparse.SUPPRESS)  # a child's one trainer variant
+    p.add_argument("--folder", default=None, help=argparse.SUPPRESS)  # the child's model folder
     args = p.parse_args()
     if args.tiny:
         args.batch, args.seq, args.micro, args.steps, args.gen_batches, args.gen_len = 4, 64, 2, 1, "1,8", 16
-    # The plain loops first: they need the most memory, and ZeRO-3 (the last variant) leaves some held.
+    if args.one:  # a child of bench_all: one trainer variant, its row on the last line of stdout
+        C.set_bench_env()
+        import logging
+
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        try:
+            GT.one(sys.modules[__name__], Path(args.folder), args)
+        except BaseException:  # deliberate: the parent reports the traceback (stderr's tail) as the failed row
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # not the interpreter's teardown: a process group or thread left behind must not hang the parent
+    # The order of old, when all shared one process: the plain loops first, ZeRO-3 (which left memory held) last.
     default_variants = "default,old-pass,plain" if args.tiny else ",".join([*GT.PLAINS, *GT.VARIANTS])
     args.variants = (args.variants or default_variants).split(",")
     args.commit = args.commit or C.git_commit()
@@ -222,18 +246,23 @@ def main() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)  # its per-stage memory printouts
     from reflow.rl.demo_policy import save_policy
 
-    C.header(f"GPU benchmark, one process ({args.device})")
+    C.header(f"GPU benchmark, each trainer variant in a process of its own ({args.device})")
+    import reflow
+
+    print(f"# reflow from {Path(reflow.__file__).parent}")  # the installed package, or src/reflow: nothing shadows it
     kind = "llama" if args.tiny else args.model
     model = ET.build_model("llama" if kind == "demo" else kind, DEMO if kind == "demo" else TINY, torch.bfloat16,
                            args.device)
     cfg, n_total = model.config, sum(p.numel() for p in model.parameters())
     folder = save_policy(model, ET.build_tokenizer(cfg.vocab_size), Path(tempfile.mkdtemp(prefix="reflow-gpu-")) / "m")
     del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the children need the memory
     print(f"# model: {kind}, {n_total / 1e6:.0f}M parameters, bf16; trainer batch {args.batch} x {args.seq} "
           f"(micro {args.micro}); engine batches {args.gen_batches} x up to {args.gen_len} tokens", flush=True)
     skip, res = set(args.skip.split(",")), {"train": [], "engine": [], "push": None}
     if "trainer" not in skip:
-        res["train"], prof = GT.bench_all(sys.modules[__name__], folder, cfg, args)
+        res["train"], prof = GT.bench_all(sys.modules[__name__], folder, args)
         res["trainer_summary"] = GT.summary(res["train"], prof, args, f"{kind} {args.batch}x{args.seq} bf16")
         GT.write(res["trainer_summary"], os.environ.get("OUT"))
     trainer = make_trainer(folder, args) if "push" not in skip else None

@@ -1,21 +1,33 @@
 """The trainer half of bench/gpu.py (issue 15 point 5): reflow's `TrainerRank` under several settings
-next to a plain torch loop, uncompiled and compiled, in one process; a short profile of the default.
+next to a plain torch loop, uncompiled and compiled; a short profile of the default.
 
-Variants (each a fresh TrainerRank; compiled graphs are shared through the process, so only the
-first compiled variant pays the compile): the default settings (ZeRO-1, compiled layers, old
-log-probs from the training forward, fp32 gradient accumulation), then one change each: a separate
-old-logprob pass, no compile, bf16 gradient accumulation, immediate gradient updates, ZeRO-2, ZeRO-3,
-a larger micro-batch. MFU counts the model FLOPs each executes (bench/gpu.py `model_flops`): 3
-forwards per step when old log-probs come from the training forward, 4 with the separate pass.
+Each variant (each name in --variants, the plain loops included) runs in a child process of its own
+(`bench_all` starts `bench/gpu.py ... --one NAME`; `one` is the child's side; issue 54 point 7): dynamo's
+recompile limit (8) and the CUDA caching allocator are per process, so in one process a variant changed
+the next one's figures: the compiled plain loop (then calling the model with its KV cache on) hit the
+recompile limit and reflow's layers ran uncompiled after it (reflow's default on the H200: 40.9 % MFU run
+first alone, 29.7 % after the plain loop), and ZeRO-3 left memory held. So every compiled variant pays
+its own compile (in its warm-up), and `process_s` is each child's wall seconds, imports included. A child
+that fails (an exception, a crash, the OOM killer) gives a failed row with its stderr tail; the others run.
+The profile of one default step runs in the default variant's child, after its timed steps.
+
+Variants (each a fresh TrainerRank): the default settings (ZeRO-1, compiled layers, old log-probs from the
+training forward, fp32 gradient accumulation), then one change each: a separate old-logprob pass, no
+compile, bf16 gradient accumulation, immediate gradient updates, ZeRO-2, ZeRO-3, a larger micro-batch. MFU
+counts the model FLOPs each executes (bench/gpu.py `model_flops`): 3 forwards per step when old log-probs
+come from the training forward, 4 with the separate pass.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
-import gc
 import json
 import math
+import os
+import subprocess
+import sys
+import threading
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -26,16 +38,10 @@ VARIANTS = {  # name: (RankSettings overrides, micro-batch multiplier), in the o
     "micro-x2": ({}, 2),
     "all-scored": ({}, 1),  # a 1-token prompt: every position scored, as in the plain loop's loss
     "zero2": ({"zero_stage": 2}, 1),
-    # Last: ZeRO-3 leaves state in the process (63-131 GiB stayed held), and rows measured after it
-    # were off by up to 17 % in both directions on the H200.
+    # Last (from when the variants shared one process: ZeRO-3 left 63-131 GiB held, and rows measured
+    # after it were off by up to 17 % in both directions on the H200).
     "zero3": ({"zero_stage": 3}, 1),
 }
-
-
-def _free() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _trainer(folder: Path, args, overrides: dict, micro: int, port: int):
@@ -129,6 +135,11 @@ def plain(G, folder: Path, cfg, args, compiled: bool, micro: int) -> dict:
     per forward/backward."""
     from transformers import AutoModelForCausalLM
 
+    if args.device == "cpu":
+        # The trainer ranks' threads=4 (`_trainer`), which the plain loop inherited when it ran after them in one
+        # process; in a process of its own at torch's default (2 on a 2-core machine with a core busy elsewhere)
+        # its steps took 0.5-0.8 s instead of 0.026 s.
+        torch.set_num_threads(4)
     dev = torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="sdpa").to(dev)
     model.train()
@@ -141,7 +152,7 @@ def plain(G, folder: Path, cfg, args, compiled: bool, micro: int) -> dict:
     def step():
         for s in range(0, args.batch, micro):
             mb = ids[s:s + micro]
-            (model(input_ids=mb, labels=mb).loss * mb.shape[0] / args.batch).backward()
+            (model(input_ids=mb, labels=mb, use_cache=False).loss * mb.shape[0] / args.batch).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -153,44 +164,65 @@ def plain(G, folder: Path, cfg, args, compiled: bool, micro: int) -> dict:
            "mfu": fl / sec / G.PEAK_BF16[args.device], "mfu_executed": fl / sec / G.PEAK_BF16[args.device],
            "gpu_gib": G.gpu_peak_gib(), "forwards": 3, "warmup_s": warm}
     print(f"  {row['what']}: {sec:.3f} s/step, {row['tok_s']:.0f} tok/s, MFU {row['mfu']:.1%}", flush=True)
-    return row  # the model and optimizer go with this frame; bench_all frees the cache after
+    return row
 
 
-def bench_all(G, folder: Path, cfg, args) -> tuple[list[dict], dict | None]:
-    """Every variant in args.variants, the plain loops, and a profile of the default variant."""
-    rows, prof = [], None
-    for name in args.variants:
-        if name in PLAINS:
-            rows.append(_guarded(name, lambda n=name: plain(G, folder, cfg, args, compiled="compiled" in n,
-                                                            micro=args.micro * (2 if n.endswith("-x2") else 1))))
-            _free()
-            continue
+def one(G, folder: Path, args) -> None:
+    """The child's side: the variant `args.one` in this process, then a line `ROW {"row": ..., "profile": ...}`
+    (JSON; the profile of one step for the default variant) last on stdout. An exception ends the process."""
+    from transformers import AutoConfig
+
+    name, cfg = args.one, AutoConfig.from_pretrained(folder)
+    if name in PLAINS:
+        row, prof = plain(G, folder, cfg, args, compiled="compiled" in name,
+                          micro=args.micro * (2 if name.endswith("-x2") else 1)), None
+    else:
         overrides, mult = VARIANTS[name]
-
-        def one(name=name, overrides=overrides, mult=mult):
-            nonlocal prof
-            trainer = _trainer(folder, args, overrides, args.micro * mult, G._free_port())
-            try:
-                row = run_variant(G, trainer, cfg, args, name)
-                if name == "default" and args.profile:
-                    prof = profile(G, trainer, cfg, args)
-                return row
-            finally:
-                del trainer
-                _free()
-        rows.append(_guarded(name, one))
-    return [r for r in rows if r is not None], prof
+        trainer = _trainer(folder, args, overrides, args.micro * mult, G._free_port())
+        row = run_variant(G, trainer, cfg, args, name)
+        prof = profile(G, trainer, cfg, args) if name == "default" and args.profile else None
+    print("ROW " + json.dumps({"row": row, "profile": prof}), flush=True)
 
 
-def _guarded(name: str, fn) -> dict | None:
-    """One variant's failure is reported and the others still run (a device call is expensive)."""
-    try:
-        return fn()
-    except Exception as e:  # deliberate: report and go on
-        print(f"  {name}: FAILED {type(e).__name__}: {e}\n{traceback.format_exc()[-1500:]}", flush=True)
-        _free()
-        return {"what": f"{name} (failed)", "variant": name, "error": f"{type(e).__name__}: {e}"[:500],
-                "s": math.nan, "tok_s": math.nan, "tflops": math.nan, "mfu": math.nan, "gpu_gib": math.nan}
+def bench_all(G, folder: Path, args) -> tuple[list[dict], dict | None]:
+    """Every variant in args.variants, each in a child process of its own (the module's docstring says why):
+    `G`'s script with this process's arguments and `--one NAME --folder FOLDER`. The child's stdout and stderr
+    pass through as they come; its row is the last `ROW ` line, with the child's wall seconds as `process_s`."""
+    rows, prof = [], None
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    for name in args.variants:
+        cmd = [sys.executable, str(Path(G.__file__).resolve()), *sys.argv[1:], "--one", name, "--folder", str(folder)]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        tail: collections.deque[str] = collections.deque(maxlen=60)
+
+        def drain(stream=proc.stderr, tail=tail):
+            for line in stream:
+                sys.stderr.write(line)
+                tail.append(line)
+        reader = threading.Thread(target=drain, daemon=True)
+        reader.start()
+        found = None
+        for line in proc.stdout:
+            if line.startswith("ROW "):
+                found = line
+            else:
+                sys.stdout.write(line)
+        sys.stdout.flush()
+        rc = proc.wait()
+        reader.join()
+        if rc or found is None:
+            err = "".join(tail)[-1500:] or f"exit {rc}, no stderr"
+            last = err.strip().splitlines()[-1] if err.strip() else ""
+            print(f"  {name}: FAILED (exit {rc}) {last}", flush=True)
+            rows.append({"what": f"{name} (failed)", "variant": name, "error": err, "s": math.nan,
+                         "tok_s": math.nan, "tflops": math.nan, "mfu": math.nan, "gpu_gib": math.nan,
+                         "process_s": time.perf_counter() - t0})
+            continue
+        got = json.loads(found[4:])
+        rows.append({**got["row"], "process_s": time.perf_counter() - t0})
+        prof = got["profile"] or prof
+    return rows, prof
 
 
 def summary(rows: list[dict], prof: dict | None, args, shape: str) -> dict:
