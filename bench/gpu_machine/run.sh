@@ -39,4 +39,14 @@ mkdir -p /tmp/gpurun && cd /tmp/gpurun
 python3 -m reflow.flows.cli demo --gpu "${extra[@]}" "$@" 2>&1 | python3 -u "$stamp" | tee "$out/demo-$layout.log"
 # The run's per-iteration metrics and evals, for RESULTS.md (small: JSON only).
 run=$(ls -td .reflow/runs/*/ | head -1); run=${run%/}  # the newest run, whatever experiment= named it
-tar -czf "$out/records-$layout.tgz" --exclude='checkpoints' --exclude='*.parquet' -C "$(dirname "$run")" "$(basename "$run")"
+# Stage records hold every sample's tokens: with long responses (the scratchpad task) they took the archive past
+# what a call brings back (16 MiB a file), so they stay; every iteration's metrics also go into one small file.
+tar -czf "$out/records-$layout.tgz" --exclude='checkpoints' --exclude='*.parquet' --exclude='stages' \
+  -C "$(dirname "$run")" "$(basename "$run")"
+python3 - "$run" "$out/metrics-$layout.jsonl" <<'PY'
+import json, sys
+from pathlib import Path
+with open(sys.argv[2], "w") as f:
+    for m in sorted(Path(sys.argv[1], "iterations").glob("*/metrics.json")):
+        f.write(json.dumps(json.loads(m.read_text())) + "\n")
+PY

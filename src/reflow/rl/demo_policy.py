@@ -183,16 +183,46 @@ def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int,
     return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
 
 
+def _greedy_left_padded(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int
+                        ) -> list[list[int]]:
+    """`_greedy_same_length` for prompts of any lengths in one batch: left-padded, the padding masked out and each
+    row's positions counted from its first real token, so a row continues as it would alone."""
+    from transformers import DynamicCache
+
+    width = max(len(p) for p in prompt_ids)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)  # [B, P]
+    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)  # [B, P]
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kv = {key: DynamicCache(config=model.config), "use_cache": True}
+    pos = (attn.cumsum(1) - 1).clamp(min=0)  # [B, P]
+    out, new = model(input_ids=ids, attention_mask=attn, position_ids=pos, **kv), []
+    done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=model.device)  # [B]
+    nxt_pos = pos[:, -1:]  # [B, 1]
+    for _ in range(max_new_tokens):
+        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        new.append(nxt)
+        done |= nxt == eos_id
+        if bool(done.all()):
+            break
+        attn = torch.cat([attn, attn.new_ones(len(prompt_ids), 1)], dim=1)
+        nxt_pos = nxt_pos + 1
+        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=nxt_pos, **kv)
+    toks = torch.stack(new, dim=1).tolist()  # [B, n]
+    return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
+
+
 def _exact(row: dict, text: str) -> bool:
     return text == str(row["label"])
 
 
 def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, batch: int = 256,
-                    correct: Callable[[dict, str], bool] = _exact) -> float:
+                    correct: Callable[[dict, str], bool] = _exact, left_pad: bool = False) -> float:
     """Share of rows whose greedy response ends with eos and is `correct` (default: exactly the label).
 
     Plain batched decoding for the bootstrap report only (the rollout engine is separate).
-    Rows are grouped by prompt length so no padding is needed.
+    Rows are grouped by prompt length so no padding is needed; `left_pad`: batches of `batch` rows of any prompt
+    length, left-padded (`_greedy_left_padded`), for long responses on a GPU, where a decode step costs about the
+    same for 20 rows as for 200 and the groups by length would each decode the longest response again.
     """
     from reflow.rl.data import encode_prompt
 
@@ -202,12 +232,13 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
     prompts = encode_prompt(tokenizer, [r["prompt"] for r in rows])
     by_len: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
-        by_len.setdefault(len(p), []).append(i)
+        by_len.setdefault(-1 if left_pad else len(p), []).append(i)
     right, eos = 0, tokenizer.eos_token_id
     for idx in by_len.values():
         for s in range(0, len(idx), batch):
             chunk = idx[s : s + batch]
-            outs = _greedy_same_length(model, [prompts[i] for i in chunk], max_new_tokens, eos)
+            outs = (_greedy_left_padded(model, [prompts[i] for i in chunk], max_new_tokens, eos, tokenizer.pad_token_id)
+                    if left_pad else _greedy_same_length(model, [prompts[i] for i in chunk], max_new_tokens, eos))
             for i, toks in zip(chunk, outs):
                 text = tokenizer.decode(toks, skip_special_tokens=True)
                 right += int(bool(toks) and toks[-1] == eos and correct(rows[i], text))
