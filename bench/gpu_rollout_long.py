@@ -185,14 +185,14 @@ def probe(model, tok, kernels: list[str]) -> dict:
     return res
 
 
-def step_ms(model, tok, kernel: str) -> dict:
+def step_ms(model, tok, kernel: str, fuse: str | None = None) -> dict:
     """ms a decode step without the prefill: (time of 65 new tokens - time of 1) / 64, graphs captured first; then
     a profile of 8 graph-free steps at batch 4 (the kernels a step runs, by GPU time)."""
     from torch.profiler import ProfilerActivity, profile
 
     res: dict = {}
     for b, plen in ((256, 1024), (4, 4096), (4, 256)):
-        g = Generator(model, tok, max_batch_size=b, kv_tokens=b * (plen + 512), decoder="graphs")
+        g = Generator(model, tok, max_batch_size=b, kv_tokens=b * (plen + 512), decoder="graphs", decode_fusion=fuse)
         g.static_decoder().attention = kernel if kernel != "auto" else "triton"
         prompts = ET.prompts_for(b, SHAPE["vocab_size"], plen, seed=1)
         sp = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True} for n in (1, 65)]
@@ -202,7 +202,7 @@ def step_ms(model, tok, kernel: str) -> dict:
         res[f"b{b}_p{plen}"] = 1e3 * (many - one) / 64
         g.static_decoder().release()
     print(f"  decode ms a step (no prefill): {res}", flush=True)
-    g = Generator(model, tok, max_batch_size=4, kv_tokens=4 * 4608, decoder="static")
+    g = Generator(model, tok, max_batch_size=4, kv_tokens=4 * 4608, decoder="static", decode_fusion=fuse)
     g.static_decoder().attention = "triton" if kernel == "auto" else kernel
     prompts = ET.prompts_for(4, SHAPE["vocab_size"], 4096, seed=1)
     g.generate(prompts, {"max_new_tokens": 4, "ignore_eos": True})
@@ -256,7 +256,7 @@ def throughput(args, tok, bw: float) -> dict:
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kvbytes = bytes_per_position(SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], 128, torch.bfloat16)
     res: dict = {"weight_bytes": wbytes, "kv_bytes_per_token": kvbytes, "kernel_check": check_kernels()}
-    res["step_ms"] = step_ms(model, tok, args.kernel)
+    res["step_ms"] = step_ms(model, tok, args.kernel, args.fuse or None)
     if args.kernel == "auto":
         ok = [k for k in ("triton", "flash") if res["kernel_check"][k].get("max_abs_err", 1.0) < 0.05]
         res["probe"] = probe(model, tok, ok + ["gather"])
@@ -274,8 +274,10 @@ def throughput(args, tok, bw: float) -> dict:
         print(f"  hf generate uniform: {tokens / sec:.0f} tok/s ({sec:.1f} s)", flush=True)
         gc.collect()
         torch.cuda.empty_cache()
-    gen = Generator(model, tok, max_batch_size=BATCH, decoder="graphs", kv_mem_fraction=args.mem_fraction)
+    gen = Generator(model, tok, max_batch_size=BATCH, decoder="graphs", kv_mem_fraction=args.mem_fraction,
+                    decode_fusion=args.fuse or None)
     gen.static_decoder().attention = args.kernel
+    res["decode_fusion"] = args.fuse or None
     steps = Steps(gen.static_decoder())
     tail = longtail(BATCH)
     stream = longtail(2 * BATCH)
@@ -367,6 +369,9 @@ def main() -> None:
     ap.add_argument("--check-kernels", action="store_true",
                     help="only the decode kernels against float32 SDPA: bf16, float32 (IEEE), float32 (TF32)")
     ap.add_argument("--anatomy", action="store_true", help="only anatomy(): one step's kernels and graph replay time")
+    ap.add_argument("--fuse", default="", help="throughput with the static decoder's elementwise work compiled by this "
+                    "torch.compile backend (inductor; Generator's decode_fusion): run it beside one without, each in "
+                    "a process of its own")
     args = ap.parse_args()
     bw, card = bandwidth()
     tok = ET.build_tokenizer(SHAPE["vocab_size"])

@@ -63,6 +63,19 @@ def test_static_matches_eager_greedy(kind, tok):
     _assert_same(reference, _greedy(Generator(model, tok, max_batch_size=16, decoder="eager")))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_fused_step_matches_the_eager_one(kind, tok):
+    """decode_fusion: the step's norms, RoPE, residuals and SiLU through torch.compile'd functions of tensors
+    (static_decode._Fused; aot_eager here, inductor on a GPU) decode what the eager path does, for each family's
+    layer shape (Qwen2's q/k/v biases and tied head, Qwen3's per-head norms); one compiled graph serves every layer."""
+    model = _tiny(kind)
+    reference = _greedy(Generator(copy.deepcopy(model), tok, max_batch_size=16, decoder="eager"))
+    fused = Generator(model, tok, max_batch_size=4, decoder="static", decode_fusion="aot_eager")
+    _assert_same(reference, _greedy(fused))
+    dec = fused.static_decoder()
+    assert dec is not None and dec.fused is not None and dec.plan[0].gate_up is not None
+
+
 def test_sampled_rows_with_seeds_match_eager(tok):
     model = _tiny("qwen2")
     sp = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "max_new_tokens": 20, "sampling_seed": 7}

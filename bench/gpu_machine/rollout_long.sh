@@ -4,6 +4,9 @@
 # log-prob mismatch by position under bf16, bf16-mixed and fp32+tf32. Needs no wheels: torch and transformers
 # are on the machine, and the engine imports nothing else.
 #   OUT=/tmp/o bash bench/gpu_machine/rollout_long.sh [--skip mismatch] [--hf 0] ...
+# The fused decode step (Generator's decode_fusion) against the eager one, each in a process of its own:
+#   OUT=$OUT/eager bash bench/gpu_machine/rollout_long.sh --kernel triton --hf 0 --skip mismatch
+#   OUT=$OUT/fused bash bench/gpu_machine/rollout_long.sh --kernel triton --hf 0 --skip mismatch --fuse inductor
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"

@@ -180,13 +180,16 @@ class Generator:
     """Batched generation on a HF causal LM (see module docstring for semantics)."""
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None,
-                 decoder: str = "auto", kv_mem_fraction: float | None = None, kv_tokens: int | None = None):
+                 decoder: str = "auto", kv_mem_fraction: float | None = None, kv_tokens: int | None = None,
+                 decode_fusion: str | None = None):
         """decoder: "eager" (HF forward with a growing cache), "static" (static KV cache, no graphs), "graphs"
         (static cache + CUDA graphs; CUDA only) or "auto": graphs on a GPU where the model's family allows
         (reflow.engines.embedded.static_decode), eager otherwise.
         The static decoder's KV pool (reflow.engines.embedded.kv_pool): `kv_tokens` positions, else
         `kv_mem_fraction` of the GPU's memory for weights + KV (SGLang's mem_fraction_static), else (both None)
-        max_batch_size slots of the longest row of each generate call (rows never wait for KV room)."""
+        max_batch_size slots of the longest row of each generate call (rows never wait for KV room).
+        decode_fusion: a torch.compile backend for the static decoder's elementwise work between its products
+        (static_decode._Fused: "inductor" on a GPU), or None (eager kernels)."""
         if kv_mem_fraction is not None and not 0.0 < kv_mem_fraction < 1.0:
             raise ValueError(f"kv_mem_fraction must be in (0, 1), got {kv_mem_fraction}")
         if kv_tokens is not None and kv_tokens < 1:
@@ -195,6 +198,7 @@ class Generator:
         if decoder not in ("auto", "eager", "static", "graphs"):
             raise ValueError(f"decoder must be 'auto', 'eager', 'static' or 'graphs', got {decoder!r}")
         self.decoder = decoder
+        self.decode_fusion = decode_fusion
         self._static: StaticDecoder | None = None
         if threads:
             torch.set_num_threads(threads)
@@ -284,7 +288,7 @@ class Generator:
                 self._static.release()
             # In an arena the parameters stay put: what the fusion cannot view there it copies (refreshed below)
             self._static = StaticDecoder(self.model, self.max_batch_size, graphs=self.decoder != "static",
-                                         keep_params=bool(self._arenas))
+                                         keep_params=bool(self._arenas), fuse=self.decode_fusion)
             self._static.synced = self.weight_writes
             self.layout_epoch += 1  # its fusion may have re-pointed q/k/v and gate/up
         elif self._static.copies and self._static.synced != self.weight_writes:

@@ -119,6 +119,50 @@ def _rms(norm, x: torch.Tensor) -> torch.Tensor:
     return norm.weight * y
 
 
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`_rms` on tensors alone (what the compiled step functions below take: no modules, so one compiled graph
+    serves every layer)."""
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def _pre_attention(x, norm_w, eps: float, w, b, cos, sin, nq: int, nk: int, head_dim: int, qn_w, kn_w,
+                   qk_eps: float):
+    """`StaticDecoder._qkv` on tensors: norm, the q/k/v product, Qwen3's per-head norms (qn_w/kn_w, else None),
+    RoPE. x [B, 1, hidden] -> q [B, Hq, 1, D], k/v [B, Hkv, 1, D]."""
+    B, T = x.shape[:2]
+    qkv = F.linear(_norm(x, norm_w, eps), w, b).view(B, T, -1, head_dim)
+    if qn_w is not None:
+        qk = torch.cat([_norm(qkv[:, :, :nq], qn_w, qk_eps), _norm(qkv[:, :, nq:nq + nk], kn_w, qk_eps)], dim=2)
+    else:
+        qk = qkv[:, :, :nq + nk]
+    qk = _rotate(qk.transpose(1, 2), cos, sin)
+    return qk[:, :nq], qk[:, nq:], qkv[:, :, nq + nk:].transpose(1, 2)
+
+
+def _post_attention(x, a, o_w, o_b, norm_w, eps: float, gu_w, gu_b, down_w, down_b):
+    """`StaticDecoder._rest` on tensors, for a fused gate/up (a SiLU MLP of Llama's shape)."""
+    x = x + F.linear(a, o_w, o_b)
+    gate, up = F.linear(_norm(x, norm_w, eps), gu_w, gu_b).chunk(2, dim=-1)
+    return x + F.linear(F.silu(gate) * up, down_w, down_b)
+
+
+def _head(x, norm_w, eps: float, w, b):
+    """The last norm and the LM head, float32 logits: x [B, hidden] -> [B, V]."""
+    return F.linear(_norm(x, norm_w, eps), w, b).float()
+
+
+class _Fused:
+    """The decode step's work between its matrix products and attention, compiled (torch.compile with `backend`:
+    inductor on a GPU) into a few fused kernels a layer instead of ~30 small ones (norms' casts and statistics,
+    RoPE's cat/neg/mul/add, residual adds, SiLU and product). A GPU replays them inside the step's CUDA graph; they
+    are compiled on the step's first (uncaptured) run, once per batch size until dynamo marks the batch dynamic."""
+
+    def __init__(self, backend: str):
+        self.pre = torch.compile(_pre_attention, backend=backend)
+        self.post = torch.compile(_post_attention, backend=backend)
+        self.head = torch.compile(_head, backend=backend)
+
+
 @dataclass
 class _Layer:
     """One decoder layer's tensors and modules, as the static step uses them."""
@@ -131,12 +175,15 @@ class _Layer:
 class StaticDecoder:
     """Prefill and decode over a static KV cache; `graphs=True` replays decode steps as CUDA graphs."""
 
-    def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False, attention: str = "auto"):
+    def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False, attention: str = "auto",
+                 fuse: str | None = None):
         """keep_params: never re-point the model's parameters (they live in the engine's weight arena): fused
         tensors whose members are not back to back there are copies, `refresh`ed after weight writes.
         attention: "triton" (decode_attention.py: CUDA, bf16/fp16/fp32), "flash" (flash attention's varlen kernel:
         CUDA, bf16/fp16), "gather" (each row's positions gathered, then SDPA with a mask: any device and dtype)
-        or "auto" (triton where it serves the pool's dtype, else flash where `flash_ok`, else gather)."""
+        or "auto" (triton where it serves the pool's dtype, else flash where `flash_ok`, else gather).
+        fuse: a torch.compile backend for the decode step's elementwise work (`_Fused`; "inductor" on a GPU), or
+        None: eager kernels. Prefill stays eager either way."""
         self.model, self.max_batch_size, self.graphs = model, max_batch_size, graphs
         self.copies: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = [] if keep_params else None
         self.synced = None  # the generator's weight_writes the copies were last brought up to (Generator sets it)
@@ -159,6 +206,7 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._logits: torch.Tensor | None = None  # [slots, V] float32: the graphs' output (one buffer for all)
+        self.fused = _Fused(fuse) if fuse else None
 
     @staticmethod
     def _plan(layer, cfg, copies: list | None) -> _Layer:
@@ -341,7 +389,7 @@ class StaticDecoder:
             bias.masked_fill_(torch.arange(t, device=x.device)[None, None, None, :] > pos[:, None, None, None],
                               float("-inf"))
         for i, p in enumerate(self.plan):
-            q, k, v = self._qkv(p, x, cos, sin)  # q [b, Hq, 1, D], k/v [b, Hkv, 1, D]
+            q, k, v = self._qkv(p, x, cos, sin) if self.fused is None else self._fused_qkv(p, x, cos, sin)
             self.k[i, at] = k[:, :, 0]
             self.v[i, at] = v[:, :, 0]
             if self.kernel == "triton":
@@ -353,8 +401,25 @@ class StaticDecoder:
                 q = q.reshape(b, self.kv_heads, self.group, self.head_dim)  # a KV head's query heads as G queries
                 a = F.scaled_dot_product_attention(q, self.k[i][idx].transpose(1, 2), self.v[i][idx].transpose(1, 2),
                                                    attn_mask=bias, scale=self.scaling)  # [b, Hkv, G, D]
-            x = self._rest(p, x, a.reshape(b, 1, -1))
+            if self.fused is not None and p.gate_up is not None:
+                mlp, at_ = p.layer.mlp, p.layer.self_attn.o_proj
+                x = self.fused.post(x, a.reshape(b, 1, -1), at_.weight, at_.bias, p.layer.post_attention_layernorm.weight,
+                                    p.layer.post_attention_layernorm.variance_epsilon, *p.gate_up,
+                                    mlp.down_proj.weight, mlp.down_proj.bias)
+            else:
+                x = self._rest(p, x, a.reshape(b, 1, -1))
+        if self.fused is not None:
+            head = self.model.lm_head
+            return self.fused.head(x[:, 0], self.norm.weight, self.norm.variance_epsilon, head.weight, head.bias)
         return self.model.lm_head(_rms(self.norm, x[:, 0])).float()  # [b, V]
+
+    def _fused_qkv(self, p: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """`_qkv` through the compiled `_pre_attention` (tensors only: one graph for every layer)."""
+        attn, norm = p.layer.self_attn, p.layer.input_layernorm
+        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        return self.fused.pre(x, norm.weight, norm.variance_epsilon, *p.qkv, cos, sin, self.q_heads, self.kv_heads,
+                              self.head_dim, None if qn is None else qn.weight, None if kn is None else kn.weight,
+                              1e-6 if qn is None else qn.variance_epsilon)
 
     def _flash(self, q, k, v, first, seen, t: int) -> torch.Tensor:
         """Flash attention's varlen kernel over the rows' regions: the G query heads of a KV head are that
