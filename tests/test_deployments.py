@@ -183,47 +183,45 @@ def test_bad_parameters_fail_validation(stack):
         "invalid configuration (configs/demo.yaml + overrides): rollout.top_p: Input should be greater than 0"), run
 
 
-def test_second_run_reuses_actors_and_continues(stack):
+def test_a_second_run_recreates_its_killed_engine_reuses_its_trainer_and_continues(stack):
+    """The next deployment run of the experiment after its engine died: the engine is made again (with the
+    current weights pushed), the trainer rank kept, and the iterations continue where the last run ended."""
     before = stack.first_actors
-    parent = stack.run_train(3)
-    assert parent["state_type"] == "COMPLETED", parent["state"]
-    after = stack.actors()
-    for name in ("engine-0", "policy-trainer-0"):
-        assert after[name]["id"] == before[name]["id"], f"{name} was recreated"
-    names = [r["name"] for r in stack.post("/flow_runs/filter", {"limit": 200})]
-    assert names.count(f"{EXP}-iter-0002") == 1 and names.count(f"{EXP}-iter-0000") == 1
-    assert after["engine-0"]["weight_version"] == "3"
-
-
-def test_killed_engine_is_recreated(stack):
-    before = stack.actors()
     code = ("import os, signal, ray; ray.init(address=os.environ['RAY_ADDRESS'], log_to_driver=False); "
             f"e = ray.get_actor('engine-0', namespace='reflow-{EXP}'); "
             "os.kill(ray.get(e.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)")
     subprocess.run([sys.executable, "-c", code], env=stack.env, check=True, timeout=120, capture_output=True)
-    parent = stack.run_train(4)
+    parent = stack.run_train(3)
     assert parent["state_type"] == "COMPLETED", parent["state"]
     after = stack.actors()
     assert after["engine-0"]["id"] != before["engine-0"]["id"]
-    assert after["policy-trainer-0"]["id"] == before["policy-trainer-0"]["id"]
-    assert after["engine-0"]["weight_version"] == "4"
+    assert after["policy-trainer-0"]["id"] == before["policy-trainer-0"]["id"], "the trainer was recreated"
+    assert after["engine-0"]["weight_version"] == "3"
+    names = [r["name"] for r in stack.post("/flow_runs/filter", {"limit": 200})]
+    assert names.count(f"{EXP}-iter-0002") == 1 and names.count(f"{EXP}-iter-0000") == 1
 
 
 def test_rerun_after_crash_in_train_does_not_generate_again(stack):
-    stages = stack.run_dir() / "iterations" / "000004" / "stages"
-    crashed = stack.run_train(5, "--job-variable", 'env={"REFLOW_FAULT_KILL_DURING_TRAIN": "4"}')
+    """A run killed in its train stage, then run again: the same engine and trainer serve the rerun (a run's
+    actors outlive it), and the rollouts it had persisted are trained on, not generated again."""
+    stages = stack.run_dir() / "iterations" / "000003" / "stages"
+    crashed = stack.run_train(4, "--job-variable", 'env={"REFLOW_FAULT_KILL_DURING_TRAIN": "3"}')
     assert crashed["state_type"] in ("CRASHED", "FAILED"), crashed["state"]
-    assert (stages / "scored.json").is_file(), "the rollouts of iteration 4 were not persisted before train"
+    assert (stages / "scored.json").is_file(), "the rollouts of iteration 3 were not persisted before train"
     mtime = (stages / "scored.batch.json").stat().st_mtime_ns
-    served = int(stack.actors()["engine-0"]["sequences"])
+    before = stack.actors()
+    served = int(before["engine-0"]["sequences"])
 
-    parent = stack.run_train(5)
+    parent = stack.run_train(4)
     assert parent["state_type"] == "COMPLETED", parent["state"]
-    metrics = json.loads((stack.run_dir() / "iterations" / "000004" / "metrics.json").read_text())
+    metrics = json.loads((stack.run_dir() / "iterations" / "000003" / "metrics.json").read_text())
     assert metrics.get("scored_from_storage") == 1.0
     assert (stages / "scored.batch.json").stat().st_mtime_ns == mtime
+    after = stack.actors()
+    for name in ("engine-0", "policy-trainer-0"):
+        assert after[name]["id"] == before[name]["id"], f"{name} was recreated"
     # The engine only served the final eval (8 held-out prompts, greedy): no rollout was regenerated.
-    assert int(stack.actors()["engine-0"]["sequences"]) - served == 8
+    assert int(after["engine-0"]["sequences"]) - served == 8
 
 
 def test_cluster_down_releases_the_experiment(stack):  # last: releases the actors
