@@ -156,3 +156,20 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
+
+
+def child_row(cmd: list[str], name: str) -> dict:
+    """One variant of a bench in a child process of its own (dynamo's recompile limit and the CUDA caching
+    allocator are per process): run `cmd` to its end; its row is the JSON after the last `ROW ` line of its
+    stdout, with the child's wall seconds as `process_s`. A child that fails gives {"variant": name, "error": ...}
+    and its output's tail on stdout, and the caller goes on with the next variant."""
+    import json
+    import time
+
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    found = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
+    if r.returncode or not found:
+        print(f"  {name}: FAILED (exit {r.returncode})\n{(r.stdout + r.stderr)[-3000:]}", flush=True)
+        return {"variant": name, "error": (r.stderr or r.stdout)[-800:]}
+    return {**json.loads(found[-1][4:]), "process_s": time.perf_counter() - t0}

@@ -34,13 +34,13 @@ import math
 import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import child_row  # bench/ is this script's folder, first on sys.path
 
 HERE = Path(__file__).resolve().parent
 PEAK_BF16 = {"cuda": 989e12, "cpu": float("nan")}
@@ -284,17 +284,10 @@ def main() -> None:
           f"{args.budget}, padded micro {args.micro}; {args.steps} timed steps; device {args.device}", flush=True)
     rows = []
     for name in args.variants.split(","):
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name, "--folder", str(folder)]
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        found = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
-        if r.returncode or not found:
-            print(f"  {name}: FAILED (exit {r.returncode})\n{(r.stdout + r.stderr)[-3000:]}", flush=True)
-            rows.append({"variant": name, "error": (r.stderr or r.stdout)[-800:]})
-            continue
-        row = json.loads(found[-1][4:])
-        row["process_s"] = time.perf_counter() - t0
+        row = child_row([sys.executable, __file__, *sys.argv[1:], "--variant", name, "--folder", str(folder)], name)
         rows.append(row)
+        if "error" in row:
+            continue
         print(f"  {name:13s} {row['s']:.3f} s/step  {row['tok_s']:.0f} tok/s  {row['tflops']:.1f} TFLOP/s  "
               f"MFU(executed) {row['mfu_executed']:.1%}  peak {row['peak_gib']:.1f} GiB"
               + (f"  pad {row['pad_fraction']:.3f}" if "pad_fraction" in row else ""), flush=True)

@@ -25,13 +25,13 @@ import json
 import os
 import random
 import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
+from _common import child_row  # bench/ is this script's folder, first on sys.path
 
 # name -> (packed, RankSettings overrides); "budget" is replaced by --budget
 VARIANTS: dict[str, tuple[bool, dict]] = {
@@ -162,17 +162,11 @@ def main() -> None:
     rows, updates = [], {}
     for name in names:
         upd = work / f"{name}.pt"
-        cmd = [sys.executable, __file__, *sys.argv[1:], "--variant", name, "--update-file", str(upd),
-               "--folder", args.folder]
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        found = [ln for ln in r.stdout.splitlines() if ln.startswith("ROW ")]
-        if r.returncode or not found:
-            print(f"  {name}: FAILED (exit {r.returncode})\n{(r.stdout + r.stderr)[-3000:]}", flush=True)
-            rows.append({"variant": name, "error": (r.stderr or r.stdout)[-800:]})
+        row = child_row([sys.executable, __file__, *sys.argv[1:], "--variant", name, "--update-file", str(upd),
+                         "--folder", args.folder], name)
+        if "error" in row:
+            rows.append(row)
             continue
-        row = json.loads(found[-1][4:])
-        row["process_s"] = time.perf_counter() - t0
         updates[name] = torch.load(upd)
         if name != names[0] and names[0] in updates:
             ref_row = rows[0]

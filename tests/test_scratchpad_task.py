@@ -111,19 +111,19 @@ def test_warmup_batch_puts_labels_on_the_worked_response_and_eos():
 
 def test_left_padded_greedy_decodes_each_prompt_as_it_would_alone():
     """The GPU setting's accuracy check decodes prompts of every length in one left-padded batch
-    (demo_policy._greedy_left_padded): token for token what each prompt's own group gives, so the check's
+    (demo_policy._greedy): token for token what each prompt's own group gives, so the check's
     figure does not depend on the batching (float32 on CPU; a tiny random model, which never says eos)."""
     import torch
 
     from reflow.rl.data import encode_prompt
-    from reflow.rl.demo_policy import _greedy_left_padded, _greedy_same_length, build_model
+    from reflow.rl.demo_policy import _greedy, build_model
 
     tok = build_tokenizer()
     model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, max_positions=128, seed=1).eval()
     prompts = encode_prompt(tok, ["3*4=", "47*36=", "123*45=", "9*9=", "6012*77="])
     with torch.no_grad():
-        alone = [_greedy_same_length(model, [p], 24, tok.eos_token_id)[0] for p in prompts]
-        batched = _greedy_left_padded(model, prompts, 24, tok.eos_token_id, tok.pad_token_id)
+        alone = [_greedy(model, [p], 24, tok.eos_token_id)[0] for p in prompts]
+        batched = _greedy(model, prompts, 24, tok.eos_token_id, tok.pad_token_id)
     assert len({len(p) for p in prompts}) > 2 and batched == alone
     # a mutation check: the padding's mask matters here (attended, the pads change how the prompts' last tokens
     # are scored), so the equality above is not one any batching would pass

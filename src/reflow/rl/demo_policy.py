@@ -162,51 +162,35 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
 
 
 @torch.no_grad()
-def _greedy_same_length(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int) -> list[list[int]]:
-    """Greedy continuations of equal-length prompts (no padding needed), KV-cached, stop at eos."""
-    from transformers import DynamicCache
-
-    ids = torch.tensor(prompt_ids, dtype=torch.long, device=model.device)  # [B, P]
-    # transformers 5.x renamed `past_key_values` to `cache`; the cache object is updated in place
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    kv = {key: DynamicCache(config=model.config), "use_cache": True}
-    out, new = model(input_ids=ids, **kv), []
-    done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=model.device)  # [B]
-    for _ in range(max_new_tokens):
-        nxt = out.logits[:, -1].argmax(-1)  # [B]
-        new.append(nxt)
-        done |= nxt == eos_id
-        if bool(done.all()):
-            break
-        out = model(input_ids=nxt[:, None], **kv)
-    toks = torch.stack(new, dim=1).tolist()  # [B, n]
-    return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
-
-
-def _greedy_left_padded(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int
-                        ) -> list[list[int]]:
-    """`_greedy_same_length` for prompts of any lengths in one batch: left-padded, the padding masked out and each
-    row's positions counted from its first real token, so a row continues as it would alone."""
+def _greedy(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int = 0
+            ) -> list[list[int]]:
+    """Greedy continuations of `prompt_ids` in one batch, KV-cached, each stopping at eos. Prompts of one length
+    run as they are (no mask); of several lengths, left-padded, the padding masked out and each row's positions
+    counted from its first real token, so a row continues as it would alone."""
     from transformers import DynamicCache
 
     width = max(len(p) for p in prompt_ids)
     ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompt_ids], device=model.device)  # [B, P]
-    attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)  # [B, P]
+    # transformers 5.x renamed `past_key_values` to `cache`; the cache object is updated in place
     key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     kv = {key: DynamicCache(config=model.config), "use_cache": True}
-    pos = (attn.cumsum(1) - 1).clamp(min=0)  # [B, P]
-    out, new = model(input_ids=ids, attention_mask=attn, position_ids=pos, **kv), []
+    padded: dict[str, torch.Tensor] = {}
+    if any(len(p) != width for p in prompt_ids):
+        attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids], device=model.device)
+        padded = {"attention_mask": attn, "position_ids": (attn.cumsum(1) - 1).clamp(min=0)}  # [B, P] each
+    out, new = model(input_ids=ids, **padded, **kv), []
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=model.device)  # [B]
-    nxt_pos = pos[:, -1:]  # [B, 1]
     for _ in range(max_new_tokens):
         nxt = out.logits[:, -1].argmax(-1)  # [B]
         new.append(nxt)
         done |= nxt == eos_id
         if bool(done.all()):
             break
-        attn = torch.cat([attn, attn.new_ones(len(prompt_ids), 1)], dim=1)
-        nxt_pos = nxt_pos + 1
-        out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=nxt_pos, **kv)
+        if padded:  # the new token attends to everything so far, one position past the row's last
+            attn = padded["attention_mask"]
+            padded = {"attention_mask": torch.cat([attn, attn.new_ones(len(prompt_ids), 1)], dim=1),
+                      "position_ids": padded["position_ids"][:, -1:] + 1}
+        out = model(input_ids=nxt[:, None], **padded, **kv)
     toks = torch.stack(new, dim=1).tolist()  # [B, n]
     return [t[: t.index(eos_id) + 1] if eos_id in t else t for t in toks]
 
@@ -221,7 +205,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
 
     Plain batched decoding for the bootstrap report only (the rollout engine is separate).
     Rows are grouped by prompt length so no padding is needed; `left_pad`: batches of `batch` rows of any prompt
-    length, left-padded (`_greedy_left_padded`), for long responses on a GPU, where a decode step costs about the
+    length, left-padded (`_greedy`), for long responses on a GPU, where a decode step costs about the
     same for 20 rows as for 200 and the groups by length would each decode the longest response again.
     """
     from reflow.rl.data import encode_prompt
@@ -237,8 +221,7 @@ def greedy_accuracy(model, tokenizer, rows: list[dict], max_new_tokens: int, bat
     for idx in by_len.values():
         for s in range(0, len(idx), batch):
             chunk = idx[s : s + batch]
-            outs = (_greedy_left_padded(model, [prompts[i] for i in chunk], max_new_tokens, eos, tokenizer.pad_token_id)
-                    if left_pad else _greedy_same_length(model, [prompts[i] for i in chunk], max_new_tokens, eos))
+            outs = _greedy(model, [prompts[i] for i in chunk], max_new_tokens, eos, tokenizer.pad_token_id or 0)
             for i, toks in zip(chunk, outs):
                 text = tokenizer.decode(toks, skip_special_tokens=True)
                 right += int(bool(toks) and toks[-1] == eos and correct(rows[i], text))
