@@ -63,6 +63,7 @@ def test_static_matches_eager_greedy(kind, tok):
     _assert_same(reference, _greedy(Generator(model, tok, max_batch_size=16, decoder="eager")))
 
 
+@pytest.mark.slow  # dynamo traces the three step functions for each family: ~3 s each, like the trainer's compile tests
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
 def test_fused_step_matches_the_eager_one(kind, tok):
     """decode_fusion: the step's norms, RoPE, residuals and SiLU through torch.compile'd functions of tensors
