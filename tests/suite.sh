@@ -39,6 +39,9 @@
 # Session 37 (test_resume's file:// chain one `reflow train` run shorter, the PPO 2-iteration run shared by two tests;
 # SGLang's new launcher settings' tests): clean clone .ci/run 25m15s (the rest 1468 s, 1101 passed; these 1415 s) and
 # 24m53s (1453 s; 1398 s): the runs taken out (~40 s of CPU) are within this VM's run-to-run spread.
+# Session 38 (one deployment run fewer, the GPU bench's smoke on two variants, ~8 tests more): clean clone .ci/run
+# 21m26s (the rest 1252 s, 1105 passed; these 1223 s): most of the 3.5 minutes is this VM's day (the same tests ran
+# 10-25 % faster throughout, e.g. test_retrain 50 -> 38 s), not the change (~30 s of one deployment run).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
