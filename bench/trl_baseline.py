@@ -45,12 +45,12 @@ PROCESS_START = psutil.Process().create_time()  # wall-clock seconds (epoch) at 
 # micro: rows per forward/backward (None: batch), so batch / micro gradient-accumulation steps a step.
 # addition (configs/gpu-demo.yaml: lr 3e-5, group 8, clip 0.2, beta 0; its optimizer steps are of 512): 64 x 8
 # generated and trained on as one step of 512, as bench/RESULTS.md 29 ran it. scratchpad (configs/gpu-scratchpad.yaml:
-# the same lr, group, clip and beta; 64 prompts x 8 an iteration, 2 optimizer steps of 256 on it).
+# the same group, clip and beta, its lr of 3e-6; 64 prompts x 8 an iteration, 2 optimizer steps of 256 on it).
 TASKS = {
     "addition": {"reward_fn": "reflow.rl.demo_task:reward", "max_new": 6, "batch": 512, "generation_batch": None,
-                 "micro": None},
+                 "micro": None, "lr": 3e-5},
     "scratchpad": {"reward_fn": "reflow.rl.scratchpad_task:reward", "max_new": 1000, "batch": 256,
-                   "generation_batch": 512, "micro": 32},
+                   "generation_batch": 512, "micro": 32, "lr": 3e-6},
 }
 
 
@@ -175,7 +175,8 @@ def main() -> None:
                    help="rows per forward/backward, --batch / --micro accumulated a step (addition: --batch; "
                         "scratchpad: 32)")
     p.add_argument("--generations", type=int, default=8, help="group size (reflow's n_samples_per_prompt)")
-    p.add_argument("--lr", type=float, default=3e-5)
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the task's config's: addition 3e-5, "
+                   "scratchpad 3e-6)")
     p.add_argument("--max-new", type=int, default=None,
                    help="completion token limit, reflow's max_new_tokens (addition: 6; scratchpad: 1000)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
