@@ -85,14 +85,18 @@ def captured(logger_name: str, level: int = logging.WARNING) -> Iterator[list[st
     handler.emit = lambda record: messages.append(record.getMessage())
     logger = logging.getLogger(logger_name)
     logger.addHandler(handler)
-    saved = logger.level
+    saved, disabled = logger.level, logger.disabled
     if logger.getEffectiveLevel() > level:
         logger.setLevel(level)
+    # a logging setup run earlier in the session (dictConfig's disable_existing_loggers, as a library's may run) leaves
+    # the logger disabled, and a disabled logger calls no handler: in random order this read no warning at all
+    logger.disabled = False
     try:
         yield messages
     finally:
         logger.removeHandler(handler)
         logger.setLevel(saved)
+        logger.disabled = disabled
 
 
 def write_config(path: Path, policy: Path, storage_root: str, experiment: str, **extra) -> Path:

@@ -309,11 +309,13 @@ def test_train_and_eval_only_with_everything_at_the_configured_endpoint(s3, pref
     one byte of the checkpoint's weights changed: refused, naming the file and the checkpoint."""
     from prefect.settings import PREFECT_API_URL
 
-    fs, base = _fs(s3), f"{BUCKET}/e2e"
+    fs, base = _fs(s3), f"{BUCKET}/endpoint"
     fs.put(f"{tiny_policy}/", f"{base}/policy/", recursive=True)
     fs.pipe(f"{base}/train.jsonl", _jsonl(_rows("1", 16)))
     fs.pipe(f"{base}/held.jsonl", _jsonl(_rows("9", 4)))
-    cfg = _cfg(s3, "e2e", f"model.path=s3://{base}/policy", "data.task=file", f"data.path=s3://{base}/train.jsonl",
+    # experiment "endpoint", not "e2e": in one pytest process (make test-random) tests/test_e2e.py reads the session's
+    # Prefect server for the runs and artifacts of its experiment "e2e"
+    cfg = _cfg(s3, "endpoint", f"model.path=s3://{base}/policy", "data.task=file", f"data.path=s3://{base}/train.jsonl",
                f"data.eval_path=s3://{base}/held.jsonl", "num_iterations=1", "eval.before_train=false",
                "data.reward_fn=tests.ckpt_fixtures:digit_reward", "rollout.prompts_per_iteration=4",
                "rollout.n_samples_per_prompt=2", "rollout.max_new_tokens=4", "trainer.micro_batch_size=8",
@@ -328,9 +330,9 @@ def test_train_and_eval_only_with_everything_at_the_configured_endpoint(s3, pref
     assert fs.exists(f"{base}/pushes/reflow-weight-push/v1/model.safetensors"), "the disk push did not go to S3"
     rc, out = _run("evaluate", config, env)
     assert rc == 0, out[-4000:]
-    assert fs.exists(f"{base}/runs/e2e/evals/iter_000001/held/summary.json")
+    assert fs.exists(f"{base}/runs/endpoint/evals/iter_000001/held/summary.json")
     store = ExperimentStore.from_config(cfg.storage, cfg.experiment)
     _corrupt_same_size(store, "checkpoints/iter_000001/model/model.safetensors")
     rc, out = _run("evaluate", config, {**env, "REFLOW_CACHE": str(tmp_path / "fresh-cache")})
     assert rc != 0 and "ChecksumError" in out and "model.safetensors" in out, out[-4000:]
-    assert f"s3://{base}/runs/e2e/checkpoints/iter_000001" in out, out[-4000:]
+    assert f"s3://{base}/runs/endpoint/checkpoints/iter_000001" in out, out[-4000:]
