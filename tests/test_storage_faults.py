@@ -216,7 +216,9 @@ def test_s3_preflight_advice_names_bucket_and_credentials(s3):
     t0 = time.monotonic()
     with pytest.raises(StorageError) as e:
         store.preflight()
-    assert time.monotonic() - t0 < 2.0
+    # not retried as an outage (that would take the 60 s outage budget); the bound leaves room for a loaded machine:
+    # 2 s failed a clean-clone rehearsal at 2.49 s with the other pytest process beside it
+    assert time.monotonic() - t0 < 20.0
     assert "s3://no-such-bucket/runs/exp" in str(e.value) and "bucket" in str(e.value) and "credentials" in str(e.value)
 
 
