@@ -115,8 +115,7 @@ def _fuse(linears, copies: list | None = None) -> tuple[torch.Tensor, torch.Tens
 
 def _rms(norm, x: torch.Tensor) -> torch.Tensor:
     """HF's Llama/Qwen RMSNorm (float32 statistics, cast back, then the weight) in fewer kernels."""
-    y = F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
-    return norm.weight * y
+    return _norm(x, norm.weight, norm.variance_epsilon)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -363,12 +362,17 @@ class StaticDecoder:
     @staticmethod
     def _rest(p: _Layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, norm, MLP (gate/up as one product where fused), residual."""
+        if p.gate_up is not None:
+            return _post_attention(x, attn_out, *StaticDecoder._post_weights(p))
         x = x + p.layer.self_attn.o_proj(attn_out)
-        h = _rms(p.layer.post_attention_layernorm, x)
-        if p.gate_up is None:
-            return x + p.layer.mlp(h)
-        gate, up = F.linear(h, *p.gate_up).chunk(2, dim=-1)
-        return x + p.layer.mlp.down_proj(F.silu(gate) * up)
+        return x + p.layer.mlp(_rms(p.layer.post_attention_layernorm, x))
+
+    @staticmethod
+    def _post_weights(p: _Layer) -> tuple:
+        """`_post_attention`'s tensors of layer `p` (a fused gate/up)."""
+        o, norm, down = p.layer.self_attn.o_proj, p.layer.post_attention_layernorm, p.layer.mlp.down_proj
+        assert p.gate_up is not None
+        return (o.weight, o.bias, norm.weight, norm.variance_epsilon, *p.gate_up, down.weight, down.bias)
 
     def _step(self, b: int, t: int) -> torch.Tensor:
         """One decode step for batch rows 0..b-1 from the static inputs `_tok`, `_at` (position, region start);
@@ -402,10 +406,7 @@ class StaticDecoder:
                 a = F.scaled_dot_product_attention(q, self.k[i][idx].transpose(1, 2), self.v[i][idx].transpose(1, 2),
                                                    attn_mask=bias, scale=self.scaling)  # [b, Hkv, G, D]
             if self.fused is not None and p.gate_up is not None:
-                mlp, at_ = p.layer.mlp, p.layer.self_attn.o_proj
-                x = self.fused.post(x, a.reshape(b, 1, -1), at_.weight, at_.bias, p.layer.post_attention_layernorm.weight,
-                                    p.layer.post_attention_layernorm.variance_epsilon, *p.gate_up,
-                                    mlp.down_proj.weight, mlp.down_proj.bias)
+                x = self.fused.post(x, a.reshape(b, 1, -1), *self._post_weights(p))
             else:
                 x = self._rest(p, x, a.reshape(b, 1, -1))
         if self.fused is not None:
