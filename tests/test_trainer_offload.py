@@ -152,3 +152,14 @@ def test_moments_only_offload_leaves_the_master_weights_in_place():
     assert all(s.nbytes() == 0 for s in moments) and all(p.numel() for p in opt.fp32_partitioned_groups_flat)
     copies.reload()
     assert all(torch.equal(a, b) for a, b in zip(before, opt.fp32_partitioned_groups_flat))
+
+
+def test_muon_is_imported_without_inductor_where_deepspeed_came_first():
+    """transformers' save_pretrained imports deepspeed (a driver or test building a policy did): import_deepspeed
+    still imports DeepSpeed's Muon module with its torch.compile decorator made lazy, before a ZeRO engine's sanity
+    check would import it with inductor (1.3 of a tiny rank's 1.6 s of CPU to build its engine)."""
+    code = ("import sys, deepspeed; from reflow.engines.train.ds_rank import _MUON, import_deepspeed; import_deepspeed(); "
+            "print('RESULT', _MUON in sys.modules, 'torch._inductor.compile_fx' in sys.modules)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "RESULT True False" in p.stdout, p.stdout[-2000:]

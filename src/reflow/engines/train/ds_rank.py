@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import math
 import os
 import random
@@ -115,6 +116,9 @@ def ds_config(zero_stage: int, precision: str, grad_clip: float, micro_batch_siz
     return cfg
 
 
+_MUON = "deepspeed.runtime.zero.muon.muon_optimizer"
+
+
 def import_deepspeed():
     """`import deepspeed`, without two imports that cost a CPU trainer process ~3.5 s of its start-up for nothing.
 
@@ -124,17 +128,20 @@ def import_deepspeed():
     CPU rank never compiles otherwise): it is imported here with that decorator made lazy, compiling at a first call
     that never comes (reflow steps its own AdamW). Measured on 2 cores: a tiny ZeRO-1 rank from start to its first
     step 8.9 s of CPU at 95fda04, ~5 s with this."""
-    if "deepspeed" in sys.modules:
-        import deepspeed
+    if "deepspeed" not in sys.modules:
+        with mlflow_hidden():
+            import deepspeed
+    import deepspeed
+    if _MUON in sys.modules:
         return deepspeed
-    with mlflow_hidden():
-        import deepspeed
+    # Also where deepspeed came in earlier (transformers' save_pretrained imports it): Muon is imported at the first
+    # ZeRO engine's sanity check otherwise, with inductor (1.3 s of a tiny rank's 1.6 s build, 2 cores).
     from deepspeed.runtime import compiler
 
     eager = compiler.compile
     compiler.compile = _lazy_compile
     try:
-        import deepspeed.runtime.zero.muon.muon_optimizer  # noqa: F401
+        importlib.import_module(_MUON)
     except ImportError:  # a DeepSpeed without Muon
         pass
     finally:
