@@ -133,7 +133,7 @@ def test_ranks_on_gpus_join_over_nccl():
     from reflow.infra.config.schema import RunConfig
     from reflow.infra.config.settings import critic_rank_settings, policy_rank_settings
 
-    cfg = RunConfig.model_validate({"trainer": {"num_ranks": 2}})
+    cfg = RunConfig.model_validate({"trainer": {"num_ranks": 2, "precision": "fp32"}})  # auto on GPUs reads the policy
     assert policy_rank_settings(cfg, gpus=True).backend == critic_rank_settings(cfg, gpus=True).backend == "nccl"
     assert policy_rank_settings(cfg).backend == critic_rank_settings(cfg, gpus=False).backend == "gloo"
 

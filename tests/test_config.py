@@ -78,6 +78,39 @@ def test_bare_on_off_mean_the_words():
         load_config(None, ["trainer.activation_checkpointing=sometimes"])
 
 
+def test_auto_precision_follows_the_gpus_and_the_policys_size(tiny_policy, monkeypatch):
+    """trainer.precision=auto (the default): fp32 without GPUs, whatever the policy; on GPUs bf16 from
+    AUTO_BF16_PARAMS parameters (bf16-mixed at ZeRO-0, which has no fp32 master weights), fp32 with TF32 products
+    below; a precision that is set is kept, and the policy is then never read."""
+    from reflow.infra.cluster import runtime
+    from reflow.infra.config import settings
+    from reflow.infra.config.settings import AUTO_BF16_PARAMS, policy_rank_settings, resolve_precision
+
+    def unread():
+        raise AssertionError("the policy's size was asked for")
+
+    auto = load_config(None, [f"model.path={tiny_policy}"])
+    assert auto.trainer.precision == "auto"
+    t1 = auto.trainer.model_copy(update={"zero_stage": 1})
+    assert resolve_precision(auto.trainer, False, unread) == ("fp32", False)
+    assert policy_rank_settings(auto).precision == "fp32"  # a CPU run needs no parameter count
+    assert resolve_precision(t1, True, lambda: AUTO_BF16_PARAMS) == ("bf16", False)
+    assert resolve_precision(auto.trainer, True, lambda: AUTO_BF16_PARAMS) == ("bf16-mixed", False)
+    assert resolve_precision(t1, True, lambda: AUTO_BF16_PARAMS - 1) == ("fp32", True)
+    for p in ("fp32", "bf16", "bf16-mixed"):
+        assert resolve_precision(t1.model_copy(update={"precision": p}), True, unread) == (p, False)
+    with pytest.raises(ValueError, match="parameter count"):
+        policy_rank_settings(auto, gpus=True)  # on GPUs the caller must have counted
+    # The run counts the policy's parameters from its safetensors headers (the tiny one: ~22.5k)
+    assert runtime.run_precision(auto, True) == ("fp32", True)
+    assert runtime.engine_dtype(auto, True) == "fp32" and runtime.engine_dtype(auto, False) == "fp32"
+    monkeypatch.setattr(settings, "AUTO_BF16_PARAMS", 20_000)
+    big = auto.model_copy(update={"trainer": t1})
+    assert runtime.run_precision(big, True) == ("bf16", False) and runtime.engine_dtype(big, True) == "bf16"
+    rank = policy_rank_settings(big, True, runtime.run_precision(big, True))
+    assert (rank.precision, rank.backend) == ("bf16", "nccl")
+
+
 def test_bf16_mixed_keeps_fp32_weights_in_the_trainer_and_the_engines():
     """trainer.precision=bf16-mixed reaches the ranks as is (their forward runs under autocast: tests/test_trainer.py),
     while everything that holds weights (the ranks' model, checkpoints, engines on a GPU, SGLang's --dtype) is fp32."""

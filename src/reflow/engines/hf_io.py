@@ -168,6 +168,22 @@ def resolve_checkpoint(path_or_url: str, storage: StorageAccess | None = None, f
     return _check_folder(dest, path_or_url)
 
 
+def model_bytes(folder: str) -> tuple[int, int]:
+    """(parameters, bytes of the weights as stored) of an HF folder's safetensors files, from their headers."""
+    from safetensors import safe_open
+
+    params = stored = 0
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        stored += f.stat().st_size
+        with safe_open(str(f), "pt") as st:
+            for key in st.keys():
+                n = 1
+                for d in st.get_slice(key).get_shape():
+                    n *= int(d)
+                params += n
+    return params, stored
+
+
 def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess | None = None,
                    files: Files | None = None, attn_implementation: str | None = None):
     """`attn_implementation`: transformers' attention kernel (None: its default, SDPA where available)."""

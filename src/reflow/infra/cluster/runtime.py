@@ -12,6 +12,7 @@ an argument; a later flow run that reuses detached actors asks them for it over 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -28,7 +29,7 @@ from reflow.engines import ray_nodes
 from reflow.engines import rollout_stages as ro
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.gc_freeze import freeze_actor
-from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint
+from reflow.engines.hf_io import load_tokenizer, model_bytes, resolve_checkpoint
 from reflow.engines.http_serve import new_api_key
 from reflow.engines.rollout_client import EngineClient
 from reflow.engines.sglang.launcher import SGLangEngine, sglang_dtype
@@ -36,11 +37,17 @@ from reflow.engines.sglang.router import Router, SGLangRouter, sglang_router_ava
 from reflow.engines.storage_access import StorageAccess
 from reflow.engines.train.critic import CriticGroup
 from reflow.engines.train.group import TrainerGroup, TrainerInitError
-from reflow.engines.train.settings import weights_precision
+from reflow.engines.train.settings import Precision, weights_precision
 from reflow.infra.cluster import actors, placement
 from reflow.infra.cluster.ray_connect import attached_to_running_cluster, connect, namespace_for
 from reflow.infra.config.schema import RunConfig, dump_config
-from reflow.infra.config.settings import critic_rank_settings, policy_rank_settings, push_settings, storage_access
+from reflow.infra.config.settings import (
+    critic_rank_settings,
+    policy_rank_settings,
+    push_settings,
+    resolve_precision,
+    storage_access,
+)
 from reflow.infra.inputs.eval_sets import EvalSet, load_eval_sets
 from reflow.infra.inputs.prompts import load_prompts
 from reflow.infra.store import checkpoint as ckpt
@@ -110,10 +117,21 @@ def runtime_api_key(namespace: str, num_engines: int, timeout_s: float = 30.0) -
     return new_api_key()
 
 
+@functools.lru_cache(maxsize=16)
+def _policy_params(path: str, storage: StorageAccess) -> int:
+    return model_bytes(str(resolve_checkpoint(path, storage)))[0]
+
+
+def run_precision(cfg: RunConfig, gpu: bool) -> tuple[Precision, bool]:
+    """(precision, tf32) of this run's ranks and engines: trainer.precision=auto decided by the policy's size on GPUs
+    (infra/config/settings.resolve_precision), its parameters counted from model.path's safetensors headers once."""
+    return resolve_precision(cfg.trainer, gpu, lambda: _policy_params(cfg.model.path, storage_access(cfg)))
+
+
 def engine_dtype(cfg: RunConfig, gpu: bool) -> str:
     """What an engine computes in: on a GPU the dtype the trainer holds its weights in, so pushes land unchanged
     (bf16; fp32, and bf16-mixed's fp32 weights); on CPU fp32."""
-    return weights_precision(cfg.trainer.precision) if gpu else "fp32"
+    return weights_precision(run_precision(cfg, gpu)[0]) if gpu else "fp32"
 
 
 def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_key: str, pg=None):
@@ -127,7 +145,7 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
         kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host,
                       api_key=api_key, storage=storage, model_files=files, device="cuda" if gpu else "cpu",
                       dtype=engine_dtype(cfg, bool(gpu)), fp32_lm_head=cfg.trainer.fp32_lm_head,
-                      tf32=cfg.trainer.tf32, kv_mem_fraction=r.kv_mem_fraction)
+                      tf32=run_precision(cfg, bool(gpu))[1], kv_mem_fraction=r.kv_mem_fraction)
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
@@ -280,7 +298,7 @@ def _start_trainers(cfg: RunConfig, namespace: str, detached: bool = False, pg=N
     ref = (cfg.model.ref_path or cfg.model.path) if cfg.algorithm.needs_ref else None
     return TrainerGroup.create(
         num_ranks=t.num_ranks, namespace=namespace, name_prefix="policy", num_cpus_per_rank=1,
-        model_path=cfg.model.path, settings=policy_rank_settings(cfg, gpus), ref_model_path=ref, detached=detached,
+        model_path=cfg.model.path, settings=policy_rank_settings(cfg, gpus, run_precision(cfg, gpus)), ref_model_path=ref, detached=detached,
         wait=wait, **_rank_nodes(cfg), **_rank_options(pg, t.num_ranks, placement.TRAINER_GPU, gpus))
 
 
@@ -292,7 +310,7 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
     n, gpus = cfg.trainer.num_ranks, use_gpus(cfg)
     return CriticGroup.create(
         num_ranks=n, namespace=namespace, name_prefix="critic", num_cpus_per_rank=1,
-        model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg, gpus), wait=wait,
+        model_path=cfg.critic.path or cfg.model.path, settings=critic_rank_settings(cfg, gpus, run_precision(cfg, gpus)), wait=wait,
         **_rank_nodes(cfg), **_rank_options(pg, n, placement.CRITIC_GPU, gpus))
 
 
@@ -339,6 +357,13 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     record, before_ids = actors.prepare_namespace(cfg, namespace) if persistent else (None, {})
     reusable = bool(before_ids)
     _check_gpu_room(cfg)
+    if cfg.trainer.precision == "auto":
+        gpus = use_gpus(cfg)
+        precision, tf32 = run_precision(cfg, gpus)
+        size = f"a policy of {_policy_params(cfg.model.path, storage_access(cfg)) / 1e6:,.0f}M parameters on GPUs" \
+            if gpus else "no GPUs"
+        log.info("trainer.precision=auto: %s%s (%s; set trainer.precision to choose)", precision,
+                 " with TF32 products" if tf32 and precision == "fp32" and gpus else "", size)
     pg = _colocation(cfg, namespace, persistent)
     api_key = runtime_api_key(namespace, cfg.rollout.num_engines)
     # Engines, policy ranks and critic ranks load at the same time (each is seconds of imports and

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import torch
 
+from reflow.engines.hf_io import model_bytes
 from reflow.engines.storage_access import StorageAccess, StorageError, UnsafeName
 from reflow.infra.config.schema import RunConfig
-from reflow.infra.config.settings import storage_access
+from reflow.infra.config.settings import resolve_precision, storage_access
 from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.rewards import RewardError
 from reflow.rl.types import Sample
@@ -270,27 +271,10 @@ def check_storage(cfg: RunConfig) -> str:
 OPTIMIZER_BYTES_PER_PARAM = 12
 
 
-def model_bytes(folder: str) -> tuple[int, int]:
-    """(parameters, bytes of the weights as stored) of an HF folder's safetensors files, from their headers."""
-
-    from safetensors import safe_open
-
-    params = stored = 0
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        stored += f.stat().st_size
-        with safe_open(str(f), "pt") as st:
-            for key in st.keys():
-                n = 1
-                for d in st.get_slice(key).get_shape():
-                    n *= int(d)
-                params += n
-    return params, stored
-
-
 def checkpoint_bytes(cfg: RunConfig, params: int) -> int:
     """What one full checkpoint of this run takes: the policy's weights as the trainer saves them (fp32 unless
     trainer.precision=bf16) and its optimizer state, and the same again for a critic (taken as large as the policy)."""
-    weights = params * (2 if cfg.trainer.precision == "bf16" else 4)
+    weights = params * (2 if cfg.trainer.precision == "bf16" else 4)  # auto: as fp32, the larger
     one = weights + params * OPTIMIZER_BYTES_PER_PARAM
     return one * (2 if cfg.algorithm.spec.needs_critic else 1)
 
@@ -351,11 +335,12 @@ def check_gpu_memory(cfg: RunConfig, access: StorageAccess) -> str | None:
     params, _ = model_bytes(local)
     model_cfg = AutoConfig.from_pretrained(local)
     t = cfg.trainer
+    precision, _ = resolve_precision(t, True, lambda: params)  # auto: what the ranks will take on these GPUs
     tokens = t.max_tokens_per_micro_batch or t.micro_batch_size * (cfg.data.max_prompt_len + cfg.rollout.max_new_tokens)
-    low = 2 if t.precision == "bf16" else 4
+    low = 2 if precision == "bf16" else 4
     checkpointing = t.activation_checkpointing == "on" or (
         t.activation_checkpointing == "auto" and activation_bytes(model_cfg, tokens, low) > gpu / 2)  # as the rank decides
-    est = rank_memory(model_cfg, params, precision=t.precision, zero_stage=t.zero_stage, world=t.num_ranks,
+    est = rank_memory(model_cfg, params, precision=precision, zero_stage=t.zero_stage, world=t.num_ranks,
                       tokens=tokens, checkpointing=checkpointing)
     engine, beside = 0, ""
     if cfg.cluster.colocate and not cfg.cluster.hand_over:  # the engine keeps its memory while the trainer trains
