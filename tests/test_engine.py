@@ -135,6 +135,31 @@ def test_fp32_lm_head_engine_samples_from_float32_logits(tiny_policy, tok, decod
         set_tf32(False)
 
 
+def test_decode_fusion_reaches_the_static_decoder_on_gpus_only(tiny_policy, tok):
+    """rollout.decode_fusion=auto compiles the static decoder's elementwise work with inductor where the engine holds a
+    GPU and nowhere else (CPU engines decode eagerly); the backend reaches the engine's generator and its
+    /server_info, and a fused static decoder answers as the eager one (aot_eager here: the same wiring, no codegen)."""
+    from reflow.infra.cluster.runtime import decode_fusion
+    from reflow.infra.config.schema import load_config
+
+    cfg = load_config(None, [])
+    assert (cfg.rollout.decode_fusion, decode_fusion(cfg, True), decode_fusion(cfg, False)) == ("auto", "inductor", None)
+    assert decode_fusion(load_config(None, ["rollout.decode_fusion=off"]), True) is None
+    e = EmbeddedEngine(str(tiny_policy), "fused-engine", threads=1, api_key=KEY, decoder="static",
+                       decode_fusion="aot_eager")
+    try:
+        assert httpx.get(f"{e.url()}/server_info", headers=AUTH).json()["decode_fusion"] == "aot_eager"
+        prompts = _ids(tok, PROMPTS[:3])
+        params = {"temperature": 0.0, "max_new_tokens": 6}
+        fused = e.generator.generate(prompts, params)
+        assert e.generator._static is not None and e.generator._static.fused is not None  # the fused step ran
+        plain = Generator(e.generator.model, e.generator.tokenizer, max_batch_size=8, decoder="static").generate(
+            prompts, params)
+        assert [r["output_ids"] for r in fused] == [r["output_ids"] for r in plain]
+    finally:
+        e.shutdown()
+
+
 def test_n_samples_are_prompt_major(gen, tok):
     prompts = _ids(tok, ["1+1=", "(3+4)*5=", "99-1="])
     recs = gen.generate(prompts, {"max_new_tokens": 5}, n=3)

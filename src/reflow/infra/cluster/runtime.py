@@ -134,6 +134,13 @@ def engine_dtype(cfg: RunConfig, gpu: bool) -> str:
     return weights_precision(run_precision(cfg, gpu)[0]) if gpu else "fp32"
 
 
+def decode_fusion(cfg: RunConfig, gpu: bool) -> str | None:
+    """The torch.compile backend of an embedded engine's fused decode step (rollout.decode_fusion), None for eager
+    kernels: inductor on a GPU (1.19-1.25x the eager step's tokens/s at batch 256 on the 1.5B shape, ~1.4 s more
+    warm-up: bench/RESULTS.md 42), none on CPU, where the engine decodes eagerly."""
+    return "inductor" if gpu and cfg.rollout.decode_fusion == "auto" else None
+
+
 def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_key: str, pg=None):
     """Get-or-create engine i (a named actor); both backends answer url()/ready()/shutdown()/api_key() and
     speak SGLang's HTTP API, so nothing after this point knows which one runs."""
@@ -145,7 +152,8 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
         kwargs = dict(threads=r.engine_threads, max_batch_size=r.max_batch_size, host=cfg.cluster.bind_host,
                       api_key=api_key, storage=storage, model_files=files, device="cuda" if gpu else "cpu",
                       dtype=engine_dtype(cfg, bool(gpu)), fp32_lm_head=cfg.trainer.fp32_lm_head,
-                      tf32=run_precision(cfg, bool(gpu))[1], kv_mem_fraction=r.kv_mem_fraction)
+                      tf32=run_precision(cfg, bool(gpu))[1], kv_mem_fraction=r.kv_mem_fraction,
+                      decode_fusion=decode_fusion(cfg, bool(gpu)))
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,

@@ -167,6 +167,7 @@ class RolloutConfig(_Strict):
     router: bool = Field(False, description="Serve /generate through one router over all engines (backend=sglang: sglang-router when installed; otherwise reflow's least-loaded proxy) that retries a request on another engine when one dies.")
     tp_size: int = Field(1, ge=1, description="sglang: tensor-parallel GPUs per engine.")
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
+    decode_fusion: Annotated[Literal["auto", "off"], BeforeValidator(_on_off)] = Field("auto", description="Embedded engine on a GPU: its CUDA-graph decode step's elementwise work between the matrix products (norms, rotary, residuals, SiLU, the last norm) compiled by torch.compile (inductor) into fewer kernels, each graph then replaying those; off: eager kernels. No effect on CPU (the eager decoder) or with backend=sglang.")
     kv_mem_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="Fraction of the GPU's memory an engine holds for weights + KV cache, as SGLang's mem_fraction_static: the embedded engine sizes one KV pool from it and admits a row when a region for its prompt + max_new_tokens is free (rows that do not fit wait; docs/engine.md). backend=sglang: passed as mem_fraction_static (setting both differently is refused). Null: the embedded engine gives each of max_batch_size slots room for the longest row of a call (rows never wait).")
 
     @field_validator("partial", mode="before")
