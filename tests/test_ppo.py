@@ -210,10 +210,11 @@ def test_checkpoint_restores_the_critic_bit_for_bit(ray_cluster, critic, tiny_po
             g.kill()
 
 
-def test_resumed_ppo_run_equals_the_uninterrupted_one(ppo_run, tiny_policy, tmp_path):
+def test_resumed_ppo_run_equals_the_uninterrupted_one(ppo_run, tiny_policy, tmp_path, monkeypatch):
     """2 iterations (conftest's ppo_run, shared with the estimator test), then a resume to 3, gives the critic
     (and policy) of a straight 3-iteration run bit for bit: the train flow saves the critic with the policy and
-    restores it exactly."""
+    restores it exactly. A run of the finished experiment then says so and trains nothing, touching no cluster."""
+    from reflow.flows import session
     from reflow.flows.train import train
     from tests.test_algorithms_e2e import CASES, _config
 
@@ -227,6 +228,14 @@ def test_resumed_ppo_run_equals_the_uninterrupted_one(ppo_run, tiny_policy, tmp_
     for rel in ("critic/model/model.safetensors", "critic/model/value_head.safetensors", "model/model.safetensors"):
         a, b = ((final[n] / rel).read_bytes() for n in final)
         assert a == b, f"{rel} differs after resume"
+
+    def no_cluster(*a, **k):
+        raise AssertionError("a finished experiment started its cluster")
+
+    monkeypatch.setattr(session, "start_cluster", no_cluster)
+    done = train(_config(tiny_policy, tmp_path, "ppo-straight", CASES["ppo"] + ["num_iterations=3"]))
+    assert (done["iterations"], done["start"], done["already_complete"]) == (0, 3, True)
+    assert "already completed 3 of num_iterations=3" in done["message"] and "raise it" in done["message"]
 
 
 def test_colocated_ppo_hands_the_critic_over_too(ray_cluster, prefect_server, tiny_policy, tmp_path):

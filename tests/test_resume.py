@@ -88,9 +88,9 @@ def _state(flow_run_id: str):
         return client.read_flow_run(flow_run_id).state
 
 
-@pytest.mark.timeout(1500)  # four `reflow train` runs (and the baseline's, when this test runs first): ~4 min quiet
+@pytest.mark.timeout(1500)  # three `reflow train` runs (and the baseline's, when this test runs first): ~4 min quiet
 def test_failed_background_commit_kills_and_resume_exactly(env, baseline, tiny_policy, tmp_path):
-    """One experiment through three runs, each ending another way, then a fourth with nothing left to do:
+    """One experiment through three runs, each ending another way:
 
     A. checkpoints commit in the background while the next iteration runs (checkpoint.background_commit, the
        default, which the baseline ran with); commit 2 fails, which stops the run at the next iteration's end
@@ -99,8 +99,8 @@ def test_failed_background_commit_kills_and_resume_exactly(env, baseline, tiny_p
        Ray helpers outlive it);
     C. resumed from 4 with synchronous saves: first cleans up after B and marks B's flow run CRASHED, then
        completes bit-identical to the uninterrupted baseline, so both ways of saving checkpoint the same weights,
-       with one lineage chain over the three runs;
-    D. finds num_iterations reached, says so and trains nothing.
+       with one lineage chain over the three runs.
+    (A run of a finished experiment, which trains nothing and says so, is test_ppo's, in-process.)
     (A kill right after a commit, and a resume from it, is test_s3_outage_then_kill_then_resume_exactly's.)"""
     root = f"file://{tmp_path}/runs"
     cfg = write_config(tmp_path / "run.yaml", tiny_policy, root, "killed")
@@ -133,9 +133,6 @@ def test_failed_background_commit_kills_and_resume_exactly(env, baseline, tiny_p
     _assert_matches_baseline(store, baseline, tmp_path)
     _assert_lineage_after_resumes(store, str(tiny_policy))
 
-    rc, out = run_train(cfg, env)  # the run already reached num_iterations: says so, trains nothing
-    assert rc == 0 and "already completed 6 of num_iterations=6" in out, out[-3000:]
-    assert "Started a local Ray instance" not in out
 
 
 def _assert_lineage_after_resumes(store: ExperimentStore, initial: str) -> None:
