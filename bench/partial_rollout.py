@@ -14,7 +14,11 @@ of --n samples, seeded per iteration. Modes (--modes, in that order; off again l
   this measures the engine, not learning);
 - drop: the same, the rest discarded;
 - carry_rounds, drop_rounds: the same in rounds of --chunk tokens (how a run on SGLang closes).
-Reported: seconds per iteration (mean over iterations), partial_speedup = off / carry (<mode>_speedup for the others), the engines' idle share of
+Reported: seconds per iteration (mean over iterations), partial_speedup = off / carry (<mode>_speedup for the others);
+the same after the first --warmup-iterations of each mode as `steady` (`partial_speedup_steady`...): a carrying run's
+first iteration has nothing carried yet and is an iteration of `off` with more rows, its pool filling over the next
+ones (the GPU runs of RESULTS 40-42 took 3 iterations, carry falling each: 9.68, 8.06, 5.63 s, where off stayed at
+8.7-10.5), so the all-iteration mean of a short run mixes that start into the rate a long run settles at; the engines' idle share of
 row-steps (engines/partial_rollout.py), and the trained responses' mean length: closing on the first complete
 groups prefers short ones (carried long ones train later; dropped ones never), which this shows rather than hides.
 """
@@ -108,6 +112,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=16, help="rollout.partial_chunk_tokens")
     ap.add_argument("--over", type=float, default=0.5, help="rollout.over_sample")
     ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--warmup-iterations", type=int, default=1,
+                    help="iterations of each mode left out of the `steady` figures (carry's pool fills over them)")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads of the engine")
     ap.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
                     help="the engine's dtype (on a GPU both decode with the Triton per-row-length attention kernel)")
@@ -119,6 +125,8 @@ def main() -> None:
                          "carry_rounds/drop_rounds in rounds of --chunk tokens (SGLang's)")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
+    if not 0 <= args.warmup_iterations < args.iterations:
+        ap.error(f"--warmup-iterations must be below --iterations ({args.iterations}), got {args.warmup_iterations}")
     _common.set_bench_env()
 
     from reflow.engines import rollout_stages as ro
@@ -143,22 +151,29 @@ def main() -> None:
             engine.shutdown()
     per = {k: statistics.mean(v["seconds"]) for k, v in res.items()}
     off = statistics.mean([v for k, v in per.items() if k.startswith("off")])
+    steady = {k: statistics.mean(v["seconds"][args.warmup_iterations:]) for k, v in res.items()}
+    off_steady = statistics.mean([v for k, v in steady.items() if k.startswith("off")])
     out = {"shape": {"size": args.size, "device": args.device, "prompts": args.prompts, "n": args.n,
                      "max_new_tokens": args.max_new, "median": args.median, "chunk": args.chunk, "over": args.over,
-                     "iterations": args.iterations, "kv_mem_fraction": args.kv_mem_fraction,
+                     "iterations": args.iterations, "warmup_iterations": args.warmup_iterations,
+                     "kv_mem_fraction": args.kv_mem_fraction,
                      "dtype": args.dtype, "end_rate": rates},
            "seconds_per_iteration": per, "modes": res,
            **{"partial_speedup" if k == "carry" else f"{k}_speedup": off / per[k] for k in per
               if not k.startswith("off")},
+           "seconds_per_iteration_steady": steady,
+           **{"partial_speedup_steady" if k == "carry" else f"{k}_speedup_steady": off_steady / steady[k] for k in steady
+              if not k.startswith("off")},
            **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"}}
-    print(f"{'mode':10} {'s/iter':>8} {'idle':>6} {'trained len':>11}")
+    print(f"{'mode':10} {'s/iter':>8} {'steady':>8} {'idle':>6} {'trained len':>11}")
     for k in res:
-        print(f"{k:10} {per[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f}")
+        print(f"{k:10} {per[k]:8.3f} {steady[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f}")
     off_lens = res["off"]
-    speedups = " ".join(f"{k}={v:.2f}" for k, v in out.items() if k.endswith("_speedup"))
+    speedups = " ".join(f"{k}={v:.2f}" for k, v in out.items() if k.endswith(("_speedup", "_speedup_steady")))
     print(f"partial_rollout: {speedups} "
           f"(off's lengths p50 {off_lens['response_len_p50']:.0f}, p99 {off_lens['response_len_p99']:.0f}; "
-          f"{args.prompts}x{args.n} trained samples an iteration)")
+          f"{args.prompts}x{args.n} trained samples an iteration; steady: after {args.warmup_iterations} of "
+          f"{args.iterations} iterations)")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 

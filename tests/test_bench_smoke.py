@@ -64,3 +64,7 @@ def test_partial_rollout_benchmark_runs_on_cpu(tmp_path):
     res = json.loads(out.read_text())
     assert res["partial_speedup"] > 0 and 0 <= res["idle_fraction_carry"] <= 1 and 0 <= res["idle_fraction_off"] <= 1
     assert all(len(m["seconds"]) == 2 for m in res["modes"].values())
+    # steady: the second iteration alone (--warmup-iterations 1, the default)
+    for k, m in res["modes"].items():
+        assert res["seconds_per_iteration_steady"][k] == m["seconds"][1]
+    assert res["partial_speedup_steady"] > 0 and res["shape"]["warmup_iterations"] == 1

@@ -322,7 +322,8 @@ def test_runtime_hands_sglang_python_to_the_engine(monkeypatch):
 
     monkeypatch.setattr(runtime.ray, "remote", lambda cls: Remote)
     for value in (None, "/opt/sglang-venv/bin/python"):
-        over = ["rollout.backend=sglang", "cluster.gpus=off"] + ([f"rollout.sglang_python={value}"] if value else [])
+        over = ["rollout.backend=sglang", "cluster.gpus=off", "trainer.precision=fp32"] + (  # auto would read the policy
+            [f"rollout.sglang_python={value}"] if value else [])
         cfg = load_config(None, over)
         runtime._engine_actor(cfg, "ns", 0, False, "k" * 32)
         assert seen["kwargs"].get("python") == value
