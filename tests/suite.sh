@@ -44,6 +44,10 @@
 # 10-25 % faster throughout, e.g. test_retrain 50 -> 38 s), not the change (~30 s of one deployment run).
 # A second (after three random-order fixes): 23m10.874s, 1 failed (a 2 s wall-time bound in test_storage_faults, 2.49 s
 # under load; the bound is now the outage budget it must not spend), the rest 1104 passed in 1352 s; these 1292 s.
+# Session 39 (one `reflow train` subprocess fewer in test_resume; ~6 tests more): clean clone .ci/run 24m58s at 9da6efd
+# (the rest 1455 s, 1105 passed; these 1397 s), then 21m26s at cc554cb (1250 s, 1108 passed; 1180 s), the VM faster
+# again. While the tests run the machine is 0-8 % idle (2.5 % on average, /proc/stat every 10 s): CPU-bound, so a
+# third process cannot help; each trainer or engine actor costs ~4.5 s of CPU before it does anything.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
