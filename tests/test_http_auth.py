@@ -155,7 +155,8 @@ def test_router_refuses_an_unauthenticated_worker_and_forwards_the_key(router, e
     assert router.workers()["urls"] == [engine.url()]
     assert httpx.get(router.url() + "/health").status_code == 200  # a probe
     # the router adds its key when it forwards: the engine behind it refuses anything without one
-    out = EngineClient(router.url(), api_key=KEY).generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 3})
+    out = EngineClient(router.url(), api_key=KEY).generate(  # ignore_eos: a sampled eos would end it sooner
+        input_ids=[5, 6], sampling_params={"max_new_tokens": 3, "ignore_eos": True})
     assert out["meta_info"]["completion_tokens"] == 3
     router.add_worker("http://127.0.0.1:1")  # the trusted side (a Ray call into the router actor)
     assert "http://127.0.0.1:1" in router.workers()["urls"]
