@@ -12,7 +12,6 @@ an argument; a later flow run that reuses detached actors asks them for it over 
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import os
@@ -117,15 +116,23 @@ def runtime_api_key(namespace: str, num_engines: int, timeout_s: float = 30.0) -
     return new_api_key()
 
 
-@functools.lru_cache(maxsize=16)
-def _policy_params(path: str, storage: StorageAccess) -> int:
-    return model_bytes(str(resolve_checkpoint(path, storage)))[0]
+_POLICY_PARAMS: dict[str, int] = {}  # model.path -> its parameters (run_precision asks at every rank and engine built)
+
+
+def _policy_params(cfg: RunConfig) -> int:
+    """model.path's parameter count from its safetensors headers, once per path, in the folder the run loads the
+    policy from (model_source: a checkpoint's model/ folder in object storage is the same cached download, not a
+    second one under its listing's key)."""
+    path = cfg.model.path
+    if path not in _POLICY_PARAMS:
+        _POLICY_PARAMS[path] = model_bytes(str(resolve_checkpoint(path, *model_source(cfg))))[0]
+    return _POLICY_PARAMS[path]
 
 
 def run_precision(cfg: RunConfig, gpu: bool) -> tuple[Precision, bool]:
     """(precision, tf32) of this run's ranks and engines: trainer.precision=auto decided by the policy's size on GPUs
     (infra/config/settings.resolve_precision), its parameters counted from model.path's safetensors headers once."""
-    return resolve_precision(cfg.trainer, gpu, lambda: _policy_params(cfg.model.path, storage_access(cfg)))
+    return resolve_precision(cfg.trainer, gpu, lambda: _policy_params(cfg))
 
 
 def engine_dtype(cfg: RunConfig, gpu: bool) -> str:
@@ -368,7 +375,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     if cfg.trainer.precision == "auto":
         gpus = use_gpus(cfg)
         precision, tf32 = run_precision(cfg, gpus)
-        size = f"a policy of {_policy_params(cfg.model.path, storage_access(cfg)) / 1e6:,.0f}M parameters on GPUs" \
+        size = f"a policy of {_policy_params(cfg) / 1e6:,.0f}M parameters on GPUs" \
             if gpus else "no GPUs"
         log.info("trainer.precision=auto: %s%s (%s; set trainer.precision to choose)", precision,
                  " with TF32 products" if tf32 and precision == "fp32" and gpus else "", size)
