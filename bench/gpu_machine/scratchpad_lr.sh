@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# On the GPU machine, after scratchpad_pair.sh's bootstrap step: reflow alone on the scratchpad task at each learning
+# rate given, one after the other, evals every EVERY iterations (issue 56: which rate learns before a pair spends a
+# call on TRL). Each run's demo log, per-iteration metrics and evals go into one small archive under $OUT
+# (lr-<rate>.tgz: a call brings back few files), and one line per rate is printed: the held-out accuracy at each
+# eval, the last iterations' sampled reward, response length and train/inference log-prob mismatch.
+#   bash bench/gpu_machine/scratchpad_lr.sh ITERATIONS LR [LR...]     (EVERY=5 by default; extra overrides in EXTRA)
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+iters=$1; shift
+out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
+for lr in "$@"; do
+  # a run that ended badly must not leave its Ray processes holding the GPU for the next rate
+  pkill -9 -f 'raylet|gcs_server|ray::' 2>/dev/null; sleep 1
+  work=/tmp/lr-runs/$lr; rm -rf "$work"; mkdir -p "$work"
+  # shellcheck disable=SC2086
+  STEP=reflow EVALS=1 OUT=$work bash bench/gpu_machine/scratchpad_pair.sh "$iters" "trainer.lr=$lr" \
+    "eval.interval=${EVERY:-5}" ${EXTRA:-} > "$work/pair.log" 2>&1
+  echo "lr=$lr exit=$?"
+  python3 - "$work" "$lr" <<'PY'
+import glob, json, re, sys
+work, lr = sys.argv[1:]
+rows = [json.loads(x) for x in open(f"{work}/metrics-one.jsonl")] if glob.glob(f"{work}/metrics-one.jsonl") else []
+log = open(glob.glob(f"{work}/demo-one.log")[0]).read() if glob.glob(f"{work}/demo-one.log") else ""
+evals = re.findall(r"eval heldout @ policy version (\d+): \S+ ([0-9.]+) reward ([0-9.]+) len ([0-9.]+)", log)
+keys = ("reward_mean", "response_len_mean", "truncated_frac", "logprob_mismatch", "entropy", "time_iteration")
+per = [{"it": r.get("iteration"), **{k: round(r[k], 4) for k in keys if isinstance(r.get(k), (int, float))}}
+       for r in rows]
+print(json.dumps({"lr": lr, "evals (version, pass@1, reward, len)": evals, "iterations": len(rows),
+                  "per_iteration": [list(p.values()) for p in per], "columns": ["it", *keys]}))
+PY
+  grep -E 'demo:' "$work/demo-one.log" 2>/dev/null | tail -3
+  tar -czf "$out/lr-$lr.tgz" -C "$work" --exclude='*.tgz' . 2>/dev/null
+  cp "$work/records-one.tgz" "$out/records-lr-$lr.tgz" 2>/dev/null
+done
