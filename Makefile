@@ -62,13 +62,14 @@ test: lint
 	mkdir -p $(PREFECT_HOME)  # Prefect makes its home's last folder only; without .reflow it warns and goes on
 	tests/suite.sh $(BIN)/python $(ARGS)
 
-# The same suite with modules and tests shuffled. The seed is printed first (pytest -q hides the
-# plugin's header line); repeat an order with `make test-random SEED=N`.
+# The same suite with modules and tests shuffled, in the same two processes as `make test` (each shuffles its own
+# share). The seed is printed first (pytest -q hides the plugin's header line); repeat an order with
+# `make test-random SEED=N`.
 test-random: $(BIN)/.installed-test
 	@mkdir -p $(PREFECT_HOME)
 	@seed=$${SEED:-$$(od -An -N2 -tu2 /dev/urandom | tr -d ' ')}; \
 	echo "random order seed $$seed (repeat it: make test-random SEED=$$seed)"; \
-	$(BIN)/python -m pytest -q --durations=15 --random-order-seed=$$seed tests $(ARGS)
+	RANDOM_ORDER_SEED=$$seed tests/suite.sh $(BIN)/python $(ARGS)
 
 # The quick tier: no Ray, DeepSpeed or Prefect start-up (tests/conftest.py fails a test that does), in three
 # pytest-xdist workers that steal each other's queued tests at the end: a third of it is waiting (timeouts, retries'

@@ -51,8 +51,11 @@
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
+# RANDOM_ORDER_SEED=N (make test-random): both processes shuffle their modules and tests with that seed, each within
+# its own share, so a random-order run keeps the split (one process for everything took ~32 min against ~22).
+order=(); [ -n "${RANDOM_ORDER_SEED:-}" ] && order=(--random-order-seed="$RANDOM_ORDER_SEED")
 if [ $# -gt 0 ]; then
-  exec "$py" -m pytest -q --durations=60 tests "$@"
+  exec "$py" -m pytest -q --durations=60 "${order[@]}" tests "$@"
 fi
 # Beside: tests that start their own servers, clusters and `reflow` subprocesses (none uses the session's Ray cluster),
 # so the two processes overlap one's waiting with the other's computing.
@@ -60,9 +63,9 @@ beside=(tests/test_deployments.py tests/test_resume.py tests/test_multinode.py t
         tests/test_storage_paths.py tests/test_preflight_cli.py tests/test_cluster_security.py tests/test_local_users.py
         tests/test_bench_smoke.py tests/test_ui_browser.py)
 log=$(mktemp -t reflow-beside-XXXXXX.log)
-"$py" -m pytest -q --durations=15 "${beside[@]}" > "$log" 2>&1 &
+"$py" -m pytest -q --durations=15 "${order[@]}" "${beside[@]}" > "$log" 2>&1 &
 pid=$!
-"$py" -m pytest -q --durations=60 tests "${beside[@]/#/--ignore=}"
+"$py" -m pytest -q --durations=60 "${order[@]}" tests "${beside[@]/#/--ignore=}"
 main=$?
 wait "$pid"
 other=$?
