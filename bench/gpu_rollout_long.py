@@ -251,6 +251,71 @@ def anatomy(tok, kernel: str) -> dict:
     return res
 
 
+@torch.inference_mode()
+def breakdown(tok, kernel: str, fuse: str | None, tokens: int = 1024) -> dict:
+    """Where a whole decode step's wall time goes at batch 256 (the uniform workload, `tokens` each): one run as the
+    engine runs it (steps/s), then one with a device sync around the decoder's call (the captured graph) and around
+    the sampling, so each step splits into graph, sampling and the host's own work (the loop, the rows' checks,
+    staging); then a profile (CPU and CUDA) of 24 steps past the middle, its top ops by CPU and by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build(torch.bfloat16)
+    gen = Generator(model, tok, max_batch_size=BATCH, kv_tokens=BATCH * (PROMPT + tokens + 256), decoder="graphs",
+                    decode_fusion=fuse)
+    gen.static_decoder().attention = kernel if kernel != "auto" else "triton"
+    prompts = ET.prompts_for(BATCH, SHAPE["vocab_size"], PROMPT, seed=1)
+    ET.run_ours(gen, prompts, [tokens] * BATCH)  # graphs for every length bucket captured, fusion compiled
+    steps = Steps(gen.static_decoder())
+    plain, _ = ET.timed(lambda: ET.run_ours(gen, prompts, [tokens] * BATCH))
+    n_plain = steps.steps
+    dec = gen.static_decoder()
+    spent = {"graph": 0.0, "sample": 0.0}
+
+    def timed(name, fn):
+        def call(*a, **k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            r = fn(*a, **k)
+            torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - t0
+            return r
+        return call
+
+    real_decode, real_sample = dec.decode, gen._sample
+    dec.decode, gen._sample = timed("graph", real_decode), timed("sample", real_sample)
+    steps.reset()
+    synced, _ = ET.timed(lambda: ET.run_ours(gen, prompts, [tokens] * BATCH))
+    n = steps.steps
+    res = {"batch": BATCH, "tokens": tokens, "steps": n_plain, "ms_per_step": 1e3 * plain / n_plain,
+           "synced_ms_per_step": 1e3 * synced / n, "graph_ms": 1e3 * spent["graph"] / n,
+           "sample_ms": 1e3 * spent["sample"] / n,
+           "host_ms": 1e3 * (synced - spent["graph"] - spent["sample"]) / n}
+    print(f"  breakdown b{BATCH} x {tokens}: {json.dumps({k: round(v, 3) for k, v in res.items()})}", flush=True)
+    dec.decode, gen._sample = real_decode, real_sample
+    counter = {"n": 0}
+
+    def window(*a, **k):  # profile steps 500-523 of one more run
+        counter["n"] += 1
+        if counter["n"] == 500:
+            prof.start()
+        r = real_decode(*a, **k)
+        if counter["n"] == 524:
+            torch.cuda.synchronize()
+            prof.stop()
+        return r
+
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    dec.decode = window
+    ET.run_ours(gen, prompts, [tokens] * BATCH)
+    dec.decode = real_decode
+    for key in ("cpu_time_total", "cuda_time_total"):
+        table = prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60)
+        print(table, flush=True)
+        res[f"profile_by_{key}"] = table
+    dec.release()
+    return res
+
+
 def throughput(args, tok, bw: float) -> dict:
     model = build(torch.bfloat16)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -369,6 +434,8 @@ def main() -> None:
     ap.add_argument("--check-kernels", action="store_true",
                     help="only the decode kernels against float32 SDPA: bf16, float32 (IEEE), float32 (TF32)")
     ap.add_argument("--anatomy", action="store_true", help="only anatomy(): one step's kernels and graph replay time")
+    ap.add_argument("--breakdown", action="store_true", help="only breakdown(): a whole step's wall time split into "
+                    "the graph, the sampling and the host's work, at batch 256 (with --fuse as given)")
     ap.add_argument("--fuse", default="", help="throughput with the static decoder's elementwise work compiled by this "
                     "torch.compile backend (inductor; Generator's decode_fusion): run it beside one without, each in "
                     "a process of its own")
@@ -390,6 +457,10 @@ def main() -> None:
     if args.anatomy:
         out["anatomy"] = anatomy(tok, "triton")
         Path(args.out, "anatomy.json").write_text(json.dumps(out, indent=1, default=str))
+        return
+    if args.breakdown:
+        out["breakdown"] = breakdown(tok, args.kernel, args.fuse or None)
+        Path(args.out, "breakdown.json").write_text(json.dumps(out, indent=1, default=str))
         return
     if "throughput" not in args.skip:
         t = throughput(args, tok, bw)

@@ -146,9 +146,12 @@ def test_decode_fusion_reaches_the_static_decoder_on_gpus_only(tiny_policy, tok)
     assert (cfg.rollout.decode_fusion, decode_fusion(cfg, True), decode_fusion(cfg, False)) == ("auto", "inductor", None)
     assert decode_fusion(load_config(None, ["rollout.decode_fusion=off"]), True) is None
     e = EmbeddedEngine(str(tiny_policy), "fused-engine", threads=1, api_key=KEY, decoder="static",
-                       decode_fusion="aot_eager")
+                       decode_fusion="aot_eager", kv_reserve=0.5)
     try:
-        assert httpx.get(f"{e.url()}/server_info", headers=AUTH).json()["decode_fusion"] == "aot_eager"
+        info = httpx.get(f"{e.url()}/server_info", headers=AUTH).json()
+        assert info["decode_fusion"] == "aot_eager"
+        assert (info["kv_reserve"], e.generator.kv_reserve) == (0.5, 0.5)  # rollout.kv_reserve reaches the generator
+        assert info["kv_moves"] == {"grown": 0, "moved": 0, "preempted": 0}
         prompts = _ids(tok, PROMPTS[:3])
         params = {"temperature": 0.0, "max_new_tokens": 6}
         fused = e.generator.generate(prompts, params)

@@ -42,6 +42,22 @@ def test_region_pool_first_fit_and_merging():
     assert bytes_per_position(28, 2, 128, torch.bfloat16) == 28 * 1024  # Qwen2.5-1.5B: 28 KiB a token
 
 
+def test_region_pool_grows_a_region_into_the_hole_after_it():
+    pool = RegionPool(100, granule=10)
+    a, b = pool.alloc(15), pool.alloc(10)  # 0..20, 20..30
+    assert (a, b, pool.length(a)) == (0, 20, 20)
+    assert pool.grow(a, 20) and pool.length(a) == 20  # already that long: nothing to take
+    assert not pool.grow(a, 21)  # b sits right after it
+    assert pool.grow(b, 31) and pool.length(b) == 40 and pool.in_use == 60  # 30..60 of the tail hole
+    assert pool.alloc(45) is None and pool.alloc(40) == 60  # what is left: 60..100
+    assert not pool.grow(b, 41)  # the region at 60 is in the way now
+    pool.free(60)
+    assert pool.grow(b, 80) and pool.length(b) == 80 and not pool.grow(b, 81)  # 20..100: the pool's end
+    pool.free(a)
+    pool.free(b)
+    assert pool.in_use == 0 and pool.alloc(100) == 0  # the grown region merged back like any other
+
+
 def _rows_at_once(gen: Generator, monkeypatch) -> list[int]:
     """Patches the generator's decoder to record how many rows each decode step ran."""
     dec = gen.static_decoder()
@@ -130,6 +146,9 @@ def test_sglang_reads_the_same_memory_fraction():
         RolloutConfig(backend="sglang", kv_mem_fraction=0.6, mem_fraction_static=0.7)
     with pytest.raises(ValueError):
         RolloutConfig(kv_mem_fraction=1.0)
+    assert RolloutConfig(kv_reserve=0.25).kv_reserve == 0.25  # the embedded engine's growing regions
+    with pytest.raises(ValueError, match="schedule_conservativeness"):  # SGLang admits on its own estimate
+        RolloutConfig(backend="sglang", kv_reserve=0.25)
 
 
 @pytest.mark.parametrize("precision", ["highest", "high"])
@@ -247,3 +266,71 @@ def test_a_closing_call_stops_once_enough_groups_have_finished(tok, decoder, kv_
         assert {len(r["output_ids"]) for r in cut} == {12}
     with pytest.raises(ValueError, match="one id per prompt"):
         gen.generate(PROMPTS, sps, n=n, close=([0, 1], 2))
+
+
+def _moves_seen(gen: Generator, monkeypatch) -> list[tuple[int, int]]:
+    """Patches the decoder to record, each step, (rows decoded, rows sitting it out on the scratch position)."""
+    dec = gen.static_decoder()
+    seen: list[tuple[int, int]] = []
+    real = dec.decode
+
+    def decode(t, pos, starts):
+        seen.append((len(starts), sum(s == dec.capacity for s in starts)))
+        return real(t, pos, starts)
+    monkeypatch.setattr(dec, "decode", decode)
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_regions_that_grow_as_rows_go_answer_as_whole_ones(kind, tok, monkeypatch):
+    """kv_reserve 0.1: a row is admitted with room for a tenth of its new tokens and grows its region as it reaches
+    the end, in place where the hole after it is free, else moved (its K/V copied), else it leaves the batch and is
+    prefilled again with what it generated. Greedy answers are the eager decoder's token for token; more rows fit at
+    once than whole regions allow; no region is left taken."""
+    model = _tiny(kind)
+    want = _greedy(Generator(copy.deepcopy(model), tok, max_batch_size=16, decoder="eager"))
+    whole = Generator(copy.deepcopy(model), tok, max_batch_size=16, decoder="static", kv_tokens=160)
+    whole.static_decoder().reserve(160, granule=16)
+    at_once_whole = _rows_at_once(whole, monkeypatch)
+    _assert_same(want, _greedy(whole))
+    gen = Generator(model, tok, max_batch_size=16, decoder="static", kv_tokens=160, kv_reserve=0.1)
+    gen.static_decoder().reserve(160, granule=16)
+    seen = _moves_seen(gen, monkeypatch)
+    _assert_same(want, _greedy(gen))
+    moves = gen.kv_moves
+    assert moves["grown"] > 0 and moves["moved"] > 0 and moves["preempted"] > 0, moves
+    assert max(n - idle for n, idle in seen) > max(at_once_whole)  # rows decoding together
+    assert any(idle for _, idle in seen)  # a row sat a step out while others went on
+    assert gen.static_decoder().regions.in_use == 0
+    again = gen.generate(PROMPTS[:2], {"temperature": 0.0, "max_new_tokens": 30, "ignore_eos": True})
+    for got, w in zip(again, (want[0], want[2])):  # the pool whole again: the same greedy answers, longer
+        assert got["output_ids"][:len(w["output_ids"])] == w["output_ids"] and got["completion_tokens"] == 30
+
+
+def test_growing_regions_keep_seeded_samples_and_a_closing_call(tok):
+    """Seeded sampling depends on a row's seed and position only, so growth, moves and rows sent back give the same
+    tokens as whole regions; under a closing call (partial rollouts) a row sent back and then cut comes back with
+    the tokens it had, a prefix of its uncut answer."""
+    model = _tiny("qwen3")
+    sp = {"temperature": 0.9, "top_p": 0.95, "max_new_tokens": 40, "sampling_seed": 11, "ignore_eos": True}
+    whole = Generator(copy.deepcopy(model), tok, max_batch_size=8, decoder="static", kv_tokens=256)
+    whole.static_decoder().reserve(256, granule=16)
+    want = whole.generate(PROMPTS, sp, n=3)
+    gen = Generator(model, tok, max_batch_size=8, decoder="static", kv_tokens=256, kv_reserve=0.2)
+    gen.static_decoder().reserve(256, granule=16)
+    _assert_same(want, gen.generate(PROMPTS, sp, n=3))
+    assert gen.kv_moves["preempted"] > 0, gen.kv_moves
+    before = dict(gen.kv_moves)
+    cut = gen.generate(PROMPTS, sp, n=3, close=(list(range(len(PROMPTS))), 2))
+    assert gen.kv_moves["preempted"] > before["preempted"]
+    reasons = [r["finish_reason"]["type"] for r in cut]
+    assert reasons.count("length") >= 6 and "abort" in reasons  # two groups of three complete, the rest cut
+    for full, part in zip(want, cut):
+        assert full["output_ids"][:len(part["output_ids"])] == part["output_ids"]
+    assert gen.static_decoder().regions.in_use == 0
+
+
+def test_kv_reserve_is_checked(tok):
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="kv_reserve must be in"):
+            Generator(_tiny("llama"), tok, kv_reserve=bad)

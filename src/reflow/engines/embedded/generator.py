@@ -33,6 +33,7 @@ The sampling math, finish checks and records are the same code for both paths.
 from __future__ import annotations
 
 import inspect
+import math
 import threading
 import uuid
 from collections import deque
@@ -106,17 +107,19 @@ def prefill_groups(lengths: list[int], budget: int | None = None) -> list[list[i
 
 
 def _distinct_prompts(rows: list[_Row]) -> tuple[list[list[int]], list[int]]:
-    """The distinct prompts among `rows` in first-seen order, and each row's index into them; both prefill
-    paths run a prompt once. By content: a seeded rollout sends each sample as its own request (n=1, its
-    own sampling_seed), so the samples of one prompt arrive as equal lists, not one."""
-    index: dict[tuple[int, ...], int] = {}  # prompt -> position among distinct prompts
+    """The distinct prefixes (prompt + what the row generated before it left the batch; the prompt for a new
+    row) among `rows` in first-seen order, and each row's index into them; both prefill paths run a prefix
+    once. By content: a seeded rollout sends each sample as its own request (n=1, its own sampling_seed), so
+    the samples of one prompt arrive as equal lists, not one."""
+    index: dict[tuple[int, ...], int] = {}  # prefix -> position among distinct prefixes
     prompts: list[list[int]] = []
     picks = []
     for r in rows:
-        key = tuple(r.prompt)
+        prefix = r.prompt + r.out if r.out else r.prompt
+        key = tuple(prefix)
         if key not in index:
             index[key] = len(prompts)
-            prompts.append(r.prompt)
+            prompts.append(prefix)
         picks.append(index[key])
     return prompts, picks
 
@@ -181,7 +184,7 @@ class Generator:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None,
                  decoder: str = "auto", kv_mem_fraction: float | None = None, kv_tokens: int | None = None,
-                 decode_fusion: str | None = None):
+                 decode_fusion: str | None = None, kv_reserve: float = 1.0):
         """decoder: "eager" (HF forward with a growing cache), "static" (static KV cache, no graphs), "graphs"
         (static cache + CUDA graphs; CUDA only) or "auto": graphs on a GPU where the model's family allows
         (reflow.engines.embedded.static_decode), eager otherwise.
@@ -189,12 +192,21 @@ class Generator:
         `kv_mem_fraction` of the GPU's memory for weights + KV (SGLang's mem_fraction_static), else (both None)
         max_batch_size slots of the longest row of each generate call (rows never wait for KV room).
         decode_fusion: a torch.compile backend for the static decoder's elementwise work between its products
-        (static_decode._Fused: "inductor" on a GPU), or None (eager kernels)."""
+        (static_decode._Fused: "inductor" on a GPU), or None (eager kernels).
+        kv_reserve: the share of a row's new tokens its KV region holds when it is admitted to a pool (`kv_tokens`
+        or `kv_mem_fraction`); 1.0 holds all of them (max_new_tokens: a row never outgrows its region). Below 1
+        more rows fit at once: a row that reaches its region's end grows it by the same share of what it has left,
+        in place or moved, else leaves the batch and waits to be prefilled again with what it generated
+        (`kv_moves` counts each)."""
         if kv_mem_fraction is not None and not 0.0 < kv_mem_fraction < 1.0:
             raise ValueError(f"kv_mem_fraction must be in (0, 1), got {kv_mem_fraction}")
         if kv_tokens is not None and kv_tokens < 1:
             raise ValueError(f"kv_tokens must be >= 1, got {kv_tokens}")
         self.kv_mem_fraction, self.kv_tokens = kv_mem_fraction, kv_tokens
+        if not 0.0 < kv_reserve <= 1.0:
+            raise ValueError(f"kv_reserve must be in (0, 1], got {kv_reserve}")
+        self.kv_reserve = kv_reserve
+        self.kv_moves = {"grown": 0, "moved": 0, "preempted": 0}  # regions grown in place, moved, rows sent back
         if decoder not in ("auto", "eager", "static", "graphs"):
             raise ValueError(f"decoder must be 'auto', 'eager', 'static' or 'graphs', got {decoder!r}")
         self.decoder = decoder
@@ -409,8 +421,10 @@ class Generator:
             tokens, lps = self._sample(logits, active, params)
             host, ready = _to_host(tokens, lps)
             ahead = None  # logits of the next step, launched before this step's tokens are read
-            if any(len(r.out) + 1 < r.max_new for r in active):
-                ahead = self._decode(dec, tokens, active, 0)
+            short: list[int] = []  # batch rows whose regions could not reach the next position: they leave
+            if any(len(r.out) + 1 < r.max_new for r in active):  # after this step's token
+                short = self._room(dec, active, 0)
+                ahead = self._decode(dec, tokens, active, 0, short)
             ready()
             for r, tok, lp in zip(active, host[0].long().tolist(), host[1].tolist()):
                 self._append(r, tok, lp)
@@ -418,10 +432,13 @@ class Generator:
                 self._apply_aborts(active, list(range(len(active))), checkpoint)
             if closer is not None and closer.finished([r for r in active if r.finish is not None]):
                 waiting.clear()  # cut before they started (the closer marked them)
-            keep = [s for s, r in enumerate(active) if r.finish is None]
-            for r in active:
-                if r.finish is not None:  # the step in flight writes inside its region: stream order keeps a
-                    dec.regions.free(r.kv_start)  # new owner's prefill after it
+            back = [s for s in short if active[s].finish is None]  # wait to be prefilled again with what they
+            waiting.extendleft(reversed([active[s] for s in back]))  # generated, first in line (their step in
+            self.kv_moves["preempted"] += len(back)  # flight writes the scratch position)
+            keep = [s for s, r in enumerate(active) if r.finish is None and s not in back]
+            for s, r in enumerate(active):
+                if r.finish is not None or s in back:  # the step in flight writes inside a finished row's region:
+                    dec.regions.free(r.kv_start)  # stream order keeps a new owner's prefill after it
             if len(keep) < len(active) and keep:
                 tokens, params = tokens[keep], params.select(keep)
                 ahead = None if ahead is None else ahead[torch.tensor(keep, device=ahead.device)]
@@ -431,7 +448,9 @@ class Generator:
                     return
                 logits = params = None
                 continue
-            logits = ahead if ahead is not None else self._decode(dec, tokens, active, -1)
+            # a row still running had room for another token before this one: its step was launched above
+            assert ahead is not None, "a running row without its next step"
+            logits = ahead
 
     def _size_pool(self, dec: StaticDecoder, rows: list[_Row]) -> None:
         """Size the decoder's KV pool (kv_pool.py): `kv_tokens`, else `kv_mem_fraction` of the GPU (both
@@ -458,14 +477,49 @@ class Generator:
             raise ValueError(f"a row of {longest} tokens (prompt + max_new_tokens) cannot fit the KV cache of "
                              f"{dec.regions.size} tokens; raise kv_mem_fraction (kv_tokens) or lower max_new_tokens")
 
-    @staticmethod
-    def _take(dec: StaticDecoder, waiting: deque[_Row], room: int) -> list[_Row]:
+    def _reserve(self, r: _Row) -> int:
+        """Positions a row's region holds when admitted or grown: its prompt, what it generated, and kv_reserve
+        of the new tokens it may still take (at least one; all of them at kv_reserve 1)."""
+        left = r.max_new - len(r.out)
+        return len(r.prompt) + len(r.out) + max(1, min(left, math.ceil(self.kv_reserve * left)))
+
+    def _room(self, dec: StaticDecoder, rows: list[_Row], shift: int) -> list[int]:
+        """Make each row's region reach the position the next step writes (prompt + out + shift): rows past
+        their region's end grow it in place where the hole after it is free, else move to a larger region (their
+        K/V copied, all in one copy); returns the batch rows for which neither was possible (they sit out the step
+        and leave the batch)."""
+        regions = dec.regions
+        assert regions is not None
+        short: list[int] = []
+        moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # (to, from, positions written so far)
+        for b, r in enumerate(rows):
+            at = len(r.prompt) + len(r.out) + shift  # the position this step writes
+            if at < regions.length(r.kv_start):
+                continue
+            want = max(at + 1, self._reserve(r))
+            if regions.grow(r.kv_start, want):
+                self.kv_moves["grown"] += 1
+                continue
+            start = regions.alloc(want)
+            if start is None:
+                short.append(b)
+                continue
+            for part, v in zip(moves, (start, r.kv_start, at)):
+                part.append(v)
+            regions.free(r.kv_start)  # after the new region was taken: the two never overlap
+            r.kv_start = start
+            self.kv_moves["moved"] += 1
+        if moves[0]:  # one gather of every source before any write: a region freed above and taken by a later
+            dec.copy_prefix(*moves)  # row of this loop is still read intact
+        return short
+
+    def _take(self, dec: StaticDecoder, waiting: deque[_Row], room: int) -> list[_Row]:
         """The waiting rows admitted now: in order, while batch rows are free and a KV region fits the next
         (first come, first served: a large row at the head waits for room rather than being overtaken)."""
         assert dec.regions is not None
         new: list[_Row] = []
         while waiting and len(new) < room:
-            start = dec.regions.alloc(len(waiting[0].prompt) + waiting[0].max_new)
+            start = dec.regions.alloc(self._reserve(waiting[0]))
             if start is None:
                 break
             row = waiting.popleft()
@@ -473,11 +527,16 @@ class Generator:
             new.append(row)
         return new
 
-    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, rows: list[_Row], shift: int) -> torch.Tensor:
-        """The next step's logits; each row's token goes at position prompt + out + shift of its region."""
+    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, rows: list[_Row], shift: int,
+                idle: list[int] = ()) -> torch.Tensor:  # type: ignore[assignment]  # an empty tuple: read only
+        """The next step's logits; each row's token goes at position prompt + out + shift of its region (the batch
+        rows in `idle` write the pool's scratch position instead: their logits mean nothing)."""
         positions = [len(r.prompt) + len(r.out) + shift for r in rows]
+        starts = [r.kv_start for r in rows]
+        for b in idle:
+            positions[b], starts[b] = 0, dec.capacity
         with self.lock:
-            return dec.decode(tokens, positions, [r.kv_start for r in rows])
+            return dec.decode(tokens, positions, starts)
 
     def _admit(self, dec: StaticDecoder, rows: list[_Row]) -> torch.Tensor:
         """Prefill `rows` into their regions (a prompt sampled n times is run once, its cache copied to the
@@ -498,7 +557,7 @@ class Generator:
         repeats = [(row, first[u]) for row, u in zip(rows, picks) if first[u] is not row]
         if repeats:
             dec.copy_prefix([r.kv_start for r, _ in repeats], [f.kv_start for _, f in repeats],
-                            [len(r.prompt) for r, _ in repeats])
+                            [len(r.prompt) + len(r.out) for r, _ in repeats])
         return logits[torch.tensor(picks, device=logits.device)]
 
     def _prefill(self, rows: list[_Row]):

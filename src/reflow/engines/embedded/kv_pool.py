@@ -6,8 +6,11 @@ row takes a contiguous region of its own size (its prompt + its own max_new_toke
 `granule` positions), carved from one pool per layer, `[L, pool + 1, H_kv, D]` (the last position is
 scratch, where idle rows of a CUDA graph's batch bucket write). A row is admitted when a region fits
 (first fit, lowest address); otherwise it waits, first come first served, until running rows finish and
-free theirs. A row never grows past its region, so nothing is ever evicted or recomputed (SGLang instead
-admits on an estimate and retracts requests when its pool runs out: more rows in flight, more machinery).
+free theirs. By default a region holds the row's prompt + max_new_tokens, so a row never outgrows it and nothing is
+ever evicted or recomputed. With a reservation below that (Generator's `kv_reserve`, rollout.kv_reserve) a row is
+admitted with room for part of its new tokens and grows as it goes: in place where the hole after its region is free
+(`grow`), else moved to a larger region (its K/V copied), else it leaves the batch and waits to be prefilled again
+with what it generated (SGLang admits on an estimate and retracts requests the same way when its pool runs out).
 Contiguous regions keep attention simple: flash attention's varlen form reads row b's keys at
 `start[b] .. start[b] + used[b]` (cu_seqlens_k as start offsets plus seqused_k), no block table.
 
@@ -69,6 +72,27 @@ class RegionPool:
             self._free[i - 1] = (start, length)
             return
         self._free.insert(i, (start, length))
+
+    def length(self, start: int) -> int:
+        """Positions the region at `start` holds."""
+        return self._used[start]
+
+    def grow(self, start: int, positions: int) -> bool:
+        """Extend the region at `start` in place to hold `positions` (rounded to the granule), taking from the
+        hole right after it; False (nothing changed) when that hole is missing or too small."""
+        want = self.need(positions) - self._used[start]
+        if want <= 0:
+            return True
+        end = start + self._used[start]
+        i = bisect.bisect(self._free, (end, -1))
+        if i == len(self._free) or self._free[i][0] != end or self._free[i][1] < want:
+            return False
+        if self._free[i][1] == want:
+            del self._free[i]
+        else:
+            self._free[i] = (end + want, self._free[i][1] - want)
+        self._used[start] += want
+        return True
 
     def reset(self) -> None:
         """Every region free again (a generate call that raised mid-way leaves its rows' regions taken)."""

@@ -160,7 +160,7 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
                       api_key=api_key, storage=storage, model_files=files, device="cuda" if gpu else "cpu",
                       dtype=engine_dtype(cfg, bool(gpu)), fp32_lm_head=cfg.trainer.fp32_lm_head,
                       tf32=run_precision(cfg, bool(gpu))[1], kv_mem_fraction=r.kv_mem_fraction,
-                      decode_fusion=decode_fusion(cfg, bool(gpu)))
+                      kv_reserve=r.kv_reserve, decode_fusion=decode_fusion(cfg, bool(gpu)))
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,

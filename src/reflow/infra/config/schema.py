@@ -169,6 +169,7 @@ class RolloutConfig(_Strict):
     mem_fraction_static: float = Field(0.8, gt=0.0, lt=1.0, description="sglang: GPU memory fraction for weights + KV cache (lower it when colocated, e.g. 0.7).")
     decode_fusion: Annotated[Literal["auto", "off"], BeforeValidator(_on_off)] = Field("auto", description="Embedded engine on a GPU: its CUDA-graph decode step's elementwise work between the matrix products (norms, rotary, residuals, SiLU, the last norm) compiled by torch.compile (inductor) into fewer kernels, each graph then replaying those; off: eager kernels. No effect on CPU (the eager decoder) or with backend=sglang.")
     kv_mem_fraction: float | None = Field(None, gt=0.0, lt=1.0, description="Fraction of the GPU's memory an engine holds for weights + KV cache, as SGLang's mem_fraction_static: the embedded engine sizes one KV pool from it and admits a row when a region for its prompt + max_new_tokens is free (rows that do not fit wait; docs/engine.md). backend=sglang: passed as mem_fraction_static (setting both differently is refused). Null: the embedded engine gives each of max_batch_size slots room for the longest row of a call (rows never wait).")
+    kv_reserve: float = Field(1.0, gt=0.0, le=1.0, description="Embedded engine with a KV pool (kv_mem_fraction): the share of a row's max_new_tokens its KV region holds when admitted. 1.0: all of it (a row never outgrows its region). Below 1 more rows decode at once where most responses end well before max_new_tokens: a row reaching its region's end grows it by the same share of what it has left, in place or moved (its K/V copied), or, when the pool is full, leaves the batch and is prefilled again with what it generated once room frees (as SGLang retracts requests). backend=sglang admits on its own estimate: set schedule_conservativeness in sglang_server_args instead.")
 
     @field_validator("partial", mode="before")
     @classmethod
@@ -200,6 +201,10 @@ class RolloutConfig(_Strict):
                                  f"{self.mem_fraction_static} disagree; with backend=sglang set one of them")
             if self.mem_fraction_static != self.kv_mem_fraction:  # (an assignment validates the model again)
                 self.mem_fraction_static = self.kv_mem_fraction
+        if self.backend == "sglang" and self.kv_reserve != 1.0:
+            raise ValueError(f"rollout.kv_reserve={self.kv_reserve} is the embedded engine's; SGLang admits rows on its "
+                             f"own estimate of their new tokens and retracts them when its pool runs out: tune that with "
+                             f"rollout.sglang_server_args.schedule_conservativeness and leave kv_reserve at 1.0")
         return self
     startup_timeout_s: float = Field(900.0, gt=0, description="How long an engine may take to answer /health_generate after launch.")
     sglang_server_args: dict[str, str | int | float | bool | list[str] | None] = Field(default_factory=dict, description="backend=sglang: more flags for SGLang's launch_server, by ServerArgs field name, e.g. {attention_backend: triton, disable_cuda_graph: true} (true: a bare flag; false/null: left out). Fields reflow sets from its own settings (model, host, ports, key, tp_size, mem_fraction_static, dtype, seed, LoRA, the memory saver) are refused, naming the setting to use.")
