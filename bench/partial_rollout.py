@@ -120,6 +120,9 @@ def main() -> None:
     ap.add_argument("--kv-mem-fraction", type=float, default=None,
                     help="rollout.kv_mem_fraction (GPU: one KV pool, rows admitted by their own length; without it "
                          "the engine reserves max_new_tokens for every row of the batch at once)")
+    ap.add_argument("--kv-reserve", type=float, default=1.0,
+                    help="rollout.kv_reserve with --kv-mem-fraction: the share of max_new_tokens a row's KV region holds "
+                         "when admitted (it grows as the row goes; 1.0: the whole cap, as before)")
     ap.add_argument("--modes", default="off,carry,drop,carry_rounds,off_again",
                     help="in this order; carry/drop close in one call per engine (the embedded engine's way), "
                          "carry_rounds/drop_rounds in rounds of --chunk tokens (SGLang's)")
@@ -139,7 +142,8 @@ def main() -> None:
         tok = load_tokenizer(str(path))
         rows = math.ceil(args.prompts * (1 + args.over)) * args.n
         engine = EmbeddedEngine(str(path), "partial-bench", threads=args.threads, device=args.device, dtype=args.dtype,
-                                max_batch_size=max(rows, args.prompts * args.n), kv_mem_fraction=args.kv_mem_fraction)
+                                max_batch_size=max(rows, args.prompts * args.n), kv_mem_fraction=args.kv_mem_fraction,
+                                kv_reserve=args.kv_reserve)
         engine.ready()
         try:
             clients = [EngineClient(engine.url(), timeout=600, api_key=engine.api_key())]
@@ -147,6 +151,7 @@ def main() -> None:
             run_off(clients, tok, argparse.Namespace(**{**vars(args), "iterations": 1}), sp)  # warm-up
             res = {m: run_off(clients, tok, args, sp) if m.startswith("off") else run_partial(clients, tok, args, sp, m)
                    for m in args.modes.split(",")}
+            kv_moves = dict(engine.generator.kv_moves)
         finally:
             engine.shutdown()
     per = {k: statistics.mean(v["seconds"]) for k, v in res.items()}
@@ -156,7 +161,7 @@ def main() -> None:
     out = {"shape": {"size": args.size, "device": args.device, "prompts": args.prompts, "n": args.n,
                      "max_new_tokens": args.max_new, "median": args.median, "chunk": args.chunk, "over": args.over,
                      "iterations": args.iterations, "warmup_iterations": args.warmup_iterations,
-                     "kv_mem_fraction": args.kv_mem_fraction,
+                     "kv_mem_fraction": args.kv_mem_fraction, "kv_reserve": args.kv_reserve, "kv_moves": kv_moves,
                      "dtype": args.dtype, "end_rate": rates},
            "seconds_per_iteration": per, "modes": res,
            **{"partial_speedup" if k == "carry" else f"{k}_speedup": off / per[k] for k in per
