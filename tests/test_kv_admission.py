@@ -334,3 +334,57 @@ def test_kv_reserve_is_checked(tok):
     for bad in (0.0, 1.5):
         with pytest.raises(ValueError, match="kv_reserve must be in"):
             Generator(_tiny("llama"), tok, kv_reserve=bad)
+
+
+def test_the_sampling_kernel_draws_as_sample_tokens():
+    """The GPU sampling kernel (engines/embedded/sample_kernel.py) against exact sampling and sample_tokens's torch
+    path, on the same logits and draws: greedy rows take their first maximum; a sampled row takes the token whose
+    interval of the cumulative distribution (float64 here) holds its draw, up to float32 rounding (the kernel sums
+    in another order than torch's cumsum, so a draw within ~1e-5 of a boundary may land on the neighbour), the
+    same token as sample_tokens elsewhere; draws at either end give the first token, and the last or the mode;
+    logprobs are log_softmax(x / T); vocabularies across and within its blocks; -inf logits (min_new_tokens's
+    mask). Runs where Triton is installed (a GPU, or CPU under TRITON_INTERPRET=1); skipped elsewhere, as the
+    decode kernel's test."""
+    import os
+
+    from reflow.engines.embedded import sample_kernel as SK
+    from reflow.engines.embedded.sampling import SAMPLING_EPS, TOP_K_ALL, sample_tokens
+
+    if not SK.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs Triton on a GPU, or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    B = 40
+    for V in (5000, 4096, 37, 9000):
+        logits = (torch.randn(B, V, generator=g) * 3).to(dev)
+        logits[3, :30] = float("-inf")  # a row's masked tokens
+        logits[4, 7] = logits[4, 9] = logits[4].max() + 1.0  # a tie for the maximum: the first one
+        temp = (torch.rand(B, generator=g) * 1.5 + 0.3).to(dev)
+        temp[0] = temp[4] = 0.0  # greedy rows
+        u = torch.rand(B, generator=g, dtype=torch.float64).to(dev)
+        u[5], u[6] = 2.0**-53, 1 - 2.0**-53  # draws at either end
+        ones, alls, zeros = torch.ones(B, device=dev), torch.full((B,), TOP_K_ALL, device=dev), torch.zeros(B, device=dev)
+        want = sample_tokens(logits.clone(), temp, ones, alls, zeros, u, filtered=False)
+        got = sample_tokens(logits.clone(), temp, ones, alls, zeros, u, filtered=False, fused=True)
+        t = torch.where(temp < SAMPLING_EPS, 1.0, temp).double()
+        exact = torch.log_softmax(logits.double() / t[:, None], -1)  # [B, V]
+        cdf = exact.exp().cumsum(-1)  # [B, V]
+        for b in range(B):
+            tok, ref = int(got[0][b]), int(want[0][b])
+            if temp[b] == 0:
+                assert tok == ref == int(logits[b].argmax()), (V, b)
+            elif b == 5:
+                assert tok == ref == int((cdf[b] > 0).nonzero()[0]), (V, b)
+            elif b == 6:
+                assert tok in (V - 1, int(logits[b].argmax())), (V, b)
+            else:
+                lo, hi = (float(cdf[b, tok - 1]) if tok else 0.0), float(cdf[b, tok])
+                assert lo - 1e-5 <= float(u[b]) <= hi + 1e-5, (V, b, lo, float(u[b]), hi)
+                rlo = float(cdf[b, ref - 1]) if ref else 0.0
+                if min(abs(float(u[b]) - rlo), abs(float(u[b]) - float(cdf[b, ref]))) > 1e-5:
+                    assert tok == ref, (V, b)  # away from a boundary: sample_tokens's token
+        torch.testing.assert_close(got[1].double(), exact.gather(1, got[0][:, None])[:, 0], rtol=1e-5, atol=1e-5)
+        assert int(got[0][4]) == 7 and int(got[0][3]) >= 30
+        greedy = SK.sample(logits, torch.zeros(B, device=dev), None, SAMPLING_EPS)  # every row greedy, no draws
+        assert greedy[0].tolist() == logits.argmax(-1).tolist()
+        torch.testing.assert_close(greedy[1], torch.log_softmax(logits, -1).gather(1, greedy[0][:, None])[:, 0])

@@ -620,7 +620,7 @@ class Generator:
                 if seeded:
                     uniform[torch.tensor(seeded, device=logits.device)] = drawn
         return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, uniform,
-                             filtered=params.filtered)
+                             filtered=params.filtered, fused=self.decode_fusion is not None)
 
     def _append(self, r: _Row, token: int, logprob: float) -> None:
         """Record one token and run SGLang's finish checks: stop string, stop token, length."""

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from reflow.engines.embedded import sample_kernel
+
 SAMPLING_EPS = 1e-6  # temperature below this means greedy (SGLang's _SAMPLING_EPS)
 TOP_K_ALL = 1 << 30
 
@@ -123,7 +125,7 @@ class SamplingTensors:
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
                   top_k: torch.Tensor, min_p: torch.Tensor, uniform: torch.Tensor | None,
-                  filtered: bool | None = None):
+                  filtered: bool | None = None, fused: bool = False):
     """One sampling step. Returns (tokens [B] long, logprobs [B] float).
 
     logits [B, V] float32; temperature [B] (< SAMPLING_EPS = greedy); uniform [B] float64 draws in (0, 1)
@@ -131,8 +133,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     from the tensors, a device sync on a GPU). Sampling inverts each row's cumulative distribution at its
     uniform draw (one draw per row, so a seeded row needs one hashed number, not one per token; the filtered
     probs need no renormalisation: the draw is scaled by the row's total). The logprob is SGLang's:
-    log_softmax(logits / T) of the chosen token, before filtering.
+    log_softmax(logits / T) of the chosen token, before filtering. `fused`: on a GPU, a batch without filtered
+    rows is sampled by one Triton kernel that reads the logits twice (sample_kernel.py; the same draws).
     """
+    if fused and filtered is False and sample_kernel.serves(logits):
+        return sample_kernel.sample(logits, temperature, uniform, SAMPLING_EPS)
     greedy = temperature < SAMPLING_EPS  # [B]
     t = torch.where(greedy, torch.ones_like(temperature), temperature)  # [B]
     logprobs = torch.log_softmax(logits / t[:, None], dim=-1)  # [B, V]
