@@ -141,6 +141,49 @@ def check_kernels(dtype: torch.dtype = torch.bfloat16) -> dict:
     return out
 
 
+def check_sampler(B: int = 256) -> dict:
+    """The sampling kernel (engines/embedded/sample_kernel.py) against sample_tokens's torch path at the 1.5B
+    shape's vocabulary: tokens alike, tokens whose float64 interval holds the draw (within 1e-5), logprob error,
+    and ms per call of each (graph-free)."""
+    from reflow.engines.embedded import sample_kernel as SK
+    from reflow.engines.embedded.sampling import SAMPLING_EPS, TOP_K_ALL, sample_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    V = SHAPE["vocab_size"]
+    logits = torch.randn(B, V, device="cuda", generator=g) * 4
+    temp = torch.rand(B, device="cuda", generator=g) + 0.5
+    temp[:8] = 0.0
+    u = torch.rand(B, device="cuda", generator=g, dtype=torch.float64)
+    ones, alls, zeros = torch.ones(B, device="cuda"), torch.full((B,), TOP_K_ALL, device="cuda"), torch.zeros(B, device="cuda")
+    out: dict = {"batch": B, "vocab": V}
+    try:
+        plain = sample_tokens(logits, temp, ones, alls, zeros, u, filtered=False)
+        fused = sample_tokens(logits, temp, ones, alls, zeros, u, filtered=False, fused=True)
+        t = torch.where(temp < SAMPLING_EPS, 1.0, temp).double()
+        exact = torch.log_softmax(logits.double() / t[:, None], -1)
+        cdf = exact.exp().cumsum(-1)
+        tok = fused[0]
+        hi = cdf.gather(1, tok[:, None])[:, 0]
+        lo = torch.where(tok > 0, cdf.gather(1, (tok - 1).clamp_min(0)[:, None])[:, 0], torch.zeros_like(hi))
+        inside = ((lo - 1e-5 <= u) & (u <= hi + 1e-5)) | (temp < SAMPLING_EPS)
+        out.update(same_tokens=int((fused[0] == plain[0]).sum()), inside_interval=int(inside.sum()),
+                   greedy_match=bool((fused[0][:8] == logits[:8].argmax(-1)).all()),
+                   logprob_max_err=float((fused[1].double() - exact.gather(1, tok[:, None])[:, 0]).abs().max()))
+        for name, fn in (("torch_ms", lambda: sample_tokens(logits, temp, ones, alls, zeros, u, filtered=False)),
+                         ("kernel_ms", lambda: SK.sample(logits, temp, u, SAMPLING_EPS))):
+            fn()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                fn()
+            torch.cuda.synchronize()
+            out[name] = (time.perf_counter() - t0) / 20 * 1e3
+    except Exception as e:  # deliberate: reported, not raised (the attention checks still run)
+        out["error"] = repr(e)[:400]
+    print(f"  sampler check: {out}", flush=True)
+    return out
+
+
 @torch.inference_mode()
 def precapture(dec, longest: int) -> int:
     """Capture every (batch bucket, length bucket) graph a run up to `longest` positions can meet, before timing."""
@@ -448,7 +491,7 @@ def main() -> None:
     path = Path(args.out, "gpu-rollout-long.json")
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.check_kernels:
-        res = {"bf16": check_kernels(torch.bfloat16), "fp32": check_kernels(torch.float32)}
+        res = {"sampler": check_sampler(), "bf16": check_kernels(torch.bfloat16), "fp32": check_kernels(torch.float32)}
         torch.set_float32_matmul_precision("high")
         res["fp32_tf32"] = check_kernels(torch.float32)
         torch.set_float32_matmul_precision("highest")
