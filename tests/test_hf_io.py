@@ -128,3 +128,57 @@ def test_fp32_lm_head_computes_logits_in_float32_under_bf16_and_autocast(tiny_po
     torch.testing.assert_close(head(h), F.linear(h.float(), head.weight.float()), rtol=0, atol=0)
     logits = model(input_ids=torch.tensor([[1, 2, 3]])).logits  # the whole model: float32 logits
     assert logits.dtype == torch.float32
+
+
+def test_loads_in_two_threads_leave_weight_tying_on(tmp_path, monkeypatch):
+    """transformers' from_pretrained turns weight tying off for the whole process while it loads (its
+    initialization.no_tie_weights swaps PreTrainedModel.tie_weights for a no-op and puts back what it found).
+    Two loads interleaved in threads of one process (an engine's disk pushes arriving together; the suite's two
+    engines in one process) left the no-op in place for good: every model made afterwards, tied embeddings in its
+    config, got an lm_head of its own (random where a checkpoint stores only the tied weight). Here the first load
+    is held inside that window while a second starts, then each finishes in turn."""
+    import threading
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers.modeling_utils import PreTrainedModel
+
+    cfg = Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "tied")
+    original = PreTrainedModel.tie_weights
+    inside = {n: threading.Event() for n in ("load-a", "load-b")}
+    go = {n: threading.Event() for n in ("load-a", "load-b")}
+    real_init = Qwen2ForCausalLM.__init__
+
+    def held_init(self, config, *args, **kwargs):  # from_pretrained builds the model inside its no-tie window
+        name = threading.current_thread().name
+        if name in inside:
+            inside[name].set()
+            go[name].wait(30)
+        real_init(self, config, *args, **kwargs)
+
+    monkeypatch.setattr(Qwen2ForCausalLM, "__init__", held_init)
+    models: dict = {}
+    threads = {n: threading.Thread(target=lambda n=n: models.__setitem__(n, load_causal_lm(str(tmp_path / "tied"))),
+                                   name=n) for n in inside}
+    try:
+        threads["load-a"].start()
+        assert inside["load-a"].wait(30)
+        threads["load-b"].start()
+        inside["load-b"].wait(1)  # unserialised, b is inside too now; serialised, it waits for a
+        go["load-a"].set()
+        threads["load-a"].join(60)
+        go["load-b"].set()
+        threads["load-b"].join(60)
+    finally:
+        for e in go.values():
+            e.set()
+    monkeypatch.undo()
+    tie_fn = PreTrainedModel.tie_weights
+    PreTrainedModel.tie_weights = original  # whatever happened, later tests get tying back
+    assert tie_fn is original, "weight tying is left switched off in this process"
+    assert sorted(models) == ["load-a", "load-b"]
+    for m in models.values():
+        assert m.lm_head.weight is m.model.embed_tokens.weight
+    fresh = Qwen2ForCausalLM(cfg)
+    assert fresh.lm_head.weight is fresh.model.embed_tokens.weight

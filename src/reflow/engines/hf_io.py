@@ -21,6 +21,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -184,6 +185,20 @@ def model_bytes(folder: str) -> tuple[int, int]:
     return params, stored
 
 
+# transformers' from_pretrained switches weight tying off for the whole process while it loads: its
+# initialization.no_tie_weights replaces PreTrainedModel.tie_weights with a no-op and puts back what it found. Two
+# loads interleaved in threads of one process (an engine's disk pushes arriving together, two engines in one test
+# process) put the no-op back for good, and every model made afterwards with tied embeddings got an lm_head of its
+# own, random where the checkpoint stores only the tied weight (tests/test_hf_io.py). reflow's loads take turns.
+HF_LOAD_LOCK = threading.RLock()
+
+
+def from_pretrained(cls, *args, **kwargs):
+    """`cls.from_pretrained(*args, **kwargs)`, one at a time in this process (HF_LOAD_LOCK)."""
+    with HF_LOAD_LOCK:
+        return cls.from_pretrained(*args, **kwargs)
+
+
 def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess | None = None,
                    files: Files | None = None, attn_implementation: str | None = None):
     """`attn_implementation`: transformers' attention kernel (None: its default, SDPA where available)."""
@@ -191,7 +206,7 @@ def load_causal_lm(path_or_url: str, dtype: str = "fp32", storage: StorageAccess
 
     local = resolve_checkpoint(path_or_url, storage, files)
     extra = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    return AutoModelForCausalLM.from_pretrained(local, dtype=_DTYPES[dtype], **extra)
+    return from_pretrained(AutoModelForCausalLM, local, dtype=_DTYPES[dtype], **extra)
 
 
 def set_tf32(on: bool) -> None:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from reflow.engines.hf_io import load_tokenizer, resolve_checkpoint, torch_dtype
+from reflow.engines.hf_io import from_pretrained, load_tokenizer, resolve_checkpoint, torch_dtype
 from reflow.engines.train.ds_rank import DeepSpeedRank, _rows, ds_config
 from reflow.engines.train.group import TrainerGroup
 from reflow.engines.train.settings import RankSettings, weights_precision
@@ -61,7 +61,7 @@ def load_value_model(path: str, dtype: str = "fp32", seed: int = 0, storage=None
     from transformers import AutoModel
 
     local = resolve_checkpoint(path, storage)
-    backbone = AutoModel.from_pretrained(local, dtype=torch_dtype(dtype))
+    backbone = from_pretrained(AutoModel, local, dtype=torch_dtype(dtype))
     hidden = backbone.config.hidden_size
     with torch.random.fork_rng():
         torch.manual_seed(seed)
