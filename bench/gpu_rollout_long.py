@@ -184,6 +184,60 @@ def check_sampler(B: int = 256) -> dict:
     return out
 
 
+def tune_attention() -> dict:
+    """The Triton decode-attention kernel's launch tiling (keys per load, warps, pipelining stages) and key splits
+    swept over shapes a rollout meets (the 1.5B shape's 2 KV heads of 6 queries, bf16): each config's time a call
+    (graph-free, 20 calls after one) and the HBM bandwidth its K/V reads reach (keys x 2 x 2 heads x 128 x 2 bytes
+    over the time). Reports every config and the best per shape."""
+    from reflow.engines.embedded import decode_attention as TD
+
+    H, G, D, sms = 2, 6, 128, torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = {"b256_k768": (256, 768), "b256_k300": (256, 300), "b64_k2000": (64, 2000), "b8_k6000": (8, 6000)}
+    res: dict = {"shapes": {}, "best": {}}
+    for name, (b, keys) in shapes.items():
+        N = b * keys + 1
+        k, v = (torch.randn(N + 1, H, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        q = torch.randn(b, H, G, D, device="cuda", dtype=torch.bfloat16)
+        start = torch.arange(b, device="cuda") * keys
+        used = torch.full((b,), keys, device="cuda", dtype=torch.int32)
+        t = _bucket_keys(keys)
+        base = TD.splits_for(b, H, t, sms)
+        gbytes = b * keys * H * D * 2 * 2 / 1e9
+        rows = []
+        ref = TD.decode_attention(q, k, v, start, used, t, 0.088, base)
+        for block_n in (64, 128):
+            for warps in (4, 8):
+                for stages in (None, 2, 4):
+                    for mult in (1, 2, 4):
+                        splits = max(1, min(base * mult, t // block_n))
+                        cfg = {"block_n": block_n, "num_warps": warps, "num_stages": stages, "splits": splits}
+                        try:
+                            out = TD.decode_attention(q, k, v, start, used, t, 0.088, splits, block_n, warps, stages)
+                            err = float((out.float() - ref.float()).abs().max())
+                            torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            for _ in range(20):
+                                TD.decode_attention(q, k, v, start, used, t, 0.088, splits, block_n, warps, stages)
+                            torch.cuda.synchronize()
+                            ms = (time.perf_counter() - t0) / 20 * 1e3
+                            rows.append({**cfg, "ms": round(ms, 4), "gb_per_s": round(gbytes / ms * 1e3, 1),
+                                         "max_abs_diff": err})
+                        except Exception as e:  # deliberate: a config that does not compile is reported
+                            rows.append({**cfg, "error": repr(e)[:160]})
+        ok = [r for r in rows if "ms" in r and r["max_abs_diff"] < 0.05]
+        best = min(ok, key=lambda r: r["ms"])
+        now = next(r for r in ok if r["block_n"] == TD.BLOCK_N and r["num_warps"] == 4 and r["num_stages"] is None
+                   and r["splits"] == base)
+        res["shapes"][name] = rows
+        res["best"][name] = {"best": best, "current": now, "speedup": round(now["ms"] / best["ms"], 3)}
+        print(f"  tune {name}: current {now['ms']:.4f} ms ({now['gb_per_s']} GB/s), best {best}", flush=True)
+    return res
+
+
+def _bucket_keys(n: int) -> int:
+    return -(-n // 512) * 512
+
+
 @torch.inference_mode()
 def precapture(dec, longest: int) -> int:
     """Capture every (batch bucket, length bucket) graph a run up to `longest` positions can meet, before timing."""
@@ -477,6 +531,8 @@ def main() -> None:
     ap.add_argument("--check-kernels", action="store_true",
                     help="only the decode kernels against float32 SDPA: bf16, float32 (IEEE), float32 (TF32)")
     ap.add_argument("--anatomy", action="store_true", help="only anatomy(): one step's kernels and graph replay time")
+    ap.add_argument("--tune-attention", action="store_true", help="only tune_attention(): the decode-attention kernel's "
+                    "tiling and splits swept over rollout shapes")
     ap.add_argument("--breakdown", action="store_true", help="only breakdown(): a whole step's wall time split into "
                     "the graph, the sampling and the host's work, at batch 256 (with --fuse as given)")
     ap.add_argument("--fuse", default="", help="throughput with the static decoder's elementwise work compiled by this "
@@ -500,6 +556,10 @@ def main() -> None:
     if args.anatomy:
         out["anatomy"] = anatomy(tok, "triton")
         Path(args.out, "anatomy.json").write_text(json.dumps(out, indent=1, default=str))
+        return
+    if args.tune_attention:
+        out["tune_attention"] = tune_attention()
+        Path(args.out, "tune-attention.json").write_text(json.dumps(out, indent=1, default=str))
         return
     if args.breakdown:
         out["breakdown"] = breakdown(tok, args.kernel, args.fuse or None)

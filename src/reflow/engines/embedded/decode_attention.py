@@ -97,13 +97,17 @@ def splits_for(b: int, kv_heads: int, t: int, sms: int) -> int:
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, used: torch.Tensor,
-                     t: int, scale: float, splits: int) -> torch.Tensor:
+                     t: int, scale: float, splits: int, block_n: int = BLOCK_N, num_warps: int = 4,
+                     num_stages: int | None = None) -> torch.Tensor:
     """q [b, Hkv, G, D]; k/v [N + 1, Hkv, D]; start/used [b] (keys start .. start + used - 1, used <= t) ->
-    [b, Hkv, G, D] in q's dtype. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it."""
+    [b, Hkv, G, D] in q's dtype. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
+    `num_warps`, `num_stages`: the launch's tiling (keys a program loads at a time, its warps, Triton's software
+    pipelining depth; None: Triton's default)."""
     assert triton is not None
     b, H, G, D = q.shape
     chunk = -(-t // splits)
-    chunk = -(-chunk // BLOCK_N) * BLOCK_N
+    chunk = -(-chunk // block_n) * block_n
+    tiling = {"num_warps": num_warps, **({"num_stages": num_stages} if num_stages else {})}
     q = q.contiguous()
     out = torch.empty((b, H, splits, G, D), dtype=torch.float32, device=q.device)
     lse = torch.empty((b, H, splits, G), dtype=torch.float32, device=q.device)
@@ -111,8 +115,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: t
                                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                                    out.stride(0), out.stride(1), out.stride(2), out.stride(3),
                                    lse.stride(0), lse.stride(1), lse.stride(2),
-                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=BLOCK_N, num_warps=4,
-                                   IEEE=ieee_products(q.dtype))
+                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=block_n, IEEE=ieee_products(q.dtype),
+                                   **tiling)
     if splits == 1:
         return out[:, :, 0].to(q.dtype)
     w = torch.exp2(lse - lse.amax(2, keepdim=True))  # [b, H, S, G]; an empty split weighs 0
