@@ -205,7 +205,7 @@ def tune_attention() -> dict:
         gbytes = b * keys * H * D * 2 * 2 / 1e9
         rows = []
         ref = TD.decode_attention(q, k, v, start, used, t, 0.088, base)
-        for block_n in (64, 128):
+        for block_n in (64, 128):  # (the sweep of RESULTS 43; TD.TILING[2] is one of its configs)
             for warps in (4, 8):
                 for stages in (None, 2, 4):
                     for mult in (1, 2, 4):
@@ -226,7 +226,7 @@ def tune_attention() -> dict:
                             rows.append({**cfg, "error": repr(e)[:160]})
         ok = [r for r in rows if "ms" in r and r["max_abs_diff"] < 0.05]
         best = min(ok, key=lambda r: r["ms"])
-        now = next(r for r in ok if r["block_n"] == TD.BLOCK_N and r["num_warps"] == 4 and r["num_stages"] is None
+        now = next(r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == TD.TILING[2]
                    and r["splits"] == base)
         res["shapes"][name] = rows
         res["best"][name] = {"best": best, "current": now, "speedup": round(now["ms"] / best["ms"], 3)}

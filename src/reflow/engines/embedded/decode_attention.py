@@ -96,14 +96,26 @@ def splits_for(b: int, kv_heads: int, t: int, sms: int) -> int:
     return max(1, min(want, t // 256))
 
 
+# The launch's tiling by the regions' element size: (keys a program loads at a time, warps, software pipelining
+# stages; None: Triton's default). 2-byte regions: swept on an H100 over the 1.5B shape's rollouts (bench/
+# gpu_rollout_long.py --tune-attention, RESULTS 43): 64 keys, 8 warps, 4 stages came within 1.04x of each shape's
+# best (batch 256 at 300 and 768 keys, 64 rows at 2,000, 8 at 6,000) where the earlier 64 / 4 / default took
+# 1.11-1.70x its time. float32 regions keep that earlier tiling (4 stages of their 64 x 128 K and V tiles would
+# not fit a block's shared memory).
+TILING: dict[int, tuple[int, int, int | None]] = {2: (64, 8, 4), 4: (BLOCK_N, 4, None)}
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, used: torch.Tensor,
-                     t: int, scale: float, splits: int, block_n: int = BLOCK_N, num_warps: int = 4,
+                     t: int, scale: float, splits: int, block_n: int | None = None, num_warps: int | None = None,
                      num_stages: int | None = None) -> torch.Tensor:
     """q [b, Hkv, G, D]; k/v [N + 1, Hkv, D]; start/used [b] (keys start .. start + used - 1, used <= t) ->
     [b, Hkv, G, D] in q's dtype. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
     `num_warps`, `num_stages`: the launch's tiling (keys a program loads at a time, its warps, Triton's software
-    pipelining depth; None: Triton's default)."""
+    pipelining depth); None: TILING's for the regions' dtype (all three None) or Triton's default (stages)."""
     assert triton is not None
+    if block_n is None and num_warps is None and num_stages is None:
+        block_n, num_warps, num_stages = TILING[k.element_size()] if k.element_size() in TILING else TILING[4]
+    block_n, num_warps = block_n or BLOCK_N, num_warps or 4
     b, H, G, D = q.shape
     chunk = -(-t // splits)
     chunk = -(-chunk // block_n) * block_n
