@@ -97,12 +97,12 @@ def splits_for(b: int, kv_heads: int, t: int, sms: int) -> int:
 
 
 # The launch's tiling by the regions' element size: (keys a program loads at a time, warps, software pipelining
-# stages; None: Triton's default). 2-byte regions: swept on an H100 over the 1.5B shape's rollouts (bench/
-# gpu_rollout_long.py --tune-attention, RESULTS 43): 64 keys, 8 warps, 4 stages came within 1.04x of each shape's
-# best (batch 256 at 300 and 768 keys, 64 rows at 2,000, 8 at 6,000) where the earlier 64 / 4 / default took
-# 1.11-1.70x its time. float32 regions keep that earlier tiling (4 stages of their 64 x 128 K and V tiles would
-# not fit a block's shared memory).
-TILING: dict[int, tuple[int, int, int | None]] = {2: (64, 8, 4), 4: (BLOCK_N, 4, None)}
+# stages; None: Triton's default). Swept on an H100 over the 1.5B shape's rollouts (bench/gpu_rollout_long.py
+# --tune-attention, RESULTS 43): alone, 64 keys / 8 warps / 4 stages came within 1.04x of each shape's best where
+# this tiling took 1.11-1.70x its time; inside the fused decode step's CUDA graph the two measured the same
+# (graph 5.30 ms this, 5.41 ms that, batch 256 x 1,024 tokens, one machine, one call), so this one stays until a
+# change shows in the step.
+TILING: dict[int, tuple[int, int, int | None]] = {2: (BLOCK_N, 4, None), 4: (BLOCK_N, 4, None)}
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, used: torch.Tensor,
