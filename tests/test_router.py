@@ -45,8 +45,10 @@ def router(two_engines):
 
 
 def _running(url: str, api_key: str = KEY) -> int:
+    """Requests the engine at `url` holds, running or waiting (0 when it does not answer)."""
     try:
-        return httpx.get(f"{url}/v1/loads", timeout=5, headers=bearer(api_key)).json()["loads"][0]["num_running_reqs"]
+        load = httpx.get(f"{url}/v1/loads", timeout=5, headers=bearer(api_key)).json()["loads"][0]
+        return load["num_running_reqs"] + load["num_waiting_reqs"]
     except httpx.TransportError:
         return 0
 
@@ -58,7 +60,7 @@ def _pid(actor) -> int:
 
 
 def _kill_when_busy(victim, url: str, api_key: str) -> tuple[threading.Thread, threading.Event]:
-    """Start a thread that SIGKILLs the engine actor `victim`'s process once it is generating; (thread,
+    """Start a thread that SIGKILLs the engine actor `victim`'s process once it holds a request; (thread,
     killed). A signal, not ray.kill: ray.kill returns before the actor is gone (GCS, then its raylet), and
     on a loaded machine the victim could finish its requests, and even answer the push's liveness check,
     before it dies (CI saw the push find it alive: engines_recreated 0). A victim that never gets work
@@ -176,6 +178,9 @@ def test_engine_lost_during_generate_is_recreated_with_current_weights_before_th
     try:
         iteration(cfg, 0)  # the engine now serves policy version 1, which model.path does not hold
         victim, victim_url = rt.engines[0], rt.engine_urls[0]
+        # Paused, the victim holds the attempt's requests until it dies: on a loaded machine a running one could
+        # finish between two polls of its load (a clean-clone run saw none running: nothing killed)
+        EngineClient(victim_url, api_key=rt.api_key).pause_generation()
         killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
         batch = generate(cfg, 1)
         killer.join(60)
