@@ -491,6 +491,8 @@ class Generator:
         regions = dec.regions
         assert regions is not None
         short: list[int] = []
+        if self.kv_reserve >= 1.0:  # every region holds its row's prompt + max_new_tokens: none outgrows it
+            return short
         moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # (to, from, positions written so far)
         for b, r in enumerate(rows):
             at = len(r.prompt) + len(r.out) + shift  # the position this step writes
