@@ -144,6 +144,7 @@ def test_iteration_completes_when_an_engine_dies_mid_rollout(ray_cluster, prefec
     rt = start_runtime(cfg)
     try:
         victim, victim_url = rt.engines[0], rt.engine_urls[0]
+        EngineClient(victim_url, api_key=rt.api_key).pause_generation()  # it holds what it is sent until killed
         killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
         m = iteration(cfg, 0)
         killer.join(60)
@@ -230,6 +231,7 @@ def test_generation_launched_ahead_is_the_same_batch_and_falls_back_when_its_eng
 
         iteration(cfg, 1)  # policy version 2
         victim, victim_url = rt.engines[0], rt.engine_urls[0]
+        EngineClient(victim_url, api_key=rt.api_key).pause_generation()  # it holds the batch's requests until killed
         killer, killed = _kill_when_busy(victim, victim_url, rt.api_key)
         source = RolloutSource(cfg, 2, end=3)
         lost, waits = source.take(2)
