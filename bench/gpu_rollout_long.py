@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from reflow.engines.embedded.generator import Generator
 from reflow.engines.embedded.kv_pool import bytes_per_position
+from reflow.engines.embedded.static_decode import _bucket
 
 SHAPE = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
              num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6, tie_word_embeddings=True)
@@ -200,12 +201,12 @@ def tune_attention() -> dict:
         q = torch.randn(b, H, G, D, device="cuda", dtype=torch.bfloat16)
         start = torch.arange(b, device="cuda") * keys
         used = torch.full((b,), keys, device="cuda", dtype=torch.int32)
-        t = _bucket_keys(keys)
+        t = _bucket(keys, 512)  # the key bound the decoder passes for rows of this length
         base = TD.splits_for(b, H, t, sms)
         gbytes = b * keys * H * D * 2 * 2 / 1e9
         rows = []
         ref = TD.decode_attention(q, k, v, start, used, t, 0.088, base)
-        for block_n in (64, 128):  # (the sweep of RESULTS 43; TD.TILING[2] is one of its configs)
+        for block_n in (64, 128):  # (the sweep of RESULTS 43; decode_attention's defaults are one of its configs)
             for warps in (4, 8):
                 for stages in (None, 2, 4):
                     for mult in (1, 2, 4):
@@ -226,16 +227,12 @@ def tune_attention() -> dict:
                             rows.append({**cfg, "error": repr(e)[:160]})
         ok = [r for r in rows if "ms" in r and r["max_abs_diff"] < 0.05]
         best = min(ok, key=lambda r: r["ms"])
-        now = next(r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == TD.TILING[2]
+        now = next(r for r in ok if (r["block_n"], r["num_warps"], r["num_stages"]) == (TD.BLOCK_N, 4, None)
                    and r["splits"] == base)
         res["shapes"][name] = rows
         res["best"][name] = {"best": best, "current": now, "speedup": round(now["ms"] / best["ms"], 3)}
         print(f"  tune {name}: current {now['ms']:.4f} ms ({now['gb_per_s']} GB/s), best {best}", flush=True)
     return res
-
-
-def _bucket_keys(n: int) -> int:
-    return -(-n // 512) * 512
 
 
 @torch.inference_mode()

@@ -96,26 +96,18 @@ def splits_for(b: int, kv_heads: int, t: int, sms: int) -> int:
     return max(1, min(want, t // 256))
 
 
-# The launch's tiling by the regions' element size: (keys a program loads at a time, warps, software pipelining
-# stages; None: Triton's default). Swept on an H100 over the 1.5B shape's rollouts (bench/gpu_rollout_long.py
-# --tune-attention, RESULTS 43): alone, 64 keys / 8 warps / 4 stages came within 1.04x of each shape's best where
-# this tiling took 1.11-1.70x its time; inside the fused decode step's CUDA graph the two measured the same
-# (graph 5.30 ms this, 5.41 ms that, batch 256 x 1,024 tokens, one machine, one call), so this one stays until a
-# change shows in the step.
-TILING: dict[int, tuple[int, int, int | None]] = {2: (BLOCK_N, 4, None), 4: (BLOCK_N, 4, None)}
-
-
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: torch.Tensor, used: torch.Tensor,
-                     t: int, scale: float, splits: int, block_n: int | None = None, num_warps: int | None = None,
+                     t: int, scale: float, splits: int, block_n: int = BLOCK_N, num_warps: int = 4,
                      num_stages: int | None = None) -> torch.Tensor:
     """q [b, Hkv, G, D]; k/v [N + 1, Hkv, D]; start/used [b] (keys start .. start + used - 1, used <= t) ->
     [b, Hkv, G, D] in q's dtype. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
     `num_warps`, `num_stages`: the launch's tiling (keys a program loads at a time, its warps, Triton's software
-    pipelining depth); None: TILING's for the regions' dtype (all three None) or Triton's default (stages)."""
+    pipelining depth, None: its default). The defaults were swept on an H100 over the 1.5B shape's rollouts
+    (bench/gpu_rollout_long.py --tune-attention, RESULTS 43): alone, 64 keys / 8 warps / 4 stages came within
+    1.04x of each shape's best where these took 1.11-1.70x its time; inside the fused decode step's CUDA graph the
+    two measured the same (graph 5.30 ms these, 5.41 ms that, batch 256 x 1,024 tokens, one machine, one call), so
+    these stay until a change shows in the step."""
     assert triton is not None
-    if block_n is None and num_warps is None and num_stages is None:
-        block_n, num_warps, num_stages = TILING[k.element_size()] if k.element_size() in TILING else TILING[4]
-    block_n, num_warps = block_n or BLOCK_N, num_warps or 4
     b, H, G, D = q.shape
     chunk = -(-t // splits)
     chunk = -(-chunk // block_n) * block_n

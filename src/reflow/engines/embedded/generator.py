@@ -37,7 +37,7 @@ import math
 import threading
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -423,7 +423,7 @@ class Generator:
             ahead = None  # logits of the next step, launched before this step's tokens are read
             short: list[int] = []  # batch rows whose regions could not reach the next position: they leave
             if any(len(r.out) + 1 < r.max_new for r in active):  # after this step's token
-                short = self._room(dec, active, 0)
+                short = self._room(dec, active)
                 ahead = self._decode(dec, tokens, active, 0, short)
             ready()
             for r, tok, lp in zip(active, host[0].long().tolist(), host[1].tolist()):
@@ -483,8 +483,8 @@ class Generator:
         left = r.max_new - len(r.out)
         return len(r.prompt) + len(r.out) + max(1, min(left, math.ceil(self.kv_reserve * left)))
 
-    def _room(self, dec: StaticDecoder, rows: list[_Row], shift: int) -> list[int]:
-        """Make each row's region reach the position the next step writes (prompt + out + shift): rows past
+    def _room(self, dec: StaticDecoder, rows: list[_Row]) -> list[int]:
+        """Make each row's region reach the position the next step writes (prompt + out): rows past
         their region's end grow it in place where the hole after it is free, else move to a larger region (their
         K/V copied, all in one copy); returns the batch rows for which neither was possible (they sit out the step
         and leave the batch)."""
@@ -495,7 +495,7 @@ class Generator:
             return short
         moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # (to, from, positions written so far)
         for b, r in enumerate(rows):
-            at = len(r.prompt) + len(r.out) + shift  # the position this step writes
+            at = len(r.prompt) + len(r.out)  # the position this step writes
             if at < regions.length(r.kv_start):
                 continue
             want = max(at + 1, self._reserve(r))
@@ -530,7 +530,7 @@ class Generator:
         return new
 
     def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, rows: list[_Row], shift: int,
-                idle: list[int] = ()) -> torch.Tensor:  # type: ignore[assignment]  # an empty tuple: read only
+                idle: Sequence[int] = ()) -> torch.Tensor:
         """The next step's logits; each row's token goes at position prompt + out + shift of its region (the batch
         rows in `idle` write the pool's scratch position instead: their logits mean nothing)."""
         positions = [len(r.prompt) + len(r.out) + shift for r in rows]

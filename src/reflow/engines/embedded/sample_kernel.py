@@ -14,6 +14,8 @@ Where the draw lands past the last token by rounding, the row's mode is taken (a
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 try:  # Triton comes with torch's CUDA builds; the CPU build (tests, the demo) has none
@@ -23,6 +25,7 @@ except ImportError:  # deliberate: no Triton, no kernel (sample_tokens's torch p
     triton = None
 
 BLOCK = 4096  # logits a program loads at a time
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton reads it once too (set before import, as the tests do)
 
 
 def available() -> bool:
@@ -32,9 +35,7 @@ def available() -> bool:
 def serves(logits: torch.Tensor) -> bool:
     """Whether the kernel can sample these logits: float32 [B, V] with unit stride along V, on a GPU (or on
     CPU under Triton's interpreter, TRITON_INTERPRET=1: the tests)."""
-    import os
-
-    on = logits.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+    on = logits.is_cuda or _INTERPRETED
     return (triton is not None and on and logits.dim() == 2 and logits.dtype == torch.float32
             and logits.stride(1) == 1 and logits.shape[0] > 0)
 
