@@ -410,6 +410,56 @@ def breakdown(tok, kernel: str, fuse: str | None, tokens: int = 1024) -> dict:
     return res
 
 
+def syncs(args, tok, bw: float) -> dict:
+    """The rollout's own way of sampling (every row seeded, as rollout requests are) on the longtail and stream
+    workloads, where rows finish and are admitted all along: seconds, tokens/s and roofline as `throughput`, plus
+    the host waits PyTorch itself reports (torch.cuda.set_sync_debug_mode: blocking copies, .item(), nonzero) in
+    a second, untimed and shorter run of each (its first 128 requests at an eighth of their lengths). Run it once on this tree and once on an older one (PYTHONPATH), each in its own
+    process: the same work, so the seconds compare."""
+    import warnings
+
+    model = build(torch.bfloat16)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kvbytes = bytes_per_position(SHAPE["num_hidden_layers"], SHAPE["num_key_value_heads"], 128, torch.bfloat16)
+    gen = Generator(model, tok, max_batch_size=BATCH, decoder="graphs", kv_mem_fraction=args.mem_fraction,
+                    decode_fusion=args.fuse or None)
+    gen.static_decoder().attention = args.kernel if args.kernel != "auto" else "triton"
+    steps = Steps(gen.static_decoder())
+    tail, stream = longtail(BATCH), longtail(2 * BATCH)
+    uni_p, stream_p = (ET.prompts_for(n, SHAPE["vocab_size"], PROMPT, seed=s) for n, s in ((BATCH, 1), (2 * BATCH, 2)))
+
+    def seeded(prompts, lengths):
+        sps = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": 1000 + i}
+               for i, n in enumerate(lengths)]
+        recs = gen.generate(prompts, sps, 1)
+        return sum(len(r["output_ids"]) for r in recs)
+
+    seeded(uni_p[:8], [8] * 8)  # makes the pool
+    precapture(gen.static_decoder(), PROMPT + max(stream + tail))
+    rows = []
+    for tag, prompts, lengths in (("longtail", uni_p, tail), ("stream", stream_p, stream)):
+        steps.reset()
+        sec, tokens = ET.timed(lambda p=prompts, n=lengths: seeded(p, n))
+        bound = (steps.steps * wbytes + steps.keys * kvbytes) / bw
+        row = {"workload": tag, "seeded": True, "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
+               "steps": steps.steps, "ms_per_step": 1e3 * sec / steps.steps, "roofline_fraction": bound / sec}
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            seeded(prompts[:128], [max(8, n // 8) for n in lengths[:128]])  # the same kinds of steps, shorter
+        torch.cuda.set_sync_debug_mode("default")
+        where: dict[str, int] = {}
+        for w in caught:
+            key = str(w.message).splitlines()[0][:80]
+            where[key] = where.get(key, 0) + 1
+        row.update(host_waits_short_run=len(caught), host_wait_kinds=where)
+        print(f"  syncs {tag}: {tokens} tokens in {sec:.2f} s = {tokens / sec:.0f} tok/s, {row['ms_per_step']:.2f} ms a "
+              f"step, roofline {row['roofline_fraction']:.3f}, host waits {len(caught)} ({where})", flush=True)
+        rows.append(row)
+    gen.static_decoder().release()
+    return {"rows": rows, "source": __import__("reflow").__file__}
+
+
 def throughput(args, tok, bw: float) -> dict:
     model = build(torch.bfloat16)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -532,6 +582,8 @@ def main() -> None:
                     "tiling and splits swept over rollout shapes")
     ap.add_argument("--breakdown", action="store_true", help="only breakdown(): a whole step's wall time split into "
                     "the graph, the sampling and the host's work, at batch 256 (with --fuse as given)")
+    ap.add_argument("--syncs", default="", help="only syncs(): seeded longtail and stream rows, timed, and the host "
+                    "waits PyTorch reports; the value names the result file (syncs-<value>.json)")
     ap.add_argument("--fuse", default="", help="throughput with the static decoder's elementwise work compiled by this "
                     "torch.compile backend (inductor; Generator's decode_fusion): run it beside one without, each in "
                     "a process of its own")
@@ -557,6 +609,10 @@ def main() -> None:
     if args.tune_attention:
         out["tune_attention"] = tune_attention()
         Path(args.out, "tune-attention.json").write_text(json.dumps(out, indent=1, default=str))
+        return
+    if args.syncs:
+        out["syncs"] = syncs(args, tok, bw)
+        Path(args.out, f"syncs-{args.syncs}.json").write_text(json.dumps(out, indent=1, default=str))
         return
     if args.breakdown:
         out["breakdown"] = breakdown(tok, args.kernel, args.fuse or None)

@@ -53,6 +53,7 @@ from reflow.engines.embedded.sampling import (
     sample_tokens,
     seeded_uniform,
 )
+from reflow.engines.embedded.staging import on_device
 from reflow.engines.embedded.static_decode import StaticDecoder
 from reflow.engines.embedded.weight_layout import Arena, byte_order, copy_runs
 from reflow.engines.rollout_client import CLOSED
@@ -440,8 +441,9 @@ class Generator:
                 if r.finish is not None or s in back:  # the step in flight writes inside a finished row's region:
                     dec.regions.free(r.kv_start)  # stream order keeps a new owner's prefill after it
             if len(keep) < len(active) and keep:
-                tokens, params = tokens[keep], params.select(keep)
-                ahead = None if ahead is None else ahead[torch.tensor(keep, device=ahead.device)]
+                idx = on_device(keep, tokens.device)
+                tokens, params = tokens[idx], params.select(keep, idx)
+                ahead = None if ahead is None else ahead[idx]
             active = [active[s] for s in keep]
             if not active:
                 if not waiting:
@@ -555,12 +557,12 @@ class Generator:
         else:
             logits = torch.empty((len(prompts), parts[0].shape[1]), dtype=parts[0].dtype, device=parts[0].device)
             for g, part in zip(groups, parts):
-                logits[torch.tensor(g, device=logits.device)] = part
+                logits[on_device(g, logits.device)] = part
         repeats = [(row, first[u]) for row, u in zip(rows, picks) if first[u] is not row]
         if repeats:
             dec.copy_prefix([r.kv_start for r, _ in repeats], [f.kv_start for _, f in repeats],
                             [len(r.prompt) + len(r.out) for r, _ in repeats])
-        return logits[torch.tensor(picks, device=logits.device)]
+        return logits[on_device(picks, logits.device)]
 
     def _prefill(self, rows: list[_Row]):
         """Left-padded prefill of the distinct prompts; cache and logits repeated per row."""
@@ -571,11 +573,11 @@ class Generator:
         for u, p in enumerate(prompts):
             ids[u, T - len(p):] = torch.tensor(p)
             mask[u, T - len(p):] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        ids, mask = on_device(ids, self.device), on_device(mask, self.device)
         pos_ids = (mask.cumsum(-1) - 1).clamp_min(0)  # [U, T] positions restart at each prompt
         cache = _new_cache(capacity=T + max(r.max_new for r in rows))
         logits = self._forward(ids, mask, pos_ids, cache)  # [U, V]
-        sel = torch.tensor(picks, device=self.device)  # [B]
+        sel = on_device(picks, self.device)  # [B]
         if picks != list(range(len(prompts))):
             cache.batch_select_indices(sel)  # n > 1: repeat each prompt's cache per sample
         return cache, logits[sel], mask[sel], pos_ids[sel, -1]
@@ -590,7 +592,7 @@ class Generator:
     @staticmethod
     def _compact(cache, mask: torch.Tensor, keep: list[int]) -> torch.Tensor:
         """Drop finished rows from the cache and mask, then cut columns that are padding for all."""
-        idx = torch.tensor(keep, device=mask.device)
+        idx = on_device(keep, mask.device)
         mask = mask[idx]  # [B', T]
         if not all(isinstance(layer, _PreallocLayer) for layer in cache.layers):
             cache.batch_select_indices(idx)  # a layer kind we do not own: rows only
@@ -604,23 +606,24 @@ class Generator:
         """Apply the min_new_tokens mask, draw each row's uniform (a seeded row's from its seed), then sample;
         `params` are the rows' parameters as device tensors (built here when not given)."""
         B, V = logits.shape
-        for b, r in enumerate(rows):
-            if len(r.out) < r.cfg.min_new_tokens and r.mask_ids:
-                logits[b, r.mask_ids] = float("-inf")
+        masked = [(b, t) for b, r in enumerate(rows) if len(r.out) < r.cfg.min_new_tokens for t in r.mask_ids]
+        if masked:  # every row still short of min_new_tokens, all at once: [b, token] pairs
+            at = on_device(masked, logits.device)
+            logits[at[:, 0], at[:, 1]] = float("-inf")
         params = params or SamplingTensors.of([r.cfg for r in rows], logits.device)
         uniform = None
         if not params.all_greedy:
             seeded = [b for b, r in enumerate(rows) if r.cfg.sampling_seed is not None and not r.cfg.greedy]
             if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
-                at = torch.tensor([[_as_int64(rows[b].cfg.sampling_seed), len(rows[b].prompt) + len(rows[b].out)]
-                                   for b in seeded])  # [S, 2]
-                drawn = seeded_uniform(at[:, 0], at[:, 1]).to(logits.device, non_blocking=True)  # [S]
+                at = on_device([[_as_int64(rows[b].cfg.sampling_seed), len(rows[b].prompt) + len(rows[b].out)]
+                                for b in seeded], logits.device)  # [S, 2]
+                drawn = seeded_uniform(at[:, 0], at[:, 1])  # [S], on the device (integer ops: the host's bits)
             if len(seeded) == B:
                 uniform = drawn
             else:
                 uniform = torch.rand(B, device=logits.device, dtype=torch.float64)  # [B]
                 if seeded:
-                    uniform[torch.tensor(seeded, device=logits.device)] = drawn
+                    uniform[on_device(seeded, logits.device)] = drawn
         return sample_tokens(logits, params.temperature, params.top_p, params.top_k, params.min_p, uniform,
                              filtered=params.filtered, fused=self.decode_fusion is not None)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from reflow.engines.embedded import sample_kernel
+from reflow.engines.embedded.staging import on_device
 
 SAMPLING_EPS = 1e-6  # temperature below this means greedy (SGLang's _SAMPLING_EPS)
 TOP_K_ALL = 1 << 30
@@ -106,11 +107,12 @@ class SamplingTensors:
     def of(cls, cfgs: list[SamplingConfig], device) -> SamplingTensors:
         vals = [(c.temperature, c.top_p, TOP_K_ALL if c.top_k == -1 else c.top_k, c.min_p) for c in cfgs]
         temp, top_p, top_k, min_p = zip(*vals) if vals else ((), (), (), ())
-        return cls(tuple(cfgs), torch.tensor(temp, device=device), torch.tensor(top_p, device=device),
-                   torch.tensor(top_k, device=device), torch.tensor(min_p, device=device))
+        return cls(tuple(cfgs), on_device(temp, device, torch.float32), on_device(top_p, device, torch.float32),
+                   on_device(top_k, device), on_device(min_p, device, torch.float32))
 
-    def select(self, keep: list[int]) -> SamplingTensors:
-        idx = torch.tensor(keep, device=self.temperature.device)
+    def select(self, keep: list[int], idx: torch.Tensor | None = None) -> SamplingTensors:
+        """The rows `keep` (`idx`: the same indices, already on the device)."""
+        idx = on_device(keep, self.temperature.device) if idx is None else idx
         return SamplingTensors(tuple(self.cfgs[k] for k in keep), self.temperature[idx], self.top_p[idx],
                                self.top_k[idx], self.min_p[idx])
 

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from reflow.engines.embedded import decode_attention as triton_decode
 from reflow.engines.embedded.kv_pool import GRANULE, RegionPool
+from reflow.engines.embedded.staging import on_device
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -310,8 +311,8 @@ class StaticDecoder:
         """Copy the first lengths[i] positions of the region at src[i] onto the region at dst[i] (a prompt's
         cache repeated for its other samples); each pair copies its own length, so no region is overrun."""
         assert self.k is not None and self.v is not None
-        d = torch.cat([torch.arange(a, a + n) for a, n in zip(dst, lengths)]).to(self.k.device)
-        s = torch.cat([torch.arange(a, a + n) for a, n in zip(src, lengths)]).to(self.k.device)
+        d = on_device(torch.cat([torch.arange(a, a + n) for a, n in zip(dst, lengths)]), self.k.device)
+        s = on_device(torch.cat([torch.arange(a, a + n) for a, n in zip(src, lengths)]), self.k.device)
         self.k[:, d] = self.k[:, s]
         self.v[:, d] = self.v[:, s]
 
@@ -327,20 +328,23 @@ class StaticDecoder:
         ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)  # [U, T]
         for u, p in enumerate(prompts):
             ids[u, :len(p)] = torch.tensor(p)
-        ids = ids.to(dev)
+        ids = on_device(ids, dev)
         lens = torch.tensor([len(p) for p in prompts])
-        real = (torch.arange(T)[None, :] < lens[:, None]).to(dev)  # [U, T] positions that are prompt tokens
-        where = (torch.tensor(starts)[:, None] + torch.arange(T)[None, :]).to(dev)[real]  # [sum len] pool positions
+        real_at = torch.arange(T)[None, :] < lens[:, None]  # [U, T] positions that are prompt tokens
+        # the prompt tokens as flat indices into [U * T], and their pool positions, both made on the host: a
+        # boolean mask on the device would cost a sync per layer (its count is read back)
+        real = on_device(real_at.flatten().nonzero()[:, 0], dev)  # [sum len]
+        where = on_device((torch.tensor(starts)[:, None] + torch.arange(T)[None, :])[real_at], dev)  # [sum len]
+        last = on_device(lens - 1, dev)
         x = self.embed(ids)  # [U, T, hidden]
         cos, sin = (t[:, None] for t in self.rotary(x, torch.arange(T, device=dev).expand(len(prompts), T)))
         for i, p in enumerate(self.plan):
             q, k, v = self._qkv(p, x, cos, sin)  # [U, H, T, D]
-            self.k[i, where] = k.transpose(1, 2)[real]
-            self.v[i, where] = v.transpose(1, 2)[real]
+            self.k[i, where] = k.transpose(1, 2).flatten(0, 1)[real]
+            self.v[i, where] = v.transpose(1, 2).flatten(0, 1)[real]
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [U, Hq, T, D]
             x = self._rest(p, x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
-        last = lens.to(dev) - 1
         h = _rms(self.norm, x[torch.arange(len(prompts), device=dev), last])  # [U, hidden]
         return self.model.lm_head(h).float()
 
