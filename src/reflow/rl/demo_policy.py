@@ -104,9 +104,12 @@ def answer_batch(tokenizer, rows: list[dict], target: Callable[[dict], str] = _l
     return ids, attn, labels
 
 
-def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None) -> float:
+def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None, autocast: bool = False) -> float:
+    """One AdamW step on `rows`; `autocast`: the forward under bf16 autocast (on a GPU: float32 weights and
+    optimizer, bf16 products and activations)."""
     ids, attn, labels = (t.to(model.device) for t in (batch_fn or answer_batch)(tokenizer, rows))  # [B, T] each
-    loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    with torch.autocast(model.device.type, torch.bfloat16) if autocast else contextlib.nullcontext():
+        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -116,7 +119,7 @@ def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None) -> float:
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
            check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None,
-           accuracy: Accuracy | None = None) -> dict:
+           accuracy: Accuracy | None = None, autocast: bool = False) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
     Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
@@ -126,6 +129,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     between seeds, so a fixed step count lands anywhere from 0.15 to 0.55. Another task (the tools
     demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`, and
     its own `accuracy(model, tokenizer, rows)` for the check (default: greedy exact answers, `greedy_accuracy`).
+    `autocast`: each step's forward under bf16 autocast (_sft_step).
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
     "seconds"}.
     """
@@ -143,11 +147,13 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     for step in range(1, steps + 1):
         model.train()
         pick = torch.randint(len(train_rows), (batch,), generator=gen).tolist()
-        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick], batch_fn))
+        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick], batch_fn, autocast))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
         if stop_accuracy is not None and step % check_every == 0:
             acc = accuracy(model, tokenizer, check_rows)
+            if model.device.type == "cuda":  # the check's decode cache goes back: a GPU bootstrap that kept it ran out
+                torch.cuda.empty_cache()  # of memory at the next long batch with ~21 GiB reserved but free (an H100)
             if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
                 bar.set_description_str(f"warm-up: accuracy {acc:.2f} reached the target {stop_accuracy} at step {step}")
                 bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=f"{acc:.2f}", refresh=False)
@@ -263,11 +269,13 @@ def bootstrap(out_dir: str | Path, seed: int = 0, digits: int = 2, num_train: in
 def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], accuracy: Accuracy, report: dict, *,
                  seed: int, steps: int, batch: int, lr: float, target_accuracy: float | None, hidden: int,
                  layers: int, heads: int, mlp: int, max_positions: int = 128, check_every: int = 25,
-                 batch_fn=None, progress: bool = True, device: str = "cpu", tf32: bool = False) -> dict:
+                 batch_fn=None, progress: bool = True, device: str = "cpu", tf32: bool = False,
+                 autocast: bool = False) -> dict:
     """A task's bootstrap: build the model, warm it up on `train` (`warmup`; the check on the first
     len(held_out) train rows), save it and bootstrap.json: `report` plus the held-out `accuracy`
     before and after, the warm-up's metrics and the seconds taken. Returns that report. `tf32`: on a GPU,
-    float32 products on TF32 tensor cores meanwhile (the weights stay float32)."""
+    float32 products on TF32 tensor cores meanwhile (the weights stay float32); `autocast`: on a GPU, the warm-up's
+    forwards under bf16 autocast (the held-out scoring stays as the engine and trainer see the weights)."""
     before_precision = torch.get_float32_matmul_precision()
     if tf32 and device != "cpu":
         torch.set_float32_matmul_precision("high")
@@ -275,13 +283,14 @@ def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], a
         return _train_policy(out_dir, train, held_out, accuracy, report, seed=seed, steps=steps, batch=batch, lr=lr,
                              target_accuracy=target_accuracy, hidden=hidden, layers=layers, heads=heads, mlp=mlp,
                              max_positions=max_positions, check_every=check_every, batch_fn=batch_fn,
-                             progress=progress, device=device, tf32=tf32 and device != "cpu")
+                             progress=progress, device=device, tf32=tf32 and device != "cpu",
+                             autocast=autocast and device != "cpu")
     finally:
         torch.set_float32_matmul_precision(before_precision)
 
 
 def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, batch, lr, target_accuracy, hidden,
-                  layers, heads, mlp, max_positions, check_every, batch_fn, progress, device, tf32) -> dict:
+                  layers, heads, mlp, max_positions, check_every, batch_fn, progress, device, tf32, autocast) -> dict:
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, max_positions=max_positions,
@@ -289,12 +298,12 @@ def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, ba
     before = accuracy(model, tokenizer, held_out)
     metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
                      stop_accuracy=target_accuracy, check_rows=train[:len(held_out)], check_every=check_every,
-                     batch_fn=batch_fn, accuracy=accuracy)
+                     batch_fn=batch_fn, accuracy=accuracy, autocast=autocast)
     after = accuracy(model, tokenizer, held_out)
     out = save_policy(model.cpu(), tokenizer, out_dir)
     report = {**report, "eval_accuracy_before": before, "eval_accuracy_after": after,
               "num_parameters": sum(p.numel() for p in model.parameters()),
               "warmup": metrics, "seconds": time.perf_counter() - t0, "path": str(out), "device": device,
-              "tf32": tf32}
+              "tf32": tf32, "autocast": "bf16" if autocast else None}
     (out / "bootstrap.json").write_text(json.dumps(report, indent=2))
     return report
