@@ -61,7 +61,7 @@ def main() -> None:
     data = write_scratchpad_data(work / "data", 0, "gpu")
     if args.full:
         t0 = time.perf_counter()
-        res = bootstrap_scratchpad(work / "policy", data, seed=0, size="gpu", device="cuda", progress=False,
+        res = bootstrap_scratchpad(work / "policy", data, seed=0, size="gpu", device="cuda", progress=True,
                                    autocast=args.variant == "bf16")
         res["wall_s"] = time.perf_counter() - t0
         res["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
