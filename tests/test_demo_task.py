@@ -251,3 +251,22 @@ def test_warmup_bar_ends_at_100_percent_and_says_why_it_stopped_early(tok, capsy
     assert metrics["steps"] == 5
     last = capsys.readouterr().err.replace("\r", "\n").strip().splitlines()[-1]
     assert "reached the target 0.0 at step 5" in last and "100%" in last and "5/5" in last, last
+
+
+def test_an_autocast_warmup_step_runs_its_forward_in_bf16_and_keeps_float32_weights(tok):
+    """The GPU bootstrap's warm-up runs its forwards under bf16 autocast (scratchpad_demo.SETTINGS["gpu"]); checked here
+    on CPU, where autocast works the same way: the step's loss is the float32 one within bf16's rounding, the products
+    ran in bf16 (a float32 step's loss differs from it), and the weights stay float32."""
+    import torch
+
+    from reflow.rl.demo_policy import _sft_step, build_model
+
+    rows, _ = make_problems(0, 16, 4, 2)
+    losses, weights = {}, {}
+    for autocast in (False, True):
+        model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses[autocast] = _sft_step(model, opt, tok, rows[:8], autocast=autocast)
+        weights[autocast] = next(model.parameters()).detach().clone()
+    assert losses[True] != losses[False] and abs(losses[True] - losses[False]) < 0.02 * losses[False], losses
+    assert weights[True].dtype == torch.float32
