@@ -142,12 +142,31 @@ def _reap_named_actors():
 
 @pytest.fixture(scope="session")
 def prefect_server(tmp_path_factory):
-    """A real temporary Prefect server (sqlite in a temp PREFECT_HOME) for the session."""
+    """A real temporary Prefect server (sqlite in a temp PREFECT_HOME) for the session.
+
+    Two of its services are off (in its process only; a `prefect server` a test starts keeps them): the event
+    persister (writes every event to the database for the UI's event feed) and the reactive triggers (automations).
+    No test reads events or makes an automation, and together they were most of the server's CPU over a run (the
+    bulk inserts of each task run's state events), which on 2 cores is the tests' time."""
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=180):
+    off = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in ("EVENT_PERSISTER", "TRIGGERS")}
+    saved = {k: os.environ.get(k) for k in off}
+    os.environ.update(off)  # read by the server's process when the harness starts it
+    try:
+        harness = prefect_test_harness(server_startup_timeout=180)
+        harness.__enter__()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
         yield
+    finally:
+        harness.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="session")
