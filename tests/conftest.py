@@ -151,18 +151,12 @@ def prefect_server(tmp_path_factory):
     os.environ["PREFECT_HOME"] = str(tmp_path_factory.mktemp("prefect_home"))
     from prefect.testing.utilities import prefect_test_harness
 
+    from reflow.infra.cluster.ray_connect import inherited_by_workers
+
     off = {f"PREFECT_SERVER_SERVICES_{name}_ENABLED": "false" for name in ("EVENT_PERSISTER", "TRIGGERS")}
-    saved = {k: os.environ.get(k) for k in off}
-    os.environ.update(off)  # read by the server's process when the harness starts it
-    try:
-        harness = prefect_test_harness(server_startup_timeout=180)
+    harness = prefect_test_harness(server_startup_timeout=180)
+    with inherited_by_workers(off):  # in the environment while the harness starts the server's process, then as before
         harness.__enter__()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     try:
         yield
     finally:
