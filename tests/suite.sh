@@ -52,6 +52,9 @@
 # clone `make test-random SEED=4040` 24m44s (1 failed: a cross-thread tying fault in transformers' from_pretrained, fixed
 # in hf_io); `.ci/run` 22m14s and 22m28s, each with one timing flake of test_router's engine killer (fixed: the victim is
 # paused first; the rest 1299-1300 s, these 1201 s); then 22m39s green (the rest 1114 passed in 1326 s; these 1236 s).
+# Session 41 (the test session's Prefect server without its event persister and automations; a /proc sample of a
+# 9-test slice: trainer ranks and engines ~60 % of its CPU at ~4.5 s each, the Prefect server 12 %): clean clone .ci/run
+# 21m40s before (the rest 1266 s; these 1199 s), 20m50s after (the rest 1115 passed in 1217 s; these 1147 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
