@@ -84,9 +84,11 @@ class Steps:
         self.steps = self.rows = self.keys = 0
 
 
-def run(gen, steps: Steps, prompts, lengths, wbytes: int, kvbytes: int, bw: float, tag: str) -> dict:
+def run(gen, steps: Steps, prompts, lengths, wbytes: int, kvbytes: int, bw: float, tag: str,
+        generate=ET.run_ours) -> dict:
+    """One workload timed through `generate(gen, prompts, lengths)` -> tokens, with its roofline figures."""
     steps.reset()
-    sec, tokens = ET.timed(lambda: ET.run_ours(gen, prompts, lengths))
+    sec, tokens = ET.timed(lambda: generate(gen, prompts, lengths))
     bound = (steps.steps * wbytes + steps.keys * kvbytes) / bw
     row = {"workload": tag, "requests": len(prompts), "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
            "steps": steps.steps, "mean_rows_per_step": steps.rows / max(steps.steps, 1),
@@ -414,8 +416,8 @@ def syncs(args, tok, bw: float) -> dict:
     """The rollout's own way of sampling (every row seeded, as rollout requests are) on the longtail and stream
     workloads, where rows finish and are admitted all along: seconds, tokens/s and roofline as `throughput`, plus
     the host waits PyTorch itself reports (torch.cuda.set_sync_debug_mode: blocking copies, .item(), nonzero) in
-    a second, untimed and shorter run of each (its first 128 requests at an eighth of their lengths). Run it once on this tree and once on an older one (PYTHONPATH), each in its own
-    process: the same work, so the seconds compare."""
+    a second, untimed and shorter run of each (its first 128 requests at an eighth of their lengths). Run it once on
+    this tree and once on an older one (PYTHONPATH), each in its own process: the same work, so the seconds compare."""
     import warnings
 
     model = build(torch.bfloat16)
@@ -428,33 +430,28 @@ def syncs(args, tok, bw: float) -> dict:
     tail, stream = longtail(BATCH), longtail(2 * BATCH)
     uni_p, stream_p = (ET.prompts_for(n, SHAPE["vocab_size"], PROMPT, seed=s) for n, s in ((BATCH, 1), (2 * BATCH, 2)))
 
-    def seeded(prompts, lengths):
+    def seeded(gen, prompts, lengths) -> int:
         sps = [{"temperature": 1.0, "max_new_tokens": n, "ignore_eos": True, "sampling_seed": 1000 + i}
                for i, n in enumerate(lengths)]
         recs = gen.generate(prompts, sps, 1)
         return sum(len(r["output_ids"]) for r in recs)
 
-    seeded(uni_p[:8], [8] * 8)  # makes the pool
+    seeded(gen, uni_p[:8], [8] * 8)  # makes the pool
     precapture(gen.static_decoder(), PROMPT + max(stream + tail))
     rows = []
     for tag, prompts, lengths in (("longtail", uni_p, tail), ("stream", stream_p, stream)):
-        steps.reset()
-        sec, tokens = ET.timed(lambda p=prompts, n=lengths: seeded(p, n))
-        bound = (steps.steps * wbytes + steps.keys * kvbytes) / bw
-        row = {"workload": tag, "seeded": True, "tokens": tokens, "seconds": sec, "tokens_per_s": tokens / sec,
-               "steps": steps.steps, "ms_per_step": 1e3 * sec / steps.steps, "roofline_fraction": bound / sec}
+        row = run(gen, steps, prompts, lengths, wbytes, kvbytes, bw, tag, generate=seeded) | {"seeded": True}
         torch.cuda.set_sync_debug_mode("warn")
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            seeded(prompts[:128], [max(8, n // 8) for n in lengths[:128]])  # the same kinds of steps, shorter
+            seeded(gen, prompts[:128], [max(8, n // 8) for n in lengths[:128]])  # the same kinds of steps, shorter
         torch.cuda.set_sync_debug_mode("default")
         where: dict[str, int] = {}
         for w in caught:
             key = str(w.message).splitlines()[0][:80]
             where[key] = where.get(key, 0) + 1
         row.update(host_waits_short_run=len(caught), host_wait_kinds=where)
-        print(f"  syncs {tag}: {tokens} tokens in {sec:.2f} s = {tokens / sec:.0f} tok/s, {row['ms_per_step']:.2f} ms a "
-              f"step, roofline {row['roofline_fraction']:.3f}, host waits {len(caught)} ({where})", flush=True)
+        print(f"  syncs {tag}: host waits {len(caught)} ({where})", flush=True)
         rows.append(row)
     gen.static_decoder().release()
     return {"rows": rows, "source": __import__("reflow").__file__}

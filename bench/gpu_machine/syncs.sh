@@ -13,7 +13,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 for v in old new; do
   src=$PWD/src; [ "$v" = old ] && src=$(realpath "$base")
   PYTHONPATH=$src:$PWD/bench python3 bench/gpu_rollout_long.py --out "$out" --syncs "$v" "$@" 2>&1 \
-    | tee "$out/syncs-$v.log" | grep -E '^  syncs|Error|error' 
+    | tee "$out/syncs-$v.log" | grep -E '^  (syncs|longtail|stream)|Error|error'
 done
 python3 - "$out" <<'PY'
 import json, sys
