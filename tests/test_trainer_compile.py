@@ -14,7 +14,8 @@ import ray
 import torch
 
 from reflow.engines.hf_io import load_tokenizer
-from reflow.engines.train.compiled import decoder_layers, length_bucket, use_compile
+from reflow.engines.train import packing
+from reflow.engines.train.compiled import decoder_layers, length_bucket, packed_bucket, use_compile
 from reflow.engines.train.trainer import _pad_length
 from reflow.rl.types import to_train_tensors
 from tests.test_trainer import _batch, _create, _train_kw
@@ -26,6 +27,29 @@ def test_length_buckets_are_four_per_octave():
     buckets = {length_bucket(n) for n in range(1, 4097)}
     assert len(buckets) == 4 * 8 + 1  # 16 and four per octave from 16 to 4096
     assert all(b >= n and b <= 1.25 * n + 16 for n in range(1, 4097) for b in [length_bucket(n)])
+
+
+def test_packed_rows_run_at_eighths_of_the_budget():
+    assert [packed_bucket(n, 32768) for n in (1, 4096, 4097, 30000, 32768, 40000)] == \
+        [4096, 4096, 8192, 32768, 32768, 40960]  # a sample over the budget: its length bucket
+    assert {packed_bucket(n, 100) for n in range(1, 101)} == {16, 32, 48, 64, 80, 96, 100}  # steps of 16, capped
+
+
+def test_packed_lengths_of_a_long_response_run_compile_a_bounded_set():
+    """The packing of 40 iterations like the scratchpad GPU run's (512 samples of 16 + 83..913 tokens, 2
+    mini-batches, budget 32,768): every row a length of at most 8 (4 buckets an octave gave one new graph every
+    other iteration on the H100, RESULTS 45), at most budget/8 tokens of padding a row."""
+    g = torch.Generator().manual_seed(0)
+    seen, old = set(), set()
+    for _ in range(40):
+        lengths = (16 + torch.randint(83, 914, (512,), generator=g)).tolist()
+        for mini in packing.plan(lengths, 2, 1, 32768).micros:
+            for micro in mini[0]:
+                n = sum(lengths[i] for i in micro)
+                seen.add(packed_bucket(n, 32768))
+                old.add(length_bucket(n))
+                assert n <= packed_bucket(n, 32768) <= 32768 and packed_bucket(n, 32768) - n < 4096
+    assert len(seen) <= 8 < len(old), (sorted(seen), sorted(old))
 
 
 def test_compile_mode_and_layer_lookup(tiny_policy):

@@ -51,6 +51,7 @@ from reflow.engines.train.compiled import (
     compile_layers,
     compiled_graphs,
     length_bucket,
+    packed_bucket,
     use_compile,
 )
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
@@ -382,8 +383,8 @@ class TrainerRank(DeepSpeedRank):
         return 2.0 if n == 0 else float(self._packed_length(n))
 
     def _packed_length(self, n: int) -> int:
-        """A packed row of n tokens runs at its compiled length bucket (compiled layers), else as it is."""
-        return self._round_up(n) if self._round_up is not None else n
+        """A packed row of n tokens runs at its compiled packed bucket (compiled layers), else as it is."""
+        return packed_bucket(n, self.max_tokens) if self._round_up is not None else n
 
     def _token_logprobs(self, model, mb: dict[str, torch.Tensor], temperature: float, entropy: bool = False
                         ) -> tuple[int, torch.Tensor, torch.Tensor | None]:
