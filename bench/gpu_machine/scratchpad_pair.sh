@@ -11,10 +11,9 @@
 # bootstrap.json: the same evaluator over the same held-out file), seconds (the clock both got), reflow_accuracy,
 # trl_accuracy, reflow_samples_per_s (the demo: line), trl_samples_per_s, mean_response_tokens (reflow's rollouts:
 # response tokens / samples over its iterations; TRL's beside it as trl_mean_response_tokens).
-# The pair has not run yet. Measured so far (bench/RESULTS.md 41, 44): the install ~60-90 s; the bootstrap step (H100)
-# ~4 min under bf16 autocast (~3.1 warm-up steps a second, a ~16 s check every 100; session 38's target came between
-# steps 250 and 500), ~9 min before it; reflow's scratchpad iterations ~9.6 s each at the old lr. So STEP=reflow with
-# ~15-20 iterations also bootstraps within one call (it does when the policy is missing), and STEP=trl is a second.
+# Measured (bench/RESULTS.md 44, 45; an H100): the install ~60-90 s; the bootstrap step ~6 min with the install
+# (343 s of bootstrap under bf16 autocast); STEP=reflow with 18 iterations 289 s (its run 276 s, ~120 s of it cold
+# compiles then); STEP=trl with a 270 s clock 394 s (TRL's start-up, the clock, two greedy scorings of 200 problems).
 #   bash bench/gpu_machine/scratchpad_pair.sh [iterations] [overrides...]       # all steps in one call
 #   STEP=bootstrap, then STEP=reflow bash bench/gpu_machine/scratchpad_pair.sh 50, then STEP=trl (three calls on one
 #     warm machine, each under the 10-minute limit: the trl step reads what the reflow one left in
