@@ -19,6 +19,9 @@
 #     warm machine, each under the 10-minute limit: the trl step reads what the reflow one left in
 #     /tmp/gpurun/scratchpad_pair.env; it takes TRL's start-up + the seconds + two greedy scorings of 200 held-out
 #     problems of up to ~900 tokens, so keep reflow's trained seconds well under 10 minutes)
+#   A clock instead of a count: STEP=reflow ... 400 max_train_minutes=7 (the iteration that crosses 7 minutes is the
+#     last; the pair reads how many ran from the run's latest checkpoint; keep it so that TRL's step, ~40 s more than
+#     the clock plus its start-up, stays inside one 10-minute call)
 #   EVALS=1 keeps reflow's evals before and during training (the default here is EVALS=0: TRL evaluates nothing
 #   inside its clock, the gain is read against bootstrap.json, and the eval after the last iteration stays);
 #   CLOCK=command and UNTIL=command as in compare.sh
@@ -60,13 +63,15 @@ sps=$(grep -o 'samples_per_s=[0-9.]*' "$out/demo-$exp.log" | tail -1 | cut -d= -
 tokens=$(python3 -c "import glob, json, sys; m = [json.load(open(f)) for f in glob.glob(sys.argv[1])]; \
 print(round(sum(x.get('response_tokens', 0) for x in m) / max(sum(x.get('samples', 0) for x in m), 1), 1))" \
   "/tmp/gpurun/.reflow/runs/$exp/iterations/*/metrics.json")
+# the iterations the run made (fewer than asked where max_train_minutes ended it): its last committed checkpoint
+last=$(cat "/tmp/gpurun/.reflow/runs/$exp/checkpoints/latest"); iters=$((10#${last#iter_}))
 printf 'exp=%s\niters=%s\nseconds=%s\ncommand_s=%s\nsps=%s\ntokens=%s\n' "$exp" "$iters" "$seconds" "$command_s" \
   "$sps" "$tokens" > "$env_file"
 fi
 [ "$step" = reflow ] && exit 0
 . "$env_file"
 cd /tmp/gpurun
-ckpt=$(ls -d ".reflow/runs/$exp/checkpoints/iter_$(printf %06d "$iters")")
+ckpt=$(ls -d ".reflow/runs/$exp/checkpoints/iter_$(printf %06d "$iters")")  # the run's last (see above)
 rm -f "$out/trl-scratchpad.json"
 python3 "$repo/bench/trl_baseline.py" --task scratchpad --policy "$policy" --data "$data" --reflow-model "$ckpt/model" \
   --seconds "$seconds" --clock "${CLOCK:-training}" --out "$out/trl-scratchpad.json" 2>&1 \
