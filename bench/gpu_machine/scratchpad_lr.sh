@@ -22,11 +22,12 @@ import glob, json, re, sys
 work, lr = sys.argv[1:]
 rows = [json.loads(x) for x in open(f"{work}/metrics-one.jsonl")] if glob.glob(f"{work}/metrics-one.jsonl") else []
 log = open(glob.glob(f"{work}/demo-one.log")[0]).read() if glob.glob(f"{work}/demo-one.log") else ""
-evals = re.findall(r"eval heldout @ policy version (\d+): \S+ ([0-9.]+) reward ([0-9.]+) len ([0-9.]+)", log)
+# the demo's log is quiet: each eval shows in the progress bar's postfix ("eval heldout 0.405 @ 18")
+evals = sorted({(int(v), float(a)) for a, v in re.findall(r"eval heldout ([0-9.]+) @ (\d+)", log)})
 keys = ("reward_mean", "response_len_mean", "truncated_frac", "logprob_mismatch", "entropy", "time_iteration")
 per = [{"it": r.get("iteration"), **{k: round(r[k], 4) for k in keys if isinstance(r.get(k), (int, float))}}
        for r in rows]
-print(json.dumps({"lr": lr, "evals (version, pass@1, reward, len)": evals, "iterations": len(rows),
+print(json.dumps({"lr": lr, "evals (version, greedy held-out accuracy)": evals, "iterations": len(rows),
                   "per_iteration": [list(p.values()) for p in per], "columns": ["it", *keys]}))
 PY
   grep -E 'demo:' "$work/demo-one.log" 2>/dev/null | tail -3
