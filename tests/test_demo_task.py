@@ -253,6 +253,20 @@ def test_warmup_bar_ends_at_100_percent_and_says_why_it_stopped_early(tok, capsy
     assert "reached the target 0.0 at step 5" in last and "100%" in last and "5/5" in last, last
 
 
+def test_warmup_checks_wait_for_the_loss_to_come_down(tok):
+    """check_below_loss: no greedy check runs while the last 10 steps' mean loss is above it (the GPU scratchpad
+    bootstrap's first four checks all scored 0 at ~16 s each); once it is at or below, the checks run as before."""
+    from reflow.rl.demo_policy import build_model, warmup
+
+    rows, _ = make_problems(0, 64, 8, 2)
+    never = warmup(build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=0), tok, rows, steps=12, batch=8,
+                   stop_accuracy=0.0, check_rows=rows[:8], check_every=5, check_below_loss=0.0, progress=False)
+    assert never["steps"] == 12 and never["checks"] == 0 and never["check_accuracy"] is None, never
+    always = warmup(build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=0), tok, rows, steps=12, batch=8,
+                    stop_accuracy=0.0, check_rows=rows[:8], check_every=5, check_below_loss=1e9, progress=False)
+    assert always["steps"] == 5 and always["checks"] == 1, always  # the target 0.0 is met at the first check
+
+
 def test_an_autocast_warmup_step_runs_its_forward_in_bf16_and_keeps_float32_weights(tok):
     """The GPU bootstrap's warm-up runs its forwards under bf16 autocast (scratchpad_demo.SETTINGS["gpu"]); checked here
     on CPU, where autocast works the same way: the step's loss is the float32 one within bf16's rounding, the products

@@ -119,7 +119,7 @@ def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None, autocast: 
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
            check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None,
-           accuracy: Accuracy | None = None, autocast: bool = False) -> dict:
+           accuracy: Accuracy | None = None, autocast: bool = False, check_below_loss: float | None = None) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
     Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
@@ -129,9 +129,11 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     between seeds, so a fixed step count lands anywhere from 0.15 to 0.55. Another task (the tools
     demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`, and
     its own `accuracy(model, tokenizer, rows)` for the check (default: greedy exact answers, `greedy_accuracy`).
-    `autocast`: each step's forward under bf16 autocast (_sft_step).
+    `autocast`: each step's forward under bf16 autocast (_sft_step). `check_below_loss`: a check is skipped while the
+    mean loss of the last 10 steps is above it (a long-response task scores 0 until its loss is near 0, and each
+    greedy check of 200 ~900-token traces cost ~16 s on an H100: four of the six in a bootstrap found 0 there).
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
-    "seconds"}.
+    "checks" (how many ran), "seconds"}.
     """
 
 
@@ -142,7 +144,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         max_new = 1 + max((len(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"])
                            for r in check_rows), default=0)  # longest answer + eos
         accuracy = functools.partial(greedy_accuracy, max_new_tokens=max_new)
-    losses, acc, t0 = [], None, time.perf_counter()
+    losses, acc, checks, t0 = [], None, 0, time.perf_counter()
     bar = tqdm(total=steps, desc="warm-up", disable=not progress)
     for step in range(1, steps + 1):
         model.train()
@@ -150,8 +152,9 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick], batch_fn, autocast))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
-        if stop_accuracy is not None and step % check_every == 0:
-            acc = accuracy(model, tokenizer, check_rows)
+        if stop_accuracy is not None and step % check_every == 0 and (
+                check_below_loss is None or sum(losses[-10:]) / len(losses[-10:]) <= check_below_loss):
+            acc, checks = accuracy(model, tokenizer, check_rows), checks + 1
             if model.device.type == "cuda":  # the check's decode cache goes back: a GPU bootstrap that kept it ran out
                 torch.cuda.empty_cache()  # of memory at the next long batch with ~21 GiB reserved but free (an H100)
             if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
@@ -163,7 +166,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     model.eval()
     tail = losses[-10:]
     return {"steps": len(losses), "loss_first": losses[0] if losses else None,
-            "loss_last": sum(tail) / len(tail) if tail else None, "check_accuracy": acc,
+            "loss_last": sum(tail) / len(tail) if tail else None, "check_accuracy": acc, "checks": checks,
             "seconds": time.perf_counter() - t0}
 
 
@@ -270,7 +273,7 @@ def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], a
                  seed: int, steps: int, batch: int, lr: float, target_accuracy: float | None, hidden: int,
                  layers: int, heads: int, mlp: int, max_positions: int = 128, check_every: int = 25,
                  batch_fn=None, progress: bool = True, device: str = "cpu", tf32: bool = False,
-                 autocast: bool = False) -> dict:
+                 autocast: bool = False, check_below_loss: float | None = None) -> dict:
     """A task's bootstrap: build the model, warm it up on `train` (`warmup`; the check on the first
     len(held_out) train rows), save it and bootstrap.json: `report` plus the held-out `accuracy`
     before and after, the warm-up's metrics and the seconds taken. Returns that report. `tf32`: on a GPU,
@@ -284,13 +287,14 @@ def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], a
                              target_accuracy=target_accuracy, hidden=hidden, layers=layers, heads=heads, mlp=mlp,
                              max_positions=max_positions, check_every=check_every, batch_fn=batch_fn,
                              progress=progress, device=device, tf32=tf32 and device != "cpu",
-                             autocast=autocast and device != "cpu")
+                             autocast=autocast and device != "cpu", check_below_loss=check_below_loss)
     finally:
         torch.set_float32_matmul_precision(before_precision)
 
 
 def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, batch, lr, target_accuracy, hidden,
-                  layers, heads, mlp, max_positions, check_every, batch_fn, progress, device, tf32, autocast) -> dict:
+                  layers, heads, mlp, max_positions, check_every, batch_fn, progress, device, tf32, autocast,
+                  check_below_loss) -> dict:
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, max_positions=max_positions,
@@ -298,7 +302,7 @@ def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, ba
     before = accuracy(model, tokenizer, held_out)
     metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
                      stop_accuracy=target_accuracy, check_rows=train[:len(held_out)], check_every=check_every,
-                     batch_fn=batch_fn, accuracy=accuracy, autocast=autocast)
+                     batch_fn=batch_fn, accuracy=accuracy, autocast=autocast, check_below_loss=check_below_loss)
     after = accuracy(model, tokenizer, held_out)
     out = save_policy(model.cpu(), tokenizer, out_dir)
     report = {**report, "eval_accuracy_before": before, "eval_accuracy_after": after,
