@@ -55,6 +55,10 @@
 # Session 41 (the test session's Prefect server without its event persister and automations; a /proc sample of a
 # 9-test slice: trainer ranks and engines ~60 % of its CPU at ~4.5 s each, the Prefect server 12 %): clean clone .ci/run
 # 21m40s before (the rest 1266 s; these 1199 s), 20m50s after (the rest 1115 passed in 1217 s; these 1147 s).
+# Session 42 (packed rows at eighths of the budget, the warm-up's loss-gated checks; a trainer rank measured at 3.9 s of
+# CPU to ready, ~1.9 s of it imports, most of those transformers' model modules): clean clone .ci/run 21m32s (the rest
+# 1117 passed in 1256 s; these 1174 s); `make test-random SEED=4242` 20m35s, green (the rest 1118 passed in 1212 s;
+# these 1195 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
