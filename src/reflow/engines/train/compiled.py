@@ -49,7 +49,8 @@ def packed_bucket(n: int, budget: int, parts: int = 8) -> int:
     A single sample longer than the budget (a row of its own) takes its length_bucket."""
     if n > budget:
         return length_bucket(n)
-    step = -(-max(-(-budget // parts), MIN_BUCKET) // MIN_BUCKET) * MIN_BUCKET  # a multiple of 16 tokens
+    step = max(-(-budget // parts), MIN_BUCKET)
+    step = -(-step // MIN_BUCKET) * MIN_BUCKET  # a multiple of 16 tokens
     return min(-(-max(n, 1) // step) * step, max(budget, MIN_BUCKET))
 
 
