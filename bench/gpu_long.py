@@ -197,7 +197,7 @@ def run_plain(folder: Path, args, attn: str = "sdpa") -> dict:
     from transformers import AutoModelForCausalLM
 
     from reflow.engines.train import packing
-    from reflow.engines.train.compiled import length_bucket
+    from reflow.engines.train.compiled import packed_bucket
     from reflow.rl.types import to_train_tensors
 
     dev = torch.device(args.device)
@@ -217,7 +217,7 @@ def run_plain(folder: Path, args, attn: str = "sdpa") -> dict:
     for micro in plan.micros[0][0]:
         idx = torch.tensor(micro)
         pk = packing.pack(t["input_ids"][idx], [ls[i] for i in micro], first[idx].tolist(), 0,
-                          length=length_bucket(sum(ls[i] for i in micro)) if args.device == "cuda" else None)
+                          length=packed_bucket(sum(ls[i] for i in micro), args.budget) if args.device == "cuda" else None)
         rows.append((pk.input_ids.to(dev), pk.position_ids.to(dev), pk.keep.to(dev), pk.labels.to(dev)))
     total = sum(int(r[3].numel()) for r in rows)
 
