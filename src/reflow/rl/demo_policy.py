@@ -116,6 +116,12 @@ def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None, autocast: 
     return loss.item()
 
 
+def _recent_loss(losses: list[float]) -> float:
+    """The mean loss of the last 10 warm-up steps (at least one): the check's gate and the reported loss_last."""
+    tail = losses[-10:]
+    return sum(tail) / len(tail)
+
+
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
            check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None,
@@ -153,7 +159,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
         if stop_accuracy is not None and step % check_every == 0 and (
-                check_below_loss is None or sum(losses[-10:]) / len(losses[-10:]) <= check_below_loss):
+                check_below_loss is None or _recent_loss(losses) <= check_below_loss):
             acc, checks = accuracy(model, tokenizer, check_rows), checks + 1
             if model.device.type == "cuda":  # the check's decode cache goes back: a GPU bootstrap that kept it ran out
                 torch.cuda.empty_cache()  # of memory at the next long batch with ~21 GiB reserved but free (an H100)
@@ -164,9 +170,8 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
                 break
     bar.close()
     model.eval()
-    tail = losses[-10:]
     return {"steps": len(losses), "loss_first": losses[0] if losses else None,
-            "loss_last": sum(tail) / len(tail) if tail else None, "check_accuracy": acc, "checks": checks,
+            "loss_last": _recent_loss(losses) if losses else None, "check_accuracy": acc, "checks": checks,
             "seconds": time.perf_counter() - t0}
 
 
