@@ -126,9 +126,25 @@ def test_flex_attention_scores_a_packed_row_as_the_padded_batch(tiny_policy):
     with torch.no_grad():
         padded = token_logprobs(load("sdpa")(input_ids=ids, attention_mask=attention, use_cache=False).logits[:, :-1],
                                 ids[:, 1:])
-        pk = packing.pack(ids, lengths, firsts, pad_id=0, length=40)
+        # 64, not 40: torch 2.13's CPU FlexAttention kernel (an AVX2 host) returned NaN for some rows at packed lengths
+        # 40, 56 and 72 (of 31-79; more often the more NaN a freed buffer held), which is why the trainer refuses it
+        # off CUDA (attention_kernel, below); this checks the block mask, which is what runs on CUDA.
+        pk = packing.pack(ids, lengths, firsts, pad_id=0, length=64)
         logits = load("flex_attention")(input_ids=pk.input_ids, position_ids=pk.position_ids, use_cache=False,
                                         logits_to_keep=pk.keep).logits
         packed = pk.scatter(token_logprobs(logits, pk.labels), 4, 11)
     for i, (n, f) in enumerate(zip(lengths, firsts)):
         torch.testing.assert_close(packed[i, f:n - 1], padded[i, f:n - 1], rtol=0, atol=1e-5)
+
+
+def test_flex_attention_is_refused_off_cuda_and_chosen_for_packed_rows_on_it():
+    """torch has no FlexAttention backward on CPU, and its CPU forward (torch 2.13, an AVX2 host) returned NaN at some
+    packed lengths (40, 56, 72 of 31-79, test above): a trainer asked for it off CUDA fails at once, naming the fix."""
+    from reflow.engines.train.settings import attention_kernel
+
+    assert attention_kernel(None, packed=True, cuda=True) == "flex_attention"
+    assert attention_kernel(None, packed=False, cuda=True) is None
+    assert attention_kernel(None, packed=True, cuda=False) is None
+    assert attention_kernel("sdpa", packed=True, cuda=True) == "sdpa"
+    with pytest.raises(ValueError, match=r"trainer\.attn_implementation=flex_attention needs CUDA.*sdpa"):
+        attention_kernel("flex_attention", packed=True, cuda=False)

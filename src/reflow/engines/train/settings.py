@@ -16,6 +16,18 @@ def weights_precision(precision: str) -> str:
     return "fp32" if precision == "bf16-mixed" else precision
 
 
+def attention_kernel(setting: str | None, packed: bool, cuda: bool) -> str | None:
+    """transformers' attention kernel for the policy and reference (RankSettings.attn_implementation). None there:
+    flex_attention for packed rows on CUDA (its block mask skips what a row's samples cannot see; SDPA computes the
+    whole row under a dense mask: 1.49x the packed step on an H100, bench/RESULTS.md 30), else transformers' default.
+    flex_attention off CUDA is refused: torch has no FlexAttention backward on CPU, and its CPU forward (torch 2.13 on
+    an AVX2 host) returned NaN at some packed lengths (tests/test_packing.py)."""
+    if setting == "flex_attention" and not cuda:
+        raise ValueError("trainer.attn_implementation=flex_attention needs CUDA (torch has no FlexAttention backward "
+                         "on CPU); on CPU leave it unset or set trainer.attn_implementation=sdpa")
+    return setting or ("flex_attention" if packed and cuda else None)
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     """Low-rank adapters on the policy (peft); see reflow.engines.train.lora."""

@@ -56,7 +56,7 @@ from reflow.engines.train.compiled import (
 )
 from reflow.engines.train.ds_rank import DeepSpeedRank, NonFiniteLossError, _rows, ds_config, lr_multiplier  # noqa: F401
 from reflow.engines.train.memory import activation_bytes
-from reflow.engines.train.settings import RankSettings, weights_precision
+from reflow.engines.train.settings import RankSettings, attention_kernel, weights_precision
 from reflow.engines.weights.settings import PushSettings
 from reflow.engines.weights.verify import LogprobProbe, probe_prompts, verify_due
 from reflow.rl.algorithms.base import AlgorithmBase
@@ -141,10 +141,7 @@ class TrainerRank(DeepSpeedRank):
         self._start(rank, world_size, master_addr, master_port, s.backend, s.threads, s.seed, s.tf32)
         cfg = ds_config(s.zero_stage, s.precision, s.grad_clip, s.micro_batch_size, world_size,
                         s.zero3_param_persistence_threshold, s.grad_accum_dtype, s.immediate_grad_update)
-        # Packed rows on CUDA: flex_attention, whose block mask skips what the samples of a row cannot see (SDPA
-        # computes the whole row under a dense mask): 1.49x the packed step on an H100 (bench/RESULTS.md 30).
-        attention = s.attn_implementation or (
-            "flex_attention" if s.max_tokens_per_micro_batch and torch.cuda.is_available() else None)
+        attention = attention_kernel(s.attn_implementation, bool(s.max_tokens_per_micro_batch), torch.cuda.is_available())
 
         def load(path: str):  # the policy and the reference model alike: weights' dtype, head precision
             model = load_causal_lm(path, dtype=weights_precision(s.precision), storage=s.storage,
