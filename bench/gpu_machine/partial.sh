@@ -3,7 +3,11 @@
 # seconds per iteration with rollout.partial off, carry and drop at the same trained samples, on the embedded engine
 # over HTTP with CUDA graphs, the GPU demo's shape (113M, random weights ending responses at a steady rate: median
 # 512 tokens, p99 ~3.4k, capped at 4,096). The engine's HTTP side (fastapi, uvicorn, httpx) comes from the carried
-# wheels (bench/gpu_machine/install.sh; carry .gpuwheels/1, /2, ... over consecutive calls first). The engine in
+# wheels (bench/gpu_machine/install.sh; carry .gpuwheels/1, /2, ... over consecutive calls first, or, in one call, a
+# folder of every wheel but ray's, boto's and virtualenv's, which this bench does not need (accelerate imports boto3
+# only where it is there): 51 MiB of 107 wheels,
+#   mkdir .gpuwheels/mini && for f in .gpuwheels/[123]/*; do case ${f##*/} in ray-*|boto*|s3transfer-*|aiobotocore-*|
+#   py_spy-*|virtualenv-*) ;; *) cp "$f" .gpuwheels/mini/;; esac; done   -> carry .gpuwheels/mini alone). The engine in
 # bf16 with the per-row-length decode kernel; the policy's end rate calibrated on its own samples (long_tail.py).
 # Six iterations a mode: the first (carry's pool still filling) is left out of the `steady` figures
 # (partial_speedup_steady), reported beside the all-iteration ones (partial_speedup).
