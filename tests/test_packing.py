@@ -112,7 +112,7 @@ def test_packed_row_gives_the_padded_batchs_logprobs_and_gradients(tiny_policy, 
 
 @pytest.mark.slow  # ~9 s of CPU (flex_attention compiles): make test-fast stays under a minute
 def test_flex_attention_scores_a_packed_row_as_the_padded_batch(tiny_policy):
-    """trainer.attn_implementation=flex_attention (its block mask skips what a packed row's samples cannot see): the
+    """RankSettings.attn_implementation=flex_attention (its block mask skips what a packed row's samples cannot see): the
     forward's log-probs equal SDPA's on the padded batch. Forward only: torch has no FlexAttention backward on CPU."""
     from transformers import AutoModelForCausalLM
 
@@ -146,5 +146,5 @@ def test_flex_attention_is_refused_off_cuda_and_chosen_for_packed_rows_on_it():
     assert attention_kernel(None, packed=False, cuda=True) is None
     assert attention_kernel(None, packed=True, cuda=False) is None
     assert attention_kernel("sdpa", packed=True, cuda=True) == "sdpa"
-    with pytest.raises(ValueError, match=r"trainer\.attn_implementation=flex_attention needs CUDA.*sdpa"):
+    with pytest.raises(ValueError, match=r"RankSettings\.attn_implementation=flex_attention needs CUDA.*sdpa"):
         attention_kernel("flex_attention", packed=True, cuda=False)

@@ -23,8 +23,8 @@ def attention_kernel(setting: str | None, packed: bool, cuda: bool) -> str | Non
     flex_attention off CUDA is refused: torch has no FlexAttention backward on CPU, and its CPU forward (torch 2.13 on
     an AVX2 host) returned NaN at some packed lengths (tests/test_packing.py)."""
     if setting == "flex_attention" and not cuda:
-        raise ValueError("trainer.attn_implementation=flex_attention needs CUDA (torch has no FlexAttention backward "
-                         "on CPU); on CPU leave it unset or set trainer.attn_implementation=sdpa")
+        raise ValueError("RankSettings.attn_implementation=flex_attention needs CUDA (torch has no FlexAttention "
+                         "backward on CPU); on CPU leave it None (transformers' default) or set it to sdpa")
     return setting or ("flex_attention" if packed and cuda else None)
 
 
