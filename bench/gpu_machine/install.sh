@@ -5,8 +5,10 @@
 # it refuses to install a wheel whose parts are incomplete (the joined file must open as a zip).
 set -euo pipefail
 src=${1:-.gpuwheels}; target=${2:-/tmp/site}
-# The wheels arrive in numbered subfolders (one per call, prepare.py --bin-mb); gather them first.
-find "$src" -mindepth 2 -type f -name '*.whl*' -exec mv -t "$src" {} +
+# The wheels arrive in numbered subfolders (one per call, prepare.py --bin-mb); gather them first. One at a time:
+# a wheel carried twice (in two folders) replaces the first copy instead of stopping `mv` (session 44 lost a call to
+# "mv: will not overwrite just-created ..." when a reflow wheel came in two folders of one call).
+find "$src" -mindepth 2 -type f -name '*.whl*' -exec mv -f -t "$src" {} \;
 for first in "$src"/*.whl.part00; do
   [ -e "$first" ] || continue
   whl=${first%.part00}
