@@ -25,6 +25,11 @@
 #   EVALS=1 keeps reflow's evals before and during training (the default here is EVALS=0: TRL evaluates nothing
 #   inside its clock, the gain is read against bootstrap.json, and the eval after the last iteration stays);
 #   CLOCK=command and UNTIL=command as in compare.sh
+# Carrying in three calls (session 44, 64 MiB a call): .gpuwheels/mini (partial.sh's header; a bench of its own may
+# run in that call), then .gpuwheels/1 (ray's first part), then the rest with trl and reflow's wheel in the STEP=bootstrap
+# call:  mkdir .gpuwheels/rest && for f in .gpuwheels/[23]/*; do case ${f##*/} in ray-*|boto*|s3transfer-*|
+#   aiobotocore-*|py_spy-*|virtualenv-*) cp "$f" .gpuwheels/rest/;; esac; done   -> carry .gpuwheels/rest,
+#   .gpuwheels/trl and .gpuwheels/reflow (~43 MiB)
 set -euo pipefail
 step=${STEP:-all}
 cd "$(dirname "$0")/../.."
