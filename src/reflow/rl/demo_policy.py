@@ -176,11 +176,12 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
 
 
 @torch.no_grad()
-def _greedy(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int = 0
-            ) -> list[list[int]]:
+def _greedy(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int, pad_id: int = 0,
+            temperature: float = 0.0, generator: torch.Generator | None = None) -> list[list[int]]:
     """Greedy continuations of `prompt_ids` in one batch, KV-cached, each stopping at eos. Prompts of one length
     run as they are (no mask); of several lengths, left-padded, the padding masked out and each row's positions
-    counted from its first real token, so a row continues as it would alone."""
+    counted from its first real token, so a row continues as it would alone. `temperature` > 0 samples from
+    softmax(logits / temperature) instead (with `generator`), for pass@k reports (bench/scratchpad_breakdown.py)."""
     from transformers import DynamicCache
 
     width = max(len(p) for p in prompt_ids)
@@ -195,7 +196,9 @@ def _greedy(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_id: int
     out, new = model(input_ids=ids, **padded, **kv), []
     done = torch.zeros(len(prompt_ids), dtype=torch.bool, device=model.device)  # [B]
     for _ in range(max_new_tokens):
-        nxt = out.logits[:, -1].argmax(-1)  # [B]
+        last = out.logits[:, -1].float()  # [B, V]
+        nxt = (last.argmax(-1) if temperature <= 0 else  # [B]
+               torch.multinomial(torch.softmax(last / temperature, -1), 1, generator=generator)[:, 0])
         new.append(nxt)
         done |= nxt == eos_id
         if bool(done.all()):
