@@ -68,3 +68,44 @@ def test_partial_rollout_benchmark_runs_on_cpu(tmp_path):
     for k, m in res["modes"].items():
         assert res["seconds_per_iteration_steady"][k] == m["seconds"][1]
     assert res["partial_speedup_steady"] > 0 and res["shape"]["warmup_iterations"] == 1
+
+
+def test_scratchpad_breakdown_tallies_sizes_pass_at_k_and_mixed_groups(tmp_path, monkeypatch):
+    """bench/scratchpad_breakdown.py (issue 56: where a warm policy can still gain) over a real HF folder and the
+    task's reward, with the decoder replaced by one whose answers are known: greedy solves the 1-digit-operand
+    problems only; sampled, every other continuation is the worked trace. So each table's figures are known."""
+    sys.path.insert(0, str(REPO / "bench"))
+    import scratchpad_breakdown as sb
+
+    from reflow.rl import scratchpad_task
+    from reflow.rl.demo_policy import build_model, build_tokenizer
+    from reflow.rl.scratchpad_demo import write_scratchpad_data
+
+    tok = build_tokenizer()
+    build_model(tok, hidden=32, layers=2, heads=2, mlp=64, max_positions=256, seed=0).save_pretrained(tmp_path / "p")
+    tok.save_pretrained(tmp_path / "p")
+    data = write_scratchpad_data(tmp_path / "d", seed=0, size="tiny", num_eval=24)
+    rows = [json.loads(x) for x in Path(data["heldout"]).read_text().splitlines()]
+    calls = {"n": 0}
+
+    def decoder(model, prompt_ids, max_new_tokens, eos_id, pad_id=0, temperature=0.0, generator=None):
+        out = []
+        for ids in prompt_ids:
+            prompt = tok.decode(ids, skip_special_tokens=True)
+            a, b = scratchpad_task.operands(prompt)
+            calls["n"] += 1
+            right = max(a, b) < 10 if temperature == 0 else calls["n"] % 2 == 0
+            text = scratchpad_task.trace(a, b) if right else "(1*1+0=01 =1)=1" + "0" * 9
+            out.append(tok(text, add_special_tokens=False)["input_ids"] + [eos_id])
+        return out
+
+    monkeypatch.setattr(sb, "_greedy", decoder)
+    r = sb.breakdown(str(tmp_path / "p"), data["heldout"], k=4, batch=7, device="cpu")
+    one_digit = [r_ for r_ in rows if max(scratchpad_task.operands(r_["prompt"])) < 10]
+    assert r["rows"] == 24 and r["greedy_accuracy"] == round(len(one_digit) / 24, 4)
+    table = r["by_larger_operand_digits"]
+    assert table["2"]["greedy"] == 0.0 and sum(v["rows"] for v in table.values()) == 24
+    assert "1" not in table or table["1"]["greedy"] == 1.0
+    # every other sample right: each group of 4 holds 2, so every group is mixed and solved at least once
+    assert r["sampled_accuracy"] == 0.5 and r["pass_at_4"] == 1.0 and r["mixed_groups"] == 1.0
+    assert all(v["sampled"] == 0.5 and v["pass_at_4"] == 1.0 for v in table.values())
