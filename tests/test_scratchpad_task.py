@@ -164,3 +164,38 @@ def test_sampled_continuations_follow_the_seed_and_the_temperature():
     cold = sample(1e-4, 0)  # a random model's logits can tie to within 1e-4 somewhere: most tokens, not all
     agree = [x == y for c, w in zip(cold, greedy) for x, y in zip(c, w)]
     assert sum(agree) >= 0.9 * len(agree) and cold[0] == cold[1]
+
+
+def test_a_warmup_step_in_micro_batches_by_length_is_the_one_forward_step():
+    """The GPU bootstrap's steps in forwards cut by length (scratchpad_demo.SETTINGS["gpu"]: micro_batches): worked
+    traces of very different lengths, each forward padded to its own longest, gradients weighted by label tokens. The
+    loss and every weight after the AdamW step are the one-forward step's (float32, CPU); a mutation check: the
+    same forwards' mean losses counted alike give another loss, so the weighting is what makes them equal."""
+    import functools
+
+    import torch
+
+    from reflow.rl.demo_policy import _sft_step, build_model
+
+    tok = build_tokenizer()
+    rows = [{"prompt": f"{a}*{b}=", "label": str(a * b)} for a, b in
+            [(3, 4), (47, 36), (123, 45), (9, 9), (6012, 77), (5, 0), (99, 99), (808, 3)]]
+    batch_fn = functools.partial(answer_batch, target=sp.row_trace)
+    out = {}
+    for micro in (1, 3):
+        model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, max_positions=256, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss = _sft_step(model, opt, tok, rows, batch_fn, micro_batches=micro)
+        out[micro] = (loss, [p.detach().clone() for p in model.parameters()])
+    assert abs(out[1][0] - out[3][0]) < 1e-6 * out[1][0], (out[1][0], out[3][0])
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[1][1], out[3][1]))
+    ids, attn, labels = batch_fn(tok, rows)
+    model = build_model(tok, hidden=32, layers=2, heads=2, mlp=64, max_positions=256, seed=0)
+    means, widths = [], []
+    with torch.no_grad():
+        for c in torch.argsort(attn.sum(1), stable=True).chunk(3):
+            w = int(attn[c].sum(1).max())
+            widths.append(w)
+            means.append(model(input_ids=ids[c, :w], attention_mask=attn[c, :w], labels=labels[c, :w]).loss.item())
+    assert min(widths) < ids.shape[1] // 2  # the short traces' forward is far narrower than the padded batch
+    assert abs(sum(means) / 3 - out[1][0]) > 1e-4, (means, out[1][0])

@@ -104,16 +104,32 @@ def answer_batch(tokenizer, rows: list[dict], target: Callable[[dict], str] = _l
     return ids, attn, labels
 
 
-def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None, autocast: bool = False) -> float:
+def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None, autocast: bool = False,
+              micro_batches: int = 1) -> float:
     """One AdamW step on `rows`; `autocast`: the forward under bf16 autocast (on a GPU: float32 weights and
-    optimizer, bf16 products and activations)."""
-    ids, attn, labels = (t.to(model.device) for t in (batch_fn or answer_batch)(tokenizer, rows))  # [B, T] each
-    with torch.autocast(model.device.type, torch.bfloat16) if autocast else contextlib.nullcontext():
-        loss = model(input_ids=ids, attention_mask=attn, labels=labels).loss
+    optimizer, bf16 products and activations). `micro_batches` > 1: the rows sorted by length and cut into that
+    many forwards, each padded only to its own longest, their gradients summed with each forward's mean loss
+    weighted by its share of the step's label tokens: the step's loss and gradient are the one-forward ones (to
+    float rounding) on less padding (the scratchpad's GPU rows are 83-913 tokens: one forward padded every row to
+    ~900). Returns the loss over the step's label tokens."""
+    ids, attn, labels = (batch_fn or answer_batch)(tokenizer, rows)  # [B, T] each, right-padded
+    chunks = [torch.arange(len(rows))] if micro_batches <= 1 else \
+        [c for c in torch.argsort(attn.sum(1), stable=True).chunk(micro_batches) if len(c)]
+    total = int((labels[:, 1:] != -100).sum())  # the model shifts labels by one: these are the tokens it scores
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss_sum = 0.0
+    for rows_c in chunks:
+        width = int(attn[rows_c].sum(1).max()) if len(chunks) > 1 else ids.shape[1]
+        ids_c, attn_c, labels_c = (t[rows_c, :width].to(model.device) for t in (ids, attn, labels))  # [b, width]
+        scored = int((labels_c[:, 1:] != -100).sum())
+        if scored == 0:
+            continue
+        with torch.autocast(model.device.type, torch.bfloat16) if autocast else contextlib.nullcontext():
+            loss = model(input_ids=ids_c, attention_mask=attn_c, labels=labels_c).loss
+        (loss * (scored / total)).backward()
+        loss_sum += loss.item() * scored
     opt.step()
-    return loss.item()
+    return loss_sum / max(total, 1)
 
 
 def _recent_loss(losses: list[float]) -> float:
@@ -125,7 +141,8 @@ def _recent_loss(losses: list[float]) -> float:
 def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: int = 64, lr: float = 1e-3,
            seed: int = 0, progress: bool = True, stop_accuracy: float | None = None,
            check_rows: list[dict] | None = None, check_every: int = 25, batch_fn=None,
-           accuracy: Accuracy | None = None, autocast: bool = False, check_below_loss: float | None = None) -> dict:
+           accuracy: Accuracy | None = None, autocast: bool = False, check_below_loss: float | None = None,
+           micro_batches: int = 1) -> dict:
     """Supervised fine-tuning on the answers (cross-entropy on answer + eos tokens only).
 
     Constant-lr torch AdamW, `batch` rows drawn uniformly with replacement each step. With
@@ -135,7 +152,8 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     between seeds, so a fixed step count lands anywhere from 0.15 to 0.55. Another task (the tools
     demo, reflow.rl.tool_demo) passes its own `batch_fn(tokenizer, rows) -> (ids, attention, labels)`, and
     its own `accuracy(model, tokenizer, rows)` for the check (default: greedy exact answers, `greedy_accuracy`).
-    `autocast`: each step's forward under bf16 autocast (_sft_step). `check_below_loss`: a check is skipped while the
+    `autocast`: each step's forward under bf16 autocast (_sft_step); `micro_batches`: each step's rows in that many
+    forwards by length (_sft_step: the same step on less padding). `check_below_loss`: a check is skipped while the
     mean loss of the last 10 steps is above it (a long-response task scores 0 until its loss is near 0, and each
     greedy check of 200 ~900-token traces cost ~16 s on an H100: four of the six in a bootstrap found 0 there).
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
@@ -155,7 +173,8 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     for step in range(1, steps + 1):
         model.train()
         pick = torch.randint(len(train_rows), (batch,), generator=gen).tolist()
-        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick], batch_fn, autocast))
+        losses.append(_sft_step(model, opt, tokenizer, [train_rows[i] for i in pick], batch_fn, autocast,
+                                micro_batches))
         bar.set_postfix(loss=f"{losses[-1]:.3f}", acc=acc, refresh=False)
         bar.update(1)
         if stop_accuracy is not None and step % check_every == 0 and (
@@ -281,7 +300,7 @@ def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], a
                  seed: int, steps: int, batch: int, lr: float, target_accuracy: float | None, hidden: int,
                  layers: int, heads: int, mlp: int, max_positions: int = 128, check_every: int = 25,
                  batch_fn=None, progress: bool = True, device: str = "cpu", tf32: bool = False,
-                 autocast: bool = False, check_below_loss: float | None = None) -> dict:
+                 autocast: bool = False, check_below_loss: float | None = None, micro_batches: int = 1) -> dict:
     """A task's bootstrap: build the model, warm it up on `train` (`warmup`; the check on the first
     len(held_out) train rows), save it and bootstrap.json: `report` plus the held-out `accuracy`
     before and after, the warm-up's metrics and the seconds taken. Returns that report. `tf32`: on a GPU,
@@ -295,14 +314,15 @@ def train_policy(out_dir: str | Path, train: list[dict], held_out: list[dict], a
                              target_accuracy=target_accuracy, hidden=hidden, layers=layers, heads=heads, mlp=mlp,
                              max_positions=max_positions, check_every=check_every, batch_fn=batch_fn,
                              progress=progress, device=device, tf32=tf32 and device != "cpu",
-                             autocast=autocast and device != "cpu", check_below_loss=check_below_loss)
+                             autocast=autocast and device != "cpu", check_below_loss=check_below_loss,
+                             micro_batches=micro_batches)
     finally:
         torch.set_float32_matmul_precision(before_precision)
 
 
 def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, batch, lr, target_accuracy, hidden,
                   layers, heads, mlp, max_positions, check_every, batch_fn, progress, device, tf32, autocast,
-                  check_below_loss) -> dict:
+                  check_below_loss, micro_batches) -> dict:
     t0 = time.perf_counter()
     tokenizer = build_tokenizer()
     model = build_model(tokenizer, hidden=hidden, layers=layers, heads=heads, mlp=mlp, max_positions=max_positions,
@@ -310,7 +330,8 @@ def _train_policy(out_dir, train, held_out, accuracy, report, *, seed, steps, ba
     before = accuracy(model, tokenizer, held_out)
     metrics = warmup(model, tokenizer, train, steps=steps, batch=batch, lr=lr, seed=seed, progress=progress,
                      stop_accuracy=target_accuracy, check_rows=train[:len(held_out)], check_every=check_every,
-                     batch_fn=batch_fn, accuracy=accuracy, autocast=autocast, check_below_loss=check_below_loss)
+                     batch_fn=batch_fn, accuracy=accuracy, autocast=autocast, check_below_loss=check_below_loss,
+                     micro_batches=micro_batches)
     after = accuracy(model, tokenizer, held_out)
     out = save_policy(model.cpu(), tokenizer, out_dir)
     report = {**report, "eval_accuracy_before": before, "eval_accuracy_after": after,
