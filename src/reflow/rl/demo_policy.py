@@ -119,7 +119,7 @@ def _sft_step(model, opt, tokenizer, rows: list[dict], batch_fn=None, autocast: 
     opt.zero_grad(set_to_none=True)
     loss_sum = 0.0
     for rows_c in chunks:
-        width = int(attn[rows_c].sum(1).max()) if len(chunks) > 1 else ids.shape[1]
+        width = int(attn[rows_c].sum(1).max())  # right-padded: the whole batch's width where there is one chunk
         ids_c, attn_c, labels_c = (t[rows_c, :width].to(model.device) for t in (ids, attn, labels))  # [b, width]
         scored = int((labels_c[:, 1:] != -100).sum())
         if scored == 0:
