@@ -39,7 +39,7 @@ PY
   grep -E 'demo:' "$work/demo-one.log" 2>/dev/null | tail -3
   if [ "${BREAK_K:-0}" -ge 0 ] && [ -e /tmp/gpurun/scratchpad_pair.env ]; then
     (. /tmp/gpurun/scratchpad_pair.env && cd /tmp/gpurun &&
-     python3 "$repo/bench/scratchpad_breakdown.py" --k "${BREAK_K:-0}" \
+     PYTHONPATH=/tmp/site HF_HUB_OFFLINE=1 python3 "$repo/bench/scratchpad_breakdown.py" --k "${BREAK_K:-0}" \
        --policy ".reflow/runs/$exp/checkpoints/iter_$(printf %06d "$iters")/model" \
        --heldout .reflow/data/scratchpad-gpu-s0/heldout.jsonl --out "$out/breakdown-$tag.json" 2>&1 | grep '^breakdown:')
   fi
