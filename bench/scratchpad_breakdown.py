@@ -27,6 +27,7 @@ import torch
 from reflow.rl import scratchpad_task
 from reflow.rl.data import encode_prompt
 from reflow.rl.demo_policy import _greedy
+from reflow.rl.scratchpad_demo import _solved
 
 
 def _digits(row: dict) -> tuple[int, int]:
@@ -44,8 +45,7 @@ def _decode(model, tok, rows: list[dict], temperature: float, batch: int, seed: 
                        generator=g)
         for row, ids in zip(rows[s:s + batch], outs):
             text = tok.decode(ids, skip_special_tokens=True)
-            right.append(bool(ids) and ids[-1] == eos
-                         and scratchpad_task.reward(row["prompt"], text, row["label"])["score"] == 1.0)
+            right.append(bool(ids) and ids[-1] == eos and _solved(row, text))
     return right
 
 
