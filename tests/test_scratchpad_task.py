@@ -167,7 +167,7 @@ def test_sampled_continuations_follow_the_seed_and_the_temperature():
 
 
 def test_a_warmup_step_in_micro_batches_by_length_is_the_one_forward_step():
-    """The GPU bootstrap's steps in forwards cut by length (scratchpad_demo.SETTINGS["gpu"]: micro_batches): worked
+    """A warm-up step in forwards cut by length (demo_policy.warmup's micro_batches, for a bootstrap short of memory): worked
     traces of very different lengths, each forward padded to its own longest, gradients weighted by label tokens. The
     loss and every weight after the AdamW step are the one-forward step's (float32, CPU); a mutation check: the
     same forwards' mean losses counted alike give another loss, so the weighting is what makes them equal."""
