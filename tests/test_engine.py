@@ -24,6 +24,7 @@ from reflow.engines.weights.mapped import MAPPED
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
 from reflow.engines.weights.settings import PushSettings
 from reflow.rl.demo_policy import build_model
+from reflow.tasks.faults import is_transient_fault
 from tests.engine_fixtures import served
 from tests.reference import greedy_reference
 
@@ -323,6 +324,39 @@ def test_own_checks_when_sglang_is_absent(engine, monkeypatch, body, message):
     assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
     named = [("model.norm.weight", torch.ones(32))]
     assert torch.equal(load_payload(serialize_bucket(named), "flattened_bucket")[0][1], torch.ones(32))
+
+
+def test_out_of_memory_in_generate_names_the_settings_that_fix_it(engine, monkeypatch):
+    """A GPU generate that runs out of memory (session 46: an engine at rollout.kv_mem_fraction=0.6 beside a colocated
+    trainer on an 80 GiB card) answered a bare "500: Internal Server Error": the client's error said nothing of
+    why. The failure now comes back in SGLang's error shape with torch's message and the settings that lower the
+    engine's memory; the engine goes on answering. Injected at the generator (CPU raises no CUDA OOM); a failure of
+    any other kind comes back with its type and message too."""
+    gen = engine.app.state.engine.gen
+    client = EngineClient(engine.url(), timeout=60, api_key=KEY)
+    body = {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "ignore_eos": True}}
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.92 GiB. GPU 0 has a total capacity "
+                                     "of 79.18 GiB of which 924.56 MiB is free.")
+    monkeypatch.setattr(gen, "generate", oom)
+    with pytest.raises(EngineError) as err:
+        client.generate([5, 6], {"max_new_tokens": 2, "ignore_eos": True})
+    msg = str(err.value)
+    assert "Internal Server Error" not in msg and "Tried to allocate 1.92 GiB" in msg, msg
+    assert "rollout.max_batch_size" in msg and "rollout.kv_mem_fraction" in msg and "cluster.colocate" in msg, msg
+    r = httpx.post(engine.url() + "/generate", json=body, headers=AUTH)
+    assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]  # not 503: a retry would fail again
+    assert not is_transient_fault(err.value)
+
+    def broken(*a, **k):
+        raise RuntimeError("a kernel failed")
+    monkeypatch.setattr(gen, "generate", broken)
+    r = httpx.post(engine.url() + "/generate", json=body, headers=AUTH)
+    assert r.status_code == 500 and r.json()["error"]["message"] == "generate failed: RuntimeError: a kernel failed"
+    monkeypatch.undo()
+    ok = httpx.post(engine.url() + "/generate", json=body, headers=AUTH)
+    assert ok.status_code == 200 and ok.json()["meta_info"]["completion_tokens"] == 2
 
 
 def test_weight_session_and_memory_state_errors(client):

@@ -61,6 +61,11 @@ log = logging.getLogger(__name__)
 # ---------------------------------------------------------------- the app
 
 
+OOM_FIX = ("Lower rollout.max_batch_size (rows decoded at once) or rollout.kv_mem_fraction (the KV pool's share of "
+           "the GPU); with cluster.colocate and cluster.hand_over=false the trainer's weights and optimizer stay on the "
+           "same GPU while it generates (hand_over=true offloads them at each hand-over).")
+
+
 def _error(e: Exception, status: int = 400) -> JSONResponse:
     """SGLang's error bodies: contract errors carry a string, the others {"message": ...}."""
     if isinstance(e, ContractError):
@@ -163,6 +168,12 @@ async def _generate(state: EngineState, request: Request, closing: bool):
         recs = await asyncio.wrap_future(state.submit(job))
     except (ValueError, EngineStateError) as e:
         return _error(e)
+    except torch.OutOfMemoryError as e:  # the worker lives on; the caller's error says what to lower. 500, not 503:
+        # the same batch would run out again, and callers retry a 503 (tasks/faults.py)
+        return _error(RuntimeError(f"generate ran out of memory: {str(e).splitlines()[0]} {OOM_FIX}"), status=500)
+    except Exception as e:  # deliberate: the caller gets the failure itself, not a bare "Internal Server Error"
+        log.exception("generate failed")
+        return _error(RuntimeError(f"generate failed: {type(e).__name__}: {e}"), status=500)
     out = [make_response(r, lp, state.gen.weight_version, time.perf_counter() - t0)
            for r, lp in zip(recs, want_lp)]
     try:
