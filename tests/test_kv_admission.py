@@ -187,6 +187,34 @@ def test_triton_decode_attention_matches_sdpa_per_region(precision):
             torch.testing.assert_close(got_s[r], want, rtol=tol, atol=tol)
 
 
+def test_decode_kernel_reads_bfloat16_regions_under_float32_queries():
+    """rollout.kv_cache_dtype=bf16 under an fp32 engine: the kernel rounds q to the regions' bfloat16 for q.k and
+    keeps the softmax and sums in float32; against SDPA in float32 over the same (rounded) keys and values, within
+    bfloat16's rounding of q. Runs where Triton is installed, as the test above."""
+    import os
+
+    from reflow.engines.embedded import decode_attention as TD
+
+    if not TD.available() or not (torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"):
+        pytest.skip("needs Triton on a GPU, or TRITON_INTERPRET=1")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(1)
+    N, H, G, D = 2000, 12, 1, 64  # the scratchpad policy's shape: 12 heads, no grouping
+    k = torch.randn(N + 1, H, D, generator=g).to(torch.bfloat16).to(dev)
+    v = torch.randn(N + 1, H, D, generator=g).to(torch.bfloat16).to(dev)
+    start = torch.tensor([0, 400, 1200], device=dev)
+    used = torch.tensor([377, 700, 64], dtype=torch.int32, device=dev)
+    q = torch.randn(3, H, G, D, generator=g).to(dev)
+    for splits in (1, 2):
+        got = TD.decode_attention(q, k, v, start, used, 1024, 0.125, splits)
+        assert got.dtype == torch.float32
+        for r in range(3):
+            keys = slice(int(start[r]), int(start[r] + used[r]))
+            want = torch.nn.functional.scaled_dot_product_attention(
+                q[r], k[keys].float().transpose(0, 1), v[keys].float().transpose(0, 1), scale=0.125)
+            torch.testing.assert_close(got[r], want, rtol=2e-2, atol=2e-2)
+
+
 def test_a_call_that_fails_midway_leaves_the_pool_free(tok):
     gen = Generator(_tiny("llama"), tok, max_batch_size=4, decoder="static", kv_tokens=512)
     sp = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

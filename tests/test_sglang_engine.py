@@ -123,6 +123,28 @@ def test_command_line_parses_with_sglangs_own_argument_builder(tmp_path):
         assert getattr(parsed, name) == args[name], name
 
 
+def test_kv_cache_dtype_reaches_sglang_as_its_own_flag(tmp_path):
+    """rollout.kv_cache_dtype=bf16 is SGLang's --kv-cache-dtype bfloat16 (auto: the flag left out, SGLang's
+    default); set through sglang_server_args instead it is refused, naming the setting; SGLang's parser (where its
+    memory group imports) reads back what was passed."""
+    from reflow.infra.config.schema import ConfigError, load_config
+
+    args = _args(kv_cache_dtype="bf16")
+    cmd = command_line(args, python="py", secrets_dir=tmp_path)
+    assert args["kv_cache_dtype"] == "bfloat16" and cmd[cmd.index("--kv-cache-dtype") + 1] == "bfloat16"
+    assert "--kv-cache-dtype" not in command_line(_args(), python="py", secrets_dir=tmp_path)
+    with pytest.raises(ValueError, match="rollout.kv_cache_dtype='fp8'"):
+        _args(kv_cache_dtype="fp8")
+    with pytest.raises(ConfigError, match=r"sets --kv-cache-dtype itself from rollout.kv_cache_dtype"):
+        load_config(None, ["rollout.backend=sglang", "rollout.sglang_server_args.kv_cache_dtype=bfloat16"])
+    assert load_config(None, ["rollout.backend=sglang", "rollout.kv_cache_dtype=bf16"]).rollout.kv_cache_dtype == "bf16"
+    if CONTRACT is not None:
+        parser, covered = _sglang_parser()
+        if "kv_cache_dtype" in covered:
+            parsed, _ = parser.parse_known_args(_merged(parser, cmd[3:]))
+            assert parsed.kv_cache_dtype == "bfloat16"
+
+
 def test_command_line_flags(tmp_path):
     cmd = command_line(_args(enable_memory_saver=False, dist_init_addr=None), python="py", secrets_dir=tmp_path)
     assert "--enable-memory-saver" not in cmd and "--dist-init-addr" not in cmd

@@ -172,3 +172,29 @@ def test_batch_buckets_and_cache_growth():
     assert dec.capacity == 2048 and dec.regions.granule == 512
     dec.release()
     assert dec.capacity == 0 and dec.nbytes() == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_bfloat16_kv_cache_under_float32_weights(kind, tok):
+    """rollout.kv_cache_dtype=bf16: the pool holds keys and values in bfloat16 (half the bytes, the same positions)
+    while the weights and products stay float32. Greedy rows decode the float32 cache's tokens here (random tiny
+    weights, well-separated logits) and their log-probs move by bfloat16's rounding only: nonzero (the rounded
+    cache is what the steps read) and within 2e-2. The eager path has no such cache: it says it keeps float32."""
+    model = _tiny(kind)
+    reference = _greedy(Generator(copy.deepcopy(model), tok, max_batch_size=4, decoder="static"))
+    gen = Generator(model, tok, max_batch_size=4, decoder="static", kv_dtype=torch.bfloat16)
+    out = _greedy(gen)
+    dec = gen.static_decoder()
+    assert dec is not None and dec.k.dtype == torch.bfloat16 and dec.v.dtype == torch.bfloat16
+    assert dec.kernel == "gather" and gen.kv_cache_dtype() == "bfloat16"
+    ref_dec = Generator(copy.deepcopy(model), tok, max_batch_size=4, decoder="static")
+    ref_dec.generate([[5, 6]], [{"max_new_tokens": 1}])
+    assert 2 * dec.nbytes() == ref_dec.static_decoder().nbytes()  # the same positions in half the bytes
+    agree = [a == b for x, y in zip(reference, out) for a, b in zip(x["output_ids"], y["output_ids"])]
+    assert sum(agree) >= 0.95 * len(agree), (sum(agree), len(agree))
+    same = [(x, y) for x, y in zip(reference, out) if x["output_ids"] == y["output_ids"]]
+    got = torch.tensor([lp for _, y in same for lp, _, _ in y["output_token_logprobs"]])
+    want = torch.tensor([lp for x, _ in same for lp, _, _ in x["output_token_logprobs"]])
+    diff = (got - want).abs().max().item()
+    assert 0 < diff < 2e-2, diff
+    assert Generator(copy.deepcopy(model), tok, decoder="eager", kv_dtype=torch.bfloat16).kv_cache_dtype() == "float32"

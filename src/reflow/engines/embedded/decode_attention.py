@@ -44,7 +44,7 @@ if triton is not None:
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         q = tl.load(q_ptr + row * s_qb + head * s_qh + g[:, None] * s_qg + d[None, :], mask=g[:, None] < G, other=0.0)
-        q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(q_ptr.dtype.element_ty)  # log2 domain
+        q = (q.to(tl.float32) * (scale * 1.4426950408889634)).to(k_ptr.dtype.element_ty)  # log2 domain, the keys' dtype
         m = tl.full([GP], float("-inf"), tl.float32)
         den = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
@@ -100,7 +100,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: t
                      t: int, scale: float, splits: int, block_n: int = BLOCK_N, num_warps: int = 4,
                      num_stages: int | None = None) -> torch.Tensor:
     """q [b, Hkv, G, D]; k/v [N + 1, Hkv, D]; start/used [b] (keys start .. start + used - 1, used <= t) ->
-    [b, Hkv, G, D] in q's dtype. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
+    [b, Hkv, G, D] in q's dtype. K/V may be held in a narrower dtype than q (rollout.kv_cache_dtype): q is then
+    rounded to theirs for its products with the keys, the softmax and the sums staying float32. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
     `num_warps`, `num_stages`: the launch's tiling (keys a program loads at a time, its warps, Triton's software
     pipelining depth, None: its default). The defaults were swept on an H100 over the 1.5B shape's rollouts
     (bench/gpu_rollout_long.py --tune-attention, RESULTS 43): alone, 64 keys / 8 warps / 4 stages came within
@@ -119,7 +120,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: t
                                    q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
                                    out.stride(0), out.stride(1), out.stride(2), out.stride(3),
                                    lse.stride(0), lse.stride(1), lse.stride(2),
-                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=block_n, IEEE=ieee_products(q.dtype),
+                                   G=G, D=D, CHUNK=chunk, GP=GP, BLOCK_N=block_n, IEEE=ieee_products(k.dtype),
                                    **tiling)
     if splits == 1:
         return out[:, :, 0].to(q.dtype)

@@ -21,6 +21,7 @@ from reflow.engines.http_serve import DEFAULT_MAX_BODY_BYTES, ThreadedServer, ch
 from reflow.engines.rollout_client import poll_health
 from reflow.engines.storage_access import StorageAccess
 
+KV_DTYPES = {"auto": None, "bf16": torch.bfloat16}  # rollout.kv_cache_dtype -> the static decoder's K/V dtype
 SGLANG_API_VERSION = "0.5.23"  # the SGLang release whose HTTP contract this engine serves
 
 
@@ -32,7 +33,8 @@ class EmbeddedEngine:
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, max_weight_bytes: int | None = None,
                  storage: StorageAccess | None = None, model_files: dict | None = None, device: str = "cpu",
                  decoder: str = "auto", fp32_lm_head: bool = False, tf32: bool = False,
-                 kv_mem_fraction: float | None = None, decode_fusion: str | None = None, kv_reserve: float = 1.0):
+                 kv_mem_fraction: float | None = None, decode_fusion: str | None = None, kv_reserve: float = 1.0,
+                 kv_cache_dtype: str = "auto"):
         """`storage`: how to reach `model_path` and pushed folders in object storage (the run's endpoint
         and retries); `model_files`: the checkpoint manifest entries `model_path` is checked against
         (reflow.engines.hf_io.resolve_checkpoint); `device`: where the model runs ("cuda" in a Ray actor
@@ -42,7 +44,8 @@ class EmbeddedEngine:
         `tf32`: this process's float32 products on TF32 tensor cores (reflow.engines.hf_io.set_tf32; trainer.tf32);
         `kv_mem_fraction`: the GPU memory fraction for weights + KV cache (rollout.kv_mem_fraction;
         reflow.engines.embedded.kv_pool), None: room for max_batch_size rows of each call's longest; `kv_reserve`: the
-        share of a row's new tokens its region holds when admitted (rollout.kv_reserve; Generator);
+        share of a row's new tokens its region holds when admitted (rollout.kv_reserve; Generator); `kv_cache_dtype`:
+        "auto" (the model's) or "bf16", the static decoder's keys and values (rollout.kv_cache_dtype; Generator);
         `decode_fusion`: the torch.compile backend of the static decoder's fused elementwise work (rollout.decode_fusion;
         reflow.engines.embedded.static_decode), None: eager kernels."""
         torch.set_num_threads(threads)  # Ray actors default to 1 OMP thread; make it deliberate
@@ -56,7 +59,7 @@ class EmbeddedEngine:
         self.generator = Generator(model, load_tokenizer(local),
                                    max_batch_size=max_batch_size, threads=threads, decoder=decoder,
                                    kv_mem_fraction=kv_mem_fraction, decode_fusion=decode_fusion,
-                                   kv_reserve=kv_reserve)
+                                   kv_reserve=kv_reserve, kv_dtype=KV_DTYPES[kv_cache_dtype])
         info = {"model_path": model_path, "tokenizer_path": model_path, "local_path": local,
                 "engine_id": engine_id, "version": SGLANG_API_VERSION, "threads": threads, "device": device,
                 "decoder": decoder, "decode_fusion": decode_fusion,

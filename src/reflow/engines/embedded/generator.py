@@ -185,7 +185,7 @@ class Generator:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, threads: int | None = None,
                  decoder: str = "auto", kv_mem_fraction: float | None = None, kv_tokens: int | None = None,
-                 decode_fusion: str | None = None, kv_reserve: float = 1.0):
+                 decode_fusion: str | None = None, kv_reserve: float = 1.0, kv_dtype: torch.dtype | None = None):
         """decoder: "eager" (HF forward with a growing cache), "static" (static KV cache, no graphs), "graphs"
         (static cache + CUDA graphs; CUDA only) or "auto": graphs on a GPU where the model's family allows
         (reflow.engines.embedded.static_decode), eager otherwise.
@@ -198,7 +198,10 @@ class Generator:
         or `kv_mem_fraction`); 1.0 holds all of them (max_new_tokens: a row never outgrows its region). Below 1
         more rows fit at once: a row that reaches its region's end grows it by the same share of what it has left,
         in place or moved, else leaves the batch and waits to be prefilled again with what it generated
-        (`kv_moves` counts each)."""
+        (`kv_moves` counts each).
+        kv_dtype: the static decoder's keys and values in this dtype (e.g. bfloat16 under float32 weights: half the
+        bytes a decode step reads, twice the positions a pool holds); None: the model's. The eager path keeps the
+        model's (`kv_cache_dtype` says which holds)."""
         if kv_mem_fraction is not None and not 0.0 < kv_mem_fraction < 1.0:
             raise ValueError(f"kv_mem_fraction must be in (0, 1), got {kv_mem_fraction}")
         if kv_tokens is not None and kv_tokens < 1:
@@ -212,6 +215,7 @@ class Generator:
             raise ValueError(f"decoder must be 'auto', 'eager', 'static' or 'graphs', got {decoder!r}")
         self.decoder = decoder
         self.decode_fusion = decode_fusion
+        self.kv_dtype = kv_dtype
         self._static: StaticDecoder | None = None
         if threads:
             torch.set_num_threads(threads)
@@ -301,13 +305,22 @@ class Generator:
                 self._static.release()
             # In an arena the parameters stay put: what the fusion cannot view there it copies (refreshed below)
             self._static = StaticDecoder(self.model, self.max_batch_size, graphs=self.decoder != "static",
-                                         keep_params=bool(self._arenas), fuse=self.decode_fusion)
+                                         keep_params=bool(self._arenas), fuse=self.decode_fusion,
+                                         kv_dtype=self.kv_dtype)
             self._static.synced = self.weight_writes
             self.layout_epoch += 1  # its fusion may have re-pointed q/k/v and gate/up
         elif self._static.copies and self._static.synced != self.weight_writes:
             with self.lock:  # weights written since its copies were made (every writer refreshes: a safety net)
                 self._refresh_fused()
         return self._static
+
+    def kv_cache_dtype(self) -> str:
+        """The dtype keys and values are held in: the static decoder's (kv_dtype, else the model's); the eager path's
+        is the model's whatever kv_dtype says."""
+        static = self.decoder != "eager" and StaticDecoder.supports(self.model) is None and (
+            self.decoder != "auto" or self.device.type == "cuda")  # as static_decoder decides, without making one
+        dtype = self.kv_dtype if self.kv_dtype is not None and static else self.dtype
+        return str(dtype).removeprefix("torch.")
 
     def _refresh_fused(self) -> int:
         """Bring the static decoder's fused copies (keep_params) up to the weights just written; under the lock."""
@@ -471,7 +484,7 @@ class Generator:
                 assert self.kv_mem_fraction is not None
                 p = next(self.model.parameters())
                 tokens = budget_positions(self.kv_mem_fraction, bytes_per_position(
-                    len(dec.layers), dec.kv_heads, dec.head_dim, p.dtype), self.device, self.max_batch_size,
+                    len(dec.layers), dec.kv_heads, dec.head_dim, dec.kv_dtype or p.dtype), self.device, self.max_batch_size,
                     self.vocab_size)
             dec.reserve(tokens)
         assert dec.regions is not None

@@ -176,14 +176,18 @@ class StaticDecoder:
     """Prefill and decode over a static KV cache; `graphs=True` replays decode steps as CUDA graphs."""
 
     def __init__(self, model, max_batch_size: int, graphs: bool, keep_params: bool = False, attention: str = "auto",
-                 fuse: str | None = None):
+                 fuse: str | None = None, kv_dtype: torch.dtype | None = None):
         """keep_params: never re-point the model's parameters (they live in the engine's weight arena): fused
         tensors whose members are not back to back there are copies, `refresh`ed after weight writes.
         attention: "triton" (decode_attention.py: CUDA, bf16/fp16/fp32), "flash" (flash attention's varlen kernel:
         CUDA, bf16/fp16), "gather" (each row's positions gathered, then SDPA with a mask: any device and dtype)
         or "auto" (triton where it serves the pool's dtype, else flash where `flash_ok`, else gather).
         fuse: a torch.compile backend for the decode step's elementwise work (`_Fused`; "inductor" on a GPU), or
-        None: eager kernels. Prefill stays eager either way."""
+        None: eager kernels. Prefill stays eager either way.
+        kv_dtype: the pool's keys and values in this dtype, None: the model's. Each step's new K/V is rounded into it
+        when written; the attention reads it as is (the Triton kernel: q rounded to it for q.k, float32 sums) or cast
+        to the queries' dtype (gather). Prefill attends over its own K/V before rounding, as SGLang's
+        --kv-cache-dtype does within a prefill."""
         self.model, self.max_batch_size, self.graphs = model, max_batch_size, graphs
         self.copies: list[tuple[torch.Tensor, list[torch.Tensor]]] | None = [] if keep_params else None
         self.synced = None  # the generator's weight_writes the copies were last brought up to (Generator sets it)
@@ -207,6 +211,7 @@ class StaticDecoder:
         self._pool = None
         self._logits: torch.Tensor | None = None  # [slots, V] float32: the graphs' output (one buffer for all)
         self.fused = _Fused(fuse) if fuse else None
+        self.kv_dtype = kv_dtype
 
     @staticmethod
     def _plan(layer, cfg, copies: list | None) -> _Layer:
@@ -278,11 +283,12 @@ class StaticDecoder:
         p = next(self.model.parameters())
         shape = (len(self.layers), positions + 1, self.kv_heads, self.head_dim)  # [L, N + 1 scratch, H_kv, D]
         self.release()
-        self.k = torch.zeros(shape, dtype=p.dtype, device=p.device)
-        self.v = torch.zeros(shape, dtype=p.dtype, device=p.device)
+        self.k = torch.zeros(shape, dtype=self.kv_dtype or p.dtype, device=p.device)
+        self.v = torch.zeros(shape, dtype=self.kv_dtype or p.dtype, device=p.device)
         self.regions = RegionPool(positions, granule)
+        same = self.k.dtype == p.dtype  # flash attention's kernel takes queries and keys of one dtype
         self.kernel = self.attention if self.attention != "auto" else (
-            "triton" if triton_decode.serves(p) else "flash" if flash_ok(p) else "gather")
+            "triton" if triton_decode.serves(self.k) else "flash" if same and flash_ok(p) else "gather")
         self._sms = torch.cuda.get_device_properties(p.device).multi_processor_count if p.is_cuda else 1
         B = self.max_batch_size
         self._tok = torch.zeros(B, dtype=torch.long, device=p.device)  # graph inputs
@@ -340,8 +346,8 @@ class StaticDecoder:
         cos, sin = (t[:, None] for t in self.rotary(x, torch.arange(T, device=dev).expand(len(prompts), T)))
         for i, p in enumerate(self.plan):
             q, k, v = self._qkv(p, x, cos, sin)  # [U, H, T, D]
-            self.k[i, where] = k.transpose(1, 2).flatten(0, 1)[real]
-            self.v[i, where] = v.transpose(1, 2).flatten(0, 1)[real]
+            self.k[i, where] = k.transpose(1, 2).flatten(0, 1)[real].to(self.k.dtype)
+            self.v[i, where] = v.transpose(1, 2).flatten(0, 1)[real].to(self.v.dtype)
             k, v = k.repeat_interleave(self.group, 1), v.repeat_interleave(self.group, 1)
             a = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)  # [U, Hq, T, D]
             x = self._rest(p, x, a.transpose(1, 2).reshape(*x.shape[:2], -1))
@@ -398,8 +404,8 @@ class StaticDecoder:
                               float("-inf"))
         for i, p in enumerate(self.plan):
             q, k, v = self._qkv(p, x, cos, sin) if self.fused is None else self._fused_qkv(p, x, cos, sin)
-            self.k[i, at] = k[:, :, 0]
-            self.v[i, at] = v[:, :, 0]
+            self.k[i, at] = k[:, :, 0].to(self.k.dtype)
+            self.v[i, at] = v[:, :, 0].to(self.v.dtype)
             if self.kernel == "triton":
                 a = triton_decode.decode_attention(q.reshape(b, self.kv_heads, self.group, self.head_dim), self.k[i],
                                                    self.v[i], start, seen, t, self.scaling, splits)
@@ -407,7 +413,8 @@ class StaticDecoder:
                 a = self._flash(q, self.k[i], self.v[i], first, seen, t)
             else:
                 q = q.reshape(b, self.kv_heads, self.group, self.head_dim)  # a KV head's query heads as G queries
-                a = F.scaled_dot_product_attention(q, self.k[i][idx].transpose(1, 2), self.v[i][idx].transpose(1, 2),
+                a = F.scaled_dot_product_attention(q, self.k[i][idx].transpose(1, 2).to(q.dtype),
+                                                   self.v[i][idx].transpose(1, 2).to(q.dtype),
                                                    attn_mask=bias, scale=self.scaling)  # [b, Hkv, G, D]
             if self.fused is not None and p.gate_up is not None:
                 x = self.fused.post(x, a.reshape(b, 1, -1), *self._post_weights(p))

@@ -46,7 +46,7 @@ SERVER_ARG_TYPES: dict[str, type] = {
     "model_path": str, "tokenizer_path": str, "host": str, "port": int, "tp_size": int,
     "mem_fraction_static": float, "enable_memory_saver": bool, "nccl_port": int, "dist_init_addr": str,
     "base_gpu_id": int, "skip_server_warmup": bool, "dtype": str, "random_seed": int, "log_level": str,
-    "trust_remote_code": bool, "api_key": str,
+    "trust_remote_code": bool, "api_key": str, "kv_cache_dtype": str,
     "enable_lora": bool, "max_lora_rank": int, "lora_target_modules": list, "max_loras_per_batch": int,
 }
 # With LoRA (trainer.lora.rank > 0) the server starts with no adapter (the first push loads one), so
@@ -58,6 +58,7 @@ _PORT_LEASE_S = 600.0  # a port handed out stays reserved this long (covers a sl
 # checkpoint as float16 (bfloat16 for Gemma) while /server_info still says "auto", so nobody outside
 # could tell what the engine holds; pinned, /server_info names the dtype the weight check casts to.
 SGLANG_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+KV_CACHE_DTYPES = {"bf16": "bfloat16"}  # rollout.kv_cache_dtype -> --kv-cache-dtype (auto: the flag left out, SGLang's default)
 PINNED_DTYPES = ("float32", "float", "bfloat16", "float16", "half")  # ServerArgs.dtype's choices but "auto"
 
 
@@ -80,7 +81,8 @@ def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_siz
                 mem_fraction_static: float = 0.8, enable_memory_saver: bool = False, base_gpu_id: int = 0,
                 dist_init_addr: str | None = None, dtype: str = "float32", random_seed: int | None = None,
                 skip_server_warmup: bool = True, log_level: str = "warning", api_key: str | None = None,
-                lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = ()) -> dict:
+                lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = (),
+                kv_cache_dtype: str = "auto") -> dict:
     """ServerArgs field values for one engine (the builder passes explicit values; no config here).
     `dtype` is pinned (see SGLANG_DTYPES): "auto" is refused. `lora_rank` > 0 enables SGLang's LoRA
     serving for adapters of that rank on `lora_target_modules` (SGLang's own names, e.g. q_proj)."""
@@ -93,7 +95,15 @@ def server_args(model_path: str, *, host: str, port: int, nccl_port: int, tp_siz
             "enable_memory_saver": enable_memory_saver, "nccl_port": nccl_port, "dist_init_addr": dist_init_addr,
             "base_gpu_id": base_gpu_id, "skip_server_warmup": skip_server_warmup, "dtype": dtype,
             "random_seed": random_seed, "log_level": log_level, "trust_remote_code": False, **_lora_args(
-                lora_rank, lora_target_modules)}
+                lora_rank, lora_target_modules), **_kv_args(kv_cache_dtype)}
+
+
+def _kv_args(kv_cache_dtype: str) -> dict:
+    if kv_cache_dtype == "auto":
+        return {}
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"rollout.kv_cache_dtype={kv_cache_dtype!r}: one of auto, {', '.join(KV_CACHE_DTYPES)}")
+    return {"kv_cache_dtype": KV_CACHE_DTYPES[kv_cache_dtype]}
 
 
 def _lora_args(rank: int, target_modules: list[str] | tuple[str, ...]) -> dict:
@@ -115,7 +125,7 @@ OWNED_SERVER_ARGS = {
     "base_gpu_id": "(Ray's placement)", "dtype": "trainer.precision", "random_seed": "seed",
     "enable_lora": "trainer.lora.rank", "max_lora_rank": "trainer.lora.rank",
     "lora_target_modules": "trainer.lora.target_modules", "max_loras_per_batch": "(reflow's LORAS_PER_BATCH)",
-    "config": "(the key's file)",
+    "config": "(the key's file)", "kv_cache_dtype": "rollout.kv_cache_dtype",
 }
 
 
@@ -225,7 +235,7 @@ class SGLangEngine:
                  multi_node: bool = False, dtype: str = "float32", seed: int | None = None,
                  startup_timeout_s: float = 900.0, python: str = sys.executable, env: dict | None = None,
                  api_key: str | None = None, lora_rank: int = 0, lora_target_modules: list[str] | tuple[str, ...] = (),
-                 server_args_extra: dict | None = None):
+                 server_args_extra: dict | None = None, kv_cache_dtype: str = "auto"):
         self.engine_id, self.startup_timeout_s = engine_id, startup_timeout_s
         extra_flags(server_args_extra or {})  # refused before anything starts
         self._api_key = check_api_key(new_api_key() if api_key is None else api_key)
@@ -237,7 +247,8 @@ class SGLangEngine:
         self.args = server_args(model_path, host=host, port=port, nccl_port=nccl_port, tp_size=tp_size,
                                 mem_fraction_static=mem_fraction_static, enable_memory_saver=enable_memory_saver,
                                 base_gpu_id=base_gpu_id, dist_init_addr=dist_addr, dtype=dtype, random_seed=seed,
-                                api_key=self._api_key, lora_rank=lora_rank, lora_target_modules=lora_target_modules)
+                                api_key=self._api_key, lora_rank=lora_rank, lora_target_modules=lora_target_modules,
+                                kv_cache_dtype=kv_cache_dtype)
         self._secrets = tempfile.mkdtemp(prefix="reflow-sglang-")  # 0700: the key's file (command_line)
         self.cmd = command_line(self.args, python, self._secrets, server_args_extra)
         self.log_path = Path(tempfile.gettempdir()) / f"reflow-sglang-{engine_id}-{port}.log"

@@ -44,7 +44,8 @@ def actor_spec(cfg: RunConfig) -> dict[str, Any]:
     spec = {
         "seed": cfg.seed, "model": cfg.model.model_dump(), "colocate": cfg.cluster.colocate,
         "engines": {k: getattr(r, k) for k in ("backend", "num_engines", "engine_threads", "max_batch_size",
-                                               "tp_size", "mem_fraction_static", "kv_mem_fraction", "kv_reserve", "router",
+                                               "tp_size", "mem_fraction_static", "kv_mem_fraction", "kv_reserve", "kv_cache_dtype",
+                                               "router",
                                                "node_resources")},
         "trainer": t.model_dump(exclude={"total_steps_hint"}), "needs_ref": cfg.algorithm.needs_ref,
         # A decaying schedule depends on the run's length; a constant one does not.

@@ -160,14 +160,15 @@ def _engine_actor(cfg: RunConfig, namespace: str, i: int, detached: bool, api_ke
                       api_key=api_key, storage=storage, model_files=files, device="cuda" if gpu else "cpu",
                       dtype=engine_dtype(cfg, bool(gpu)), fp32_lm_head=cfg.trainer.fp32_lm_head,
                       tf32=run_precision(cfg, bool(gpu))[1], kv_mem_fraction=r.kv_mem_fraction,
-                      kv_reserve=r.kv_reserve, decode_fusion=decode_fusion(cfg, bool(gpu)))
+                      kv_reserve=r.kv_reserve, kv_cache_dtype=r.kv_cache_dtype,
+                      decode_fusion=decode_fusion(cfg, bool(gpu)))
     else:
         actor_cls, options = ray.remote(SGLangEngine), {"num_cpus": 1, "num_gpus": _engine_gpus(cfg)}
         kwargs = dict(tp_size=r.tp_size, mem_fraction_static=r.mem_fraction_static, host=cfg.cluster.bind_host,
                       enable_memory_saver=cfg.cluster.colocate, seed=cfg.seed, startup_timeout_s=r.startup_timeout_s,
                       api_key=api_key, dtype=sglang_dtype(engine_dtype(cfg, True)), lora_rank=cfg.trainer.lora.rank,
                       lora_target_modules=list(cfg.trainer.lora.target_modules),
-                      server_args_extra=dict(r.sglang_server_args),
+                      server_args_extra=dict(r.sglang_server_args), kv_cache_dtype=r.kv_cache_dtype,
                       **({"python": r.sglang_python} if r.sglang_python else {}))
     if detached:
         options["lifetime"] = "detached"
