@@ -265,6 +265,8 @@ def test_warmup_checks_wait_for_the_loss_to_come_down(tok):
     always = warmup(build_model(tok, hidden=32, layers=2, heads=2, mlp=64, seed=0), tok, rows, steps=12, batch=8,
                     stop_accuracy=0.0, check_rows=rows[:8], check_every=5, check_below_loss=1e9, progress=False)
     assert always["steps"] == 5 and always["checks"] == 1, always  # the target 0.0 is met at the first check
+    (step, acc, loss), = always["check_history"]  # each check's step, accuracy and loss, for bootstrap.json
+    assert step == 5 and acc == always["check_accuracy"] and loss == always["loss_last"] and never["check_history"] == []
 
 
 def test_an_autocast_warmup_step_runs_its_forward_in_bf16_and_keeps_float32_weights(tok):

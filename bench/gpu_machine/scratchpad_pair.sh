@@ -50,7 +50,8 @@ if [ "$step" != trl ]; then
   python3 -m reflow.flows.cli bootstrap --task scratchpad --size gpu \
     > "$out/scratchpad-bootstrap.json" 2> "$out/scratchpad-bootstrap.log")
 python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print('bootstrap: heldout', r['eval_accuracy_after'], \
-'warmup_steps', r['warmup']['steps'], 'seconds', round(r['seconds']))" "/tmp/gpurun/$policy/bootstrap.json"
+'warmup_steps', r['warmup']['steps'], 'seconds', round(r['seconds']), 'checks (step, accuracy, loss)', \
+[[c[0], round(c[1], 3), round(c[2], 4)] for c in r['warmup'].get('check_history', [])])" "/tmp/gpurun/$policy/bootstrap.json"
 [ "$step" = bootstrap ] && exit 0
 exp=gpu-sp-$(date +%H%M%S)
 evals=(); [ "${EVALS:-0}" = 0 ] && evals=(eval.before_train=false eval.interval=null)

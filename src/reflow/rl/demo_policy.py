@@ -157,7 +157,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     mean loss of the last 10 steps is above it (a long-response task scores 0 until its loss is near 0, and each
     greedy check of 200 ~900-token traces cost ~16 s on an H100: four of the six in a bootstrap found 0 there).
     Returns {"steps" (taken), "loss_first", "loss_last" (mean of the last 10), "check_accuracy",
-    "checks" (how many ran), "seconds"}.
+    "checks" (how many ran), "check_history" ([step, accuracy, the last 10 steps' mean loss] of each), "seconds"}.
     """
 
 
@@ -168,7 +168,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         max_new = 1 + max((len(tokenizer(str(r["label"]), add_special_tokens=False)["input_ids"])
                            for r in check_rows), default=0)  # longest answer + eos
         accuracy = functools.partial(greedy_accuracy, max_new_tokens=max_new)
-    losses, acc, checks, t0 = [], None, 0, time.perf_counter()
+    losses, acc, checks, history, t0 = [], None, 0, [], time.perf_counter()
     bar = tqdm(total=steps, desc="warm-up", disable=not progress)
     for step in range(1, steps + 1):
         model.train()
@@ -180,6 +180,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
         if stop_accuracy is not None and step % check_every == 0 and (
                 check_below_loss is None or _recent_loss(losses) <= check_below_loss):
             acc, checks = accuracy(model, tokenizer, check_rows), checks + 1
+            history.append([step, acc, _recent_loss(losses)])  # where in the band a stop lands (bootstrap.json)
             if model.device.type == "cuda":  # the check's decode cache goes back: a GPU bootstrap that kept it ran out
                 torch.cuda.empty_cache()  # of memory at the next long batch with ~21 GiB reserved but free (an H100)
             if acc >= stop_accuracy:  # an early stop is the plan, not a crash: the bar ends at 100 % and says so
@@ -191,6 +192,7 @@ def warmup(model, tokenizer, train_rows: list[dict], steps: int = 350, batch: in
     model.eval()
     return {"steps": len(losses), "loss_first": losses[0] if losses else None,
             "loss_last": _recent_loss(losses) if losses else None, "check_accuracy": acc, "checks": checks,
+            "check_history": history,
             "seconds": time.perf_counter() - t0}
 
 
