@@ -69,6 +69,9 @@
 # 2478 s, these 47 in 2371 s); then `.ci/run` at a1a3ddd 42m21s, green (the rest 1119 passed in 2470 s; these 2228 s).
 # Session 45 (the same VM class; test_control's half-open bound waits for the backlog, a test-fast failure at 33 > 32):
 # clean clone .ci/run at 18fe3f2 42m09s, green (the rest 1120 passed in 2474 s; these 47 in 2269 s).
+# Session 46 (the same VM class, a faster day: make demo 151 s against 189; rollout.kv_cache_dtype, the engine's error
+# for a failed generate, ~5 tests more): clean clone .ci/run at 56da6dd 34m49s, green (the rest 1125 passed in 2034 s;
+# these 48 in 1856 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
