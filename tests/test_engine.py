@@ -348,6 +348,8 @@ def test_out_of_memory_in_generate_names_the_settings_that_fix_it(engine, monkey
     r = httpx.post(engine.url() + "/generate", json=body, headers=AUTH)
     assert r.status_code == 500 and "out of memory" in r.json()["error"]["message"]  # not 503: a retry would fail again
     assert not is_transient_fault(err.value)
+    health = httpx.get(engine.url() + "/health_generate")  # the probe says unhealthy, with the cause, not a bare 500
+    assert health.status_code == 503 and "out of memory" in health.text, (health.status_code, health.text)
 
     def broken(*a, **k):
         raise RuntimeError("a kernel failed")
