@@ -101,7 +101,8 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: t
                      num_stages: int | None = None) -> torch.Tensor:
     """q [b, Hkv, G, D]; k/v [N + 1, Hkv, D]; start/used [b] (keys start .. start + used - 1, used <= t) ->
     [b, Hkv, G, D] in q's dtype. K/V may be held in a narrower dtype than q (rollout.kv_cache_dtype): q is then
-    rounded to theirs for its products with the keys, the softmax and the sums staying float32. Shapes depend on (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
+    rounded to theirs for its products with the keys, the softmax and the sums staying float32. Shapes depend on
+    (b, t, splits) only, so a CUDA graph can hold it. `block_n`,
     `num_warps`, `num_stages`: the launch's tiling (keys a program loads at a time, its warps, Triton's software
     pipelining depth, None: its default). The defaults were swept on an H100 over the 1.5B shape's rollouts
     (bench/gpu_rollout_long.py --tune-attention, RESULTS 43): alone, 64 keys / 8 warps / 4 stages came within

@@ -294,10 +294,10 @@ class Generator:
             return None
         cuda = self.device.type == "cuda"
         if self._static is None or self._static.stale():
-            why = StaticDecoder.supports(self.model)
-            if why is not None or (self.decoder == "auto" and not cuda):
+            why = self._static_refusal()
+            if why is not None:
                 if self.decoder in ("static", "graphs"):
-                    raise ValueError(f"decoder={self.decoder!r} cannot run this model: {why or 'no GPU'}")
+                    raise ValueError(f"decoder={self.decoder!r} cannot run this model: {why}")
                 return None
             if self.decoder == "graphs" and not cuda:
                 raise ValueError("decoder='graphs' needs the model on a CUDA device")
@@ -314,11 +314,20 @@ class Generator:
                 self._refresh_fused()
         return self._static
 
+    def _static_refusal(self) -> str | None:
+        """Why this generator decodes without the static decoder (decoder "eager", a model it cannot run, or "auto"
+        off a GPU), None where static_decoder makes one."""
+        if self.decoder == "eager":
+            return "decoder='eager'"
+        why = StaticDecoder.supports(self.model)
+        if why is None and self.decoder == "auto" and self.device.type != "cuda":
+            return "no GPU"
+        return why
+
     def kv_cache_dtype(self) -> str:
         """The dtype keys and values are held in: the static decoder's (kv_dtype, else the model's); the eager path's
         is the model's whatever kv_dtype says."""
-        static = self.decoder != "eager" and StaticDecoder.supports(self.model) is None and (
-            self.decoder != "auto" or self.device.type == "cuda")  # as static_decoder decides, without making one
+        static = self._static_refusal() is None
         dtype = self.kv_dtype if self.kv_dtype is not None and static else self.dtype
         return str(dtype).removeprefix("torch.")
 
@@ -483,9 +492,9 @@ class Generator:
             if tokens is None:
                 assert self.kv_mem_fraction is not None
                 p = next(self.model.parameters())
-                tokens = budget_positions(self.kv_mem_fraction, bytes_per_position(
-                    len(dec.layers), dec.kv_heads, dec.head_dim, dec.kv_dtype or p.dtype), self.device, self.max_batch_size,
-                    self.vocab_size)
+                per_position = bytes_per_position(len(dec.layers), dec.kv_heads, dec.head_dim, dec.kv_dtype or p.dtype)
+                tokens = budget_positions(self.kv_mem_fraction, per_position, self.device, self.max_batch_size,
+                                          self.vocab_size)
             dec.reserve(tokens)
         assert dec.regions is not None
         if not dec.regions.fits_ever(longest):
