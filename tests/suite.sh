@@ -71,7 +71,8 @@
 # clean clone .ci/run at 18fe3f2 42m09s, green (the rest 1120 passed in 2474 s; these 47 in 2269 s).
 # Session 46 (the same VM class, a faster day: make demo 151 s against 189; rollout.kv_cache_dtype, the engine's error
 # for a failed generate, ~5 tests more): clean clone .ci/run at 56da6dd 34m49s, green (the rest 1125 passed in 2034 s;
-# these 48 in 1856 s).
+# these 48 in 1856 s); then 41m05s at 6855158, green (the rest 1125 passed in 2396 s; these 48 in 2138 s; ~10 minutes of
+# this session's own tests ran beside it).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
