@@ -123,6 +123,13 @@ def main() -> None:
     ap.add_argument("--kv-reserve", type=float, default=1.0,
                     help="rollout.kv_reserve with --kv-mem-fraction: the share of max_new_tokens a row's KV region holds "
                          "when admitted (it grows as the row goes; 1.0: the whole cap, as before)")
+    ap.add_argument("--kv-dtype", default="auto", choices=["auto", "bf16"],
+                    help="rollout.kv_cache_dtype: the static decoder's keys and values (bf16 under an fp32 engine halves "
+                         "the bytes each decode step reads; on CPU the eager decoder keeps the model's dtype)")
+    ap.add_argument("--max-batch-size", type=int, default=None,
+                    help="rollout.max_batch_size: rows decoding at once (default: every row of a carrying pool, "
+                         "ceil(prompts x (1 + over)) x n); fewer rows are admitted as others finish")
+    ap.add_argument("--tf32", action="store_true", help="trainer.tf32's effect on the engine: fp32 products on TF32 cores")
     ap.add_argument("--modes", default="off,carry,drop,carry_rounds,off_again",
                     help="in this order; carry/drop close in one call per engine (the embedded engine's way), "
                          "carry_rounds/drop_rounds in rounds of --chunk tokens (SGLang's)")
@@ -142,8 +149,9 @@ def main() -> None:
         tok = load_tokenizer(str(path))
         rows = math.ceil(args.prompts * (1 + args.over)) * args.n
         engine = EmbeddedEngine(str(path), "partial-bench", threads=args.threads, device=args.device, dtype=args.dtype,
-                                max_batch_size=max(rows, args.prompts * args.n), kv_mem_fraction=args.kv_mem_fraction,
-                                kv_reserve=args.kv_reserve)
+                                max_batch_size=args.max_batch_size or max(rows, args.prompts * args.n),
+                                kv_mem_fraction=args.kv_mem_fraction, kv_reserve=args.kv_reserve,
+                                kv_cache_dtype=args.kv_dtype, tf32=args.tf32)
         engine.ready()
         try:
             clients = [EngineClient(engine.url(), timeout=600, api_key=engine.api_key())]
@@ -152,6 +160,7 @@ def main() -> None:
             res = {m: run_off(clients, tok, args, sp) if m.startswith("off") else run_partial(clients, tok, args, sp, m)
                    for m in args.modes.split(",")}
             kv_moves = dict(engine.generator.kv_moves)
+            kv_held = engine.generator.kv_cache_dtype()
         finally:
             engine.shutdown()
     per = {k: statistics.mean(v["seconds"]) for k, v in res.items()}
@@ -162,7 +171,8 @@ def main() -> None:
                      "max_new_tokens": args.max_new, "median": args.median, "chunk": args.chunk, "over": args.over,
                      "iterations": args.iterations, "warmup_iterations": args.warmup_iterations,
                      "kv_mem_fraction": args.kv_mem_fraction, "kv_reserve": args.kv_reserve, "kv_moves": kv_moves,
-                     "dtype": args.dtype, "end_rate": rates},
+                     "dtype": args.dtype, "kv_cache_dtype": args.kv_dtype, "kv_cache_held": kv_held,
+                     "max_batch_size": args.max_batch_size, "tf32": args.tf32, "end_rate": rates},
            "seconds_per_iteration": per, "modes": res,
            **{"partial_speedup" if k == "carry" else f"{k}_speedup": off / per[k] for k in per
               if not k.startswith("off")},
@@ -178,7 +188,7 @@ def main() -> None:
     print(f"partial_rollout: {speedups} "
           f"(off's lengths p50 {off_lens['response_len_p50']:.0f}, p99 {off_lens['response_len_p99']:.0f}; "
           f"{args.prompts}x{args.n} trained samples an iteration; steady: after {args.warmup_iterations} of "
-          f"{args.iterations} iterations)")
+          f"{args.iterations} iterations; KV cache {kv_held})")
     if args.json:
         args.json.write_text(json.dumps(out, indent=2))
 
