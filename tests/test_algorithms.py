@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from reflow.infra.config.schema import ConfigError, load_config
 from reflow.rl.algorithms import SPECS, algorithm_config
-from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
+from reflow.rl.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.algorithms.gae import gae_advantages, value_loss_tokens
 from reflow.rl.algorithms.grpo import grpo_advantages
 from reflow.rl.algorithms.gspo import gspo_log_ratio

@@ -17,9 +17,7 @@ import importlib
 import json
 import time
 from dataclasses import replace
-from typing import Any, Protocol
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any, Protocol
 
 from reflow.engines import partial_rollout
 from reflow.engines.gc_freeze import freeze_long_lived
@@ -28,12 +26,16 @@ from reflow.engines.rollout_client import EngineClient, generate_batch, result_l
 from reflow.engines.rollout_fns import DEFAULT as DEFAULT_ROLLOUT_FN
 from reflow.engines.rollout_fns import BatchRequest, RolloutSettings, rollout_with_fn
 from reflow.engines.weights.lora import adapter_name
-from reflow.rl.algorithms.base import AlgorithmBase
-from reflow.rl.algorithms.dapo import fill_groups, groups_with_spread, overlong_penalty
+from reflow.rl.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.metrics import eval_summary
 from reflow.rl.rewards import DEFAULT_FN_TIMEOUT_S
 from reflow.rl.scorers import Scorer, as_scorer, score_samples
 from reflow.rl.types import RolloutBatch
+
+if TYPE_CHECKING:  # at run time only where used: pandas for the tables, reflow.rl.algorithms (torch) for advantages
+    import pandas as pd
+
+    from reflow.rl.algorithms.base import AlgorithmBase
 
 
 class RecordStore(Protocol):
@@ -179,7 +181,7 @@ def dynamic_fill(first: RolloutBatch, settings: RolloutSettings, rounds: list[Ba
                  score_kw: dict[str, Any], target_groups: int) -> tuple[RolloutBatch, dict[str, float]]:
     """DAPO dynamic sampling: generate and score the extra `rounds` one by one until the scored `first`
     batch plus the extra rounds hold `target_groups` groups with reward spread (or the rounds run out),
-    then keep exactly `target_groups` groups (`reflow.rl.algorithms.dapo.fill_groups`). With
+    then keep exactly `target_groups` groups (`reflow.rl.dapo.fill_groups`). With
     `settings.seed`, round r samples with seed + 7919 * r, so a resumed run redraws the same rounds."""
     extra = rounds
     rounds = [first]
@@ -203,6 +205,8 @@ def advantages(batch: RolloutBatch, algorithm: AlgorithmBase) -> tuple[RolloutBa
 
 def rollout_table(batch: RolloutBatch) -> pd.DataFrame:
     """The per-sample record written as rollouts.parquet."""
+    import pandas as pd  # here: a worker that writes no table does without it
+
     return pd.DataFrame({
         "group": batch.group_index,
         "prompt": batch.prompt_text,
@@ -246,6 +250,8 @@ def pick_samples(batch: RolloutBatch, k: int) -> list[dict]:
 
 def eval_sample_table(batch: RolloutBatch, prompt_index: list[int], n: int, threshold: float) -> pd.DataFrame:
     """One row per sample: the per-sample record of an eval set (samples.parquet)."""
+    import pandas as pd  # here: a worker that writes no table does without it
+
     return pd.DataFrame({
         "prompt_index": [prompt_index[g] for g in batch.group_index],
         "sample": [j % n for j in range(len(batch))],

@@ -17,13 +17,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 
-from reflow.infra.config.schema import RunConfig
 from reflow.infra.store.storage import ExperimentStore
 from reflow.rl.types import RolloutBatch
+
+if TYPE_CHECKING:  # the config's schema imports torch (its algorithms); save_stage/load_stage's task workers need neither
+    from reflow.infra.config.schema import RunConfig
 
 STAGES = ("generated", "scored")
 

@@ -18,8 +18,10 @@ does not hold fails (SGLang: "never been loaded") instead of sampling another po
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch at run time only where a tensor is handled: rollout task workers import adapter_name alone
+    import torch
 
 PREFIX = "base_model.model."
 HALVES = {"lora_A": "A", "lora_B": "B"}
@@ -34,6 +36,8 @@ def adapter_name(version: int | str) -> str:
 def checksums(named: list[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """sha256 of each tensor's bytes, as SGLang 0.5.23's TP workers hash what they received for
     `expected_checksums` (tp_worker.load_lora_adapter_from_tensors: contiguous, flattened, viewed as uint8)."""
+    import torch
+
     return {n: hashlib.sha256(t.detach().cpu().contiguous().flatten().view(torch.uint8).numpy().tobytes()).hexdigest()
             for n, t in named}
 

@@ -333,8 +333,14 @@ def _start_critic(cfg: RunConfig, namespace: str, pg=None, wait: bool = True) ->
 # What the iteration's Ray tasks import in their worker (torch, pandas, the reward and rollout modules), imported ahead:
 # a driver's task workers start cold (workers belong to one job), and the first generate / score of a run paid it:
 # 5.7 s and 3.0 s on 2 cores against 0.1 s after. Besides engines/rollout_stages.py (whose `warm_worker` imports it by
-# running): the stage records and the critic's values (neither imports Prefect nor this module).
-_TASK_MODULES = ("reflow.tasks.stage_cache", "reflow.engines.train.critic")
+# running): the stage records, the algorithms (their configs are the advantages task's argument) and pandas (the
+# tables), and with a critic its values' module (none imports Prefect or this module). rollout_stages itself imports
+# neither torch nor pandas (~2 s of CPU a worker on a 2-core AMD EPYC VM): a worker Ray starts later, for a task
+# while the warmed ones are busy, goes without them unless its task needs them (a 3-iteration demo run's task workers
+# ~1.5 s of CPU each against ~2.6, bench/startup.py --iterations 3); the warmed ones take them here, so iteration 0's
+# advantages do not wait for torch (+1.2 s there when they did).
+_TASK_MODULES = ("reflow.tasks.stage_cache", "reflow.rl.algorithms", "pandas")
+_CRITIC_TASK_MODULES = ("reflow.engines.train.critic",)
 # The next rollout (launched ahead) and an eval set generate at once, with a stage record and the records'
 # tasks beside them. With 2, an eval waited 2-3 s for a worker in 2 of 4 evals of a 25M run (Ray's timeline).
 # On a host of few cores their imports only compete with the actors' own start-up (~6 s of CPU a worker), and a
@@ -346,10 +352,12 @@ _WARM_WORKERS = min(3, max(1, (os.cpu_count() or 1) - 1))
 _warm_worker = ray.remote(num_cpus=0)(ro.warm_worker)
 
 
-def warm_task_workers(freeze: bool = True) -> list:
+def warm_task_workers(freeze: bool = True, critic: bool = False) -> list:
     """Start the iteration's task workers while the actors load (it returns at once): their imports
-    then overlap the actors' start-up instead of delaying the first iteration's stages."""
-    return [_warm_worker.remote(_TASK_MODULES, freeze) for _ in range(_WARM_WORKERS)]
+    then overlap the actors' start-up instead of delaying the first iteration's stages. `critic`: the run has a
+    value model, whose values a task attaches (that module imports torch)."""
+    modules = _TASK_MODULES + (_CRITIC_TASK_MODULES if critic else ())
+    return [_warm_worker.remote(modules, freeze) for _ in range(_WARM_WORKERS)]
 
 
 def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
@@ -390,7 +398,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     if fresh:
         trainers = _start_trainers(cfg, namespace, persistent, pg, wait=False)
     critic = _start_critic(cfg, namespace, pg, wait=False)
-    warm_task_workers(cfg.cluster.gc_freeze)
+    warm_task_workers(cfg.cluster.gc_freeze, critic=cfg.algorithm.spec.needs_critic)
     t_asked = time.perf_counter()
     if inputs is None:
         try:
