@@ -14,7 +14,6 @@ from torch.testing import assert_close
 
 from reflow.infra.config.schema import ConfigError, load_config
 from reflow.rl.algorithms import SPECS, algorithm_config
-from reflow.rl.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.algorithms.gae import gae_advantages, value_loss_tokens
 from reflow.rl.algorithms.grpo import grpo_advantages
 from reflow.rl.algorithms.gspo import gspo_log_ratio
@@ -26,6 +25,7 @@ from reflow.rl.algorithms.reinforce_pp import (
     whiten_from_moments,
 )
 from reflow.rl.algorithms.rloo import rloo_advantages
+from reflow.rl.dapo import fill_groups, groups_with_spread, overlong_penalty
 from reflow.rl.losses import aggregate, policy_loss, policy_loss_tokens, tis_weights
 from reflow.rl.types import RolloutBatch
 

@@ -11,15 +11,16 @@
 # bf16 with the per-row-length decode kernel; the policy's end rate calibrated on its own samples (long_tail.py).
 # Six iterations a mode: the first (carry's pool still filling) is left out of the `steady` figures
 # (partial_speedup_steady), reported beside the all-iteration ones (partial_speedup).
-#   OUT=/tmp/o bash bench/gpu_machine/partial.sh [--prompts 64 --chunk 256 ...]
+#   OUT=/tmp/o bash bench/gpu_machine/partial.sh [--prompts 64 --chunk 256 ...]   (later arguments win)
+# CHECK_KERNELS=0 skips the kernel check; TAG=name writes partial-<name>.log (kv_partial.sh runs it so, per KV dtype).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-gpu-out}"); mkdir -p "$out"
-[ -e /tmp/site/ray ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site > "$out/install.log"
+[ -e /tmp/site/fastapi ] || bash bench/gpu_machine/install.sh .gpuwheels /tmp/site > "$out/install.log"
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader | tee "$out/gpus.txt"
 export PYTHONPATH=$PWD/src:$PWD/bench:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 # The decode-attention kernels against float32 SDPA first (bf16; float32 with IEEE and with TF32 products)
-python3 bench/gpu_rollout_long.py --check-kernels --out "$out" 2>&1 | tee "$out/kernel-check.log"
+[ "${CHECK_KERNELS:-1}" = 0 ] || python3 bench/gpu_rollout_long.py --check-kernels --out "$out" 2>&1 | tee "$out/kernel-check.log"
 python3 bench/partial_rollout.py --device cuda --size gpu --prompts 64 --n 4 --max-new 4096 --median 512 \
   --chunk 256 --over 0.5 --iterations 6 --dtype bf16 --kv-mem-fraction 0.6 --json "$out/gpu-partial.json" "$@" 2>&1 \
-  | tee "$out/partial.log"
+  | tee "$out/partial${TAG:+-$TAG}.log"
