@@ -73,6 +73,11 @@
 # for a failed generate, ~5 tests more): clean clone .ci/run at 56da6dd 34m49s, green (the rest 1125 passed in 2034 s;
 # these 48 in 1856 s); then 41m05s at 6855158, green (the rest 1125 passed in 2396 s; these 48 in 2138 s; ~10 minutes of
 # this session's own tests ran beside it).
+# Session 47 (the same VM class on a slow day: the same compute-only tests 1.5-1.8x session 46's, e.g. test_packing's
+# flex check 21 -> 37 s; rollout task workers without torch): clean clone .ci/run at b5e50c3 48m50s, 1 failed: in
+# test_terminal's two concurrent `reflow train` runs, the one starting its own Ray hit Ray's fixed 30 s wait for its
+# raylet to register ("The current node timed out during startup"; ray/_private/node.py, not configurable) under the
+# load of both pytest processes (the rest 1125 passed in 2864 s; these 47 passed in 2619 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
