@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,15 +118,52 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_
                                   f"(`reflow cluster status`)") from e
         _ATTACHED[:] = [address]
         return f"connected to Ray at {address}"
+    cpus = num_cpus or max(4, os.cpu_count() or 1)
     # A fresh temp dir (a stale ray_current_cluster file from an earlier `ray stop` would make
     # ray.init try to join a dead cluster), inside a folder only this user can enter.
     tmp = private_temp_dir()
-    cpus = num_cpus or max(4, os.cpu_count() or 1)
     _closed_local_cluster(tmp.parent)
-    with inherited_by_workers(worker_env()):
-        ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=str(tmp),
-                 log_to_driver=True, logging_level=level, _system_config=worker_pool_config(cpus))
+    for attempt in range(1, _LOCAL_START_ATTEMPTS + 1):
+        if attempt > 1:  # a fresh temp dir beside the first, under the same token (Ray keeps the one it read)
+            tmp = tmp.parent / f"r{attempt}"
+        try:
+            with inherited_by_workers(worker_env()):
+                ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=str(tmp),
+                         log_to_driver=True, logging_level=level, _system_config=worker_pool_config(cpus))
+            break
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this; any other is re-raised
+            if attempt == _LOCAL_START_ATTEMPTS or _START_TIMEOUT not in str(e):
+                raise
+            log.warning("the local Ray cluster in %s did not start: %s (Ray waits a fixed 30 s for its node to "
+                        "register; a loaded machine?): stopping what it started and starting once more", tmp, e)
+            _stop_local_start(tmp)
     return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
+
+
+# Ray's message when its node did not register in the GCS within its fixed wait (ray/_private/node.py: 30 s, a local
+# variable there). Under load (session 47's clean-clone suite: two `reflow train` runs starting beside both pytest
+# processes on 2 cores) a run was lost to it. One more start gets another 30 s (tests/test_ray_start_timeout.py).
+_START_TIMEOUT = "timed out during startup"
+_LOCAL_START_ATTEMPTS = 2
+
+
+def _stop_local_start(tmp: Path) -> None:
+    """After a local start that failed: Ray's own state reset, and every process still running from it (its GCS,
+    raylet and agents, each started with `tmp`, a folder only this run made, in its command line) killed, so the
+    next start has the machine."""
+    with contextlib.suppress(Exception):  # deliberate: nothing may have been set up to shut down
+        ray.shutdown()
+    me = os.getpid()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) == me:
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                started_here = str(tmp).encode() in f.read()
+            if started_here:
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ProcessLookupError):  # gone meanwhile, or another user's
+            pass
 
 
 def has_nvidia_gpu() -> bool:
