@@ -19,11 +19,11 @@ tree starts sooner / spends less CPU).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import resource
-import signal
 import statistics
 import subprocess
 import sys
@@ -31,6 +31,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,25 +65,12 @@ def reap_all(timeout_s: float = 60.0) -> int:
         if pid:
             continue
         if time.monotonic() > deadline:
-            for child in _children():
-                try:
-                    os.kill(child, signal.SIGKILL)
+            for child in psutil.Process().children():
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
                     killed += 1
-                except ProcessLookupError:
-                    pass
             deadline = time.monotonic() + 10
         time.sleep(0.1)
-
-
-def _children() -> list[int]:
-    me, out = os.getpid(), []
-    for d in os.listdir("/proc"):
-        try:
-            if d.isdigit() and int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1]) == me:
-                out.append(int(d))
-        except (OSError, IndexError, ValueError):
-            pass
-    return out
 
 
 def children_cpu() -> float:

@@ -8,11 +8,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import signal
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import psutil
 import ray
 from ray._private import auto_init_hook
 
@@ -153,17 +153,10 @@ def _stop_local_start(tmp: Path) -> None:
     next start has the machine."""
     with contextlib.suppress(Exception):  # deliberate: nothing may have been set up to shut down
         ray.shutdown()
-    me = os.getpid()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) == me:
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                started_here = str(tmp).encode() in f.read()
-            if started_here:
-                os.kill(int(pid), signal.SIGKILL)
-        except (OSError, ProcessLookupError):  # gone meanwhile, or another user's
-            pass
+    for p in psutil.process_iter(["cmdline"]):
+        if p.pid != os.getpid() and str(tmp) in " ".join(p.info["cmdline"] or ()):
+            with contextlib.suppress(psutil.Error):  # gone meanwhile
+                p.kill()
 
 
 def has_nvidia_gpu() -> bool:
