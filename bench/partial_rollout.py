@@ -20,7 +20,10 @@ first iteration has nothing carried yet and is an iteration of `off` with more r
 ones (the GPU runs of RESULTS 40-42 took 3 iterations, carry falling each: 9.68, 8.06, 5.63 s, where off stayed at
 8.7-10.5), so the all-iteration mean of a short run mixes that start into the rate a long run settles at; the engines' idle share of
 row-steps (engines/partial_rollout.py), and the trained responses' mean length: closing on the first complete
-groups prefers short ones (carried long ones train later; dropped ones never), which this shows rather than hides.
+groups prefers short ones (carried long ones train later; dropped ones never), which this shows rather than hides;
+and, where the static decoder runs (a GPU), its loop's milliseconds a step and the share of that loop the host sat
+waiting for the device's tokens (`dev wait`, Generator.decode_time): near 0 the device waited on the host's
+bookkeeping (host-bound: bench/decode_host.py measures that side), near 1 the device's steps set the pace.
 """
 from __future__ import annotations
 
@@ -157,8 +160,15 @@ def main() -> None:
             clients = [EngineClient(engine.url(), timeout=600, api_key=engine.api_key())]
             sp = ro.sampling_params(1.0, 1.0, -1, args.max_new, [tok.eos_token_id])
             run_off(clients, tok, argparse.Namespace(**{**vars(args), "iterations": 1}), sp)  # warm-up
-            res = {m: run_off(clients, tok, args, sp) if m.startswith("off") else run_partial(clients, tok, args, sp, m)
-                   for m in args.modes.split(",")}
+            res = {}
+            for m in args.modes.split(","):
+                before = dict(engine.generator.decode_time)
+                res[m] = run_off(clients, tok, args, sp) if m.startswith("off") else run_partial(clients, tok, args, sp, m)
+                res[m]["decode_time"] = {k: v - before[k] for k, v in engine.generator.decode_time.items()}
+                # the share of the decode loop's wall the host sat waiting for the device: near 0, the device
+                # waited for the host (host-bound); near 1, the host's bookkeeping hid behind the device's steps
+                res[m]["device_wait_share"] = (res[m]["decode_time"]["device_wait_s"]
+                                               / max(res[m]["decode_time"]["loop_s"], 1e-9))
             kv_moves = dict(engine.generator.kv_moves)
             kv_held = engine.generator.kv_cache_dtype()
         finally:
@@ -180,9 +190,13 @@ def main() -> None:
            **{"partial_speedup_steady" if k == "carry" else f"{k}_speedup_steady": off_steady / steady[k] for k in steady
               if not k.startswith("off")},
            **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"}}
-    print(f"{'mode':10} {'s/iter':>8} {'steady':>8} {'idle':>6} {'trained len':>11}")
+    print(f"{'mode':10} {'s/iter':>8} {'steady':>8} {'idle':>6} {'trained len':>11} {'ms/step':>8} {'dev wait':>8}")
     for k in res:
-        print(f"{k:10} {per[k]:8.3f} {steady[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f}")
+        dt = res[k]["decode_time"]
+        static = f"{dt['loop_s'] / dt['steps'] * 1e3:8.2f} {res[k]['device_wait_share']:8.3f}" if dt["steps"] else \
+            f"{'n/a':>8} {'n/a':>8}"  # the eager decoder (CPU): no static loop
+        print(f"{k:10} {per[k]:8.3f} {steady[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f} "
+              f"{static}")
     off_lens = res["off"]
     speedups = " ".join(f"{k}={v:.2f}" for k, v in out.items() if k.endswith(("_speedup", "_speedup_steady")))
     print(f"partial_rollout: {speedups} "

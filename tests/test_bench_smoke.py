@@ -70,6 +70,20 @@ def test_partial_rollout_benchmark_runs_on_cpu(tmp_path):
     assert res["partial_speedup_steady"] > 0 and res["shape"]["warmup_iterations"] == 1
 
 
+def test_decode_host_benchmark_runs_on_cpu(tmp_path):
+    """bench/decode_host.py (the static decode loop's host work a step), one tree at a toy size (its --baseline
+    takes another tree through bench/_trees.importable, as rollout_generate.py's above)."""
+    out = tmp_path / "d.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "decode_host.py"), "--rows", "8", "--prompts", "2",
+                        "--scale", "0.05", "--json", str(out)], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    assert "decode_host: this " in p.stdout, p.stdout[-2000:]
+    res = json.loads(out.read_text())
+    (run,) = res["trees"]["this"]["runs"]
+    assert run["steps"] > 0 and run["tokens"] >= run["steps"] and 0 < run["host_s"] < run["loop_s"]
+    assert res["shape"]["samples"] == 16 and "host_ratio" not in res
+
+
 def test_scratchpad_breakdown_tallies_sizes_pass_at_k_and_mixed_groups(tmp_path, monkeypatch):
     """bench/scratchpad_breakdown.py (issue 56: where a warm policy can still gain) over a real HF folder and the
     task's reward, with the decoder replaced by one whose answers are known: greedy solves the 1-digit-operand

@@ -160,6 +160,8 @@ def test_decode_fusion_reaches_the_static_decoder_on_gpus_only(tiny_policy, tok)
         plain = Generator(e.generator.model, e.generator.tokenizer, max_batch_size=8, decoder="static").generate(
             prompts, params)
         assert [r["output_ids"] for r in fused] == [r["output_ids"] for r in plain]
+        clock = httpx.get(f"{e.url()}/server_info", headers=AUTH).json()["decode_time"]  # the static loop's clock
+        assert clock["steps"] == 6 and 0 <= clock["device_wait_s"] <= clock["loop_s"], clock
     finally:
         e.shutdown()
 

@@ -103,6 +103,11 @@ def test_finished_rows_leave_and_waiting_rows_take_their_slots(tok, monkeypatch)
     assert len(admitted) > 1 and all(len(s) < 3 for s in admitted[1:])  # later rows join behind running ones
     assert max(len(b) for b in batches) == 3 and any(b[0] != 0 for b in batches)  # a finished row's region reused
     assert dec.regions.in_use == 0  # every region given back
+    # the loop's clock: one count a sampling step (each step's decode launch is the next one's logits, so the
+    # steps are the decode calls + the final step with no next), its waits inside its wall
+    clock = gen.decode_time
+    assert clock["steps"] == len(batches) + 1, (clock, len(batches))
+    assert 0 <= clock["device_wait_s"] <= clock["loop_s"] and clock["loop_s"] > 0
 
 
 def test_pushed_weights_land_in_the_fused_tensors(tok):

@@ -35,6 +35,7 @@ from __future__ import annotations
 import inspect
 import math
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -141,6 +142,7 @@ class _Row:
     finish: dict | None = None
     kv_start: int = -1  # where its KV region starts in the static decoder's pool (kv_pool.py)
     group: int = -1  # its group under a closing call (Generator.generate's `close`)
+    seed64: int | None = None  # cfg.sampling_seed as the int64 its draws hash (None: unseeded)
 
 
 class _Closer:
@@ -211,6 +213,10 @@ class Generator:
             raise ValueError(f"kv_reserve must be in (0, 1], got {kv_reserve}")
         self.kv_reserve = kv_reserve
         self.kv_moves = {"grown": 0, "moved": 0, "preempted": 0}  # regions grown in place, moved, rows sent back
+        # The static decode loop's time (cumulative, like kv_moves): its steps, its wall seconds, and the seconds the
+        # host sat waiting for a step's tokens to land (`device_wait_s`). A loop whose waits are a small share of
+        # its wall kept the device waiting for the host (Python bookkeeping, launches): host-bound.
+        self.decode_time = {"steps": 0, "loop_s": 0.0, "device_wait_s": 0.0}
         if decoder not in ("auto", "eager", "static", "graphs"):
             raise ValueError(f"decoder must be 'auto', 'eager', 'static' or 'graphs', got {decoder!r}")
         self.decoder = decoder
@@ -370,7 +376,8 @@ class Generator:
         stops = frozenset(cfg.stop_token_ids) | self.eos_ids
         row = _Row(prompt=prompt, cfg=cfg, rid=rid, sample_id=sample_id,
                    stop_ids=frozenset() if cfg.ignore_eos else stops, mask_ids=sorted(stops),
-                   max_new=min(cfg.max_new_tokens, self.context_len - len(prompt)))
+                   max_new=min(cfg.max_new_tokens, self.context_len - len(prompt)),
+                   seed64=None if cfg.sampling_seed is None else _as_int64(cfg.sampling_seed))
         if row.max_new == 0:
             row.finish = {"type": "length", "length": row.max_new}
         return row
@@ -430,6 +437,16 @@ class Generator:
         too many, which is dropped with them (its K/V lies inside their region, before its end)."""
         self._size_pool(dec, rows)
         assert dec.regions is not None
+        clock = self.decode_time
+        began = time.perf_counter()
+        try:
+            self._static_loop(dec, rows, checkpoint, closer, clock)
+        finally:
+            clock["loop_s"] += time.perf_counter() - began
+
+    def _static_loop(self, dec: StaticDecoder, rows: list[_Row], checkpoint: Checkpoint | None,
+                     closer: _Closer | None, clock: dict) -> None:
+        assert dec.regions is not None
         waiting, active = deque(rows), []  # active[b] is the row in batch row b
         logits: torch.Tensor | None = None
         params: SamplingTensors | None = None
@@ -441,14 +458,18 @@ class Generator:
                 active += new
                 params = SamplingTensors.of([r.cfg for r in active], logits.device)
             assert logits is not None and params is not None, "a waiting row fits no region of an empty pool"
-            tokens, lps = self._sample(logits, active, params)
+            at = [len(r.prompt) + len(r.out) for r in active]  # the position each row's next token goes to
+            tokens, lps = self._sample(logits, active, params, at)
             host, ready = _to_host(tokens, lps)
             ahead = None  # logits of the next step, launched before this step's tokens are read
             short: list[int] = []  # batch rows whose regions could not reach the next position: they leave
             if any(len(r.out) + 1 < r.max_new for r in active):  # after this step's token
-                short = self._room(dec, active)
-                ahead = self._decode(dec, tokens, active, 0, short)
+                short = self._room(dec, active, at)
+                ahead = self._decode(dec, tokens, active, at, short)
+            waited = time.perf_counter()
             ready()
+            clock["device_wait_s"] += time.perf_counter() - waited
+            clock["steps"] += 1
             for r, tok, lp in zip(active, host[0].long().tolist(), host[1].tolist()):
                 self._append(r, tok, lp)
             if checkpoint is not None:
@@ -507,8 +528,8 @@ class Generator:
         left = r.max_new - len(r.out)
         return len(r.prompt) + len(r.out) + max(1, min(left, math.ceil(self.kv_reserve * left)))
 
-    def _room(self, dec: StaticDecoder, rows: list[_Row]) -> list[int]:
-        """Make each row's region reach the position the next step writes (prompt + out): rows past
+    def _room(self, dec: StaticDecoder, rows: list[_Row], positions: list[int]) -> list[int]:
+        """Make each row's region reach the position the next step writes (`positions`: prompt + out): rows past
         their region's end grow it in place where the hole after it is free, else move to a larger region (their
         K/V copied, all in one copy); returns the batch rows for which neither was possible (they sit out the step
         and leave the batch)."""
@@ -518,8 +539,7 @@ class Generator:
         if self.kv_reserve >= 1.0:  # every region holds its row's prompt + max_new_tokens: none outgrows it
             return short
         moves: tuple[list[int], list[int], list[int]] = ([], [], [])  # (to, from, positions written so far)
-        for b, r in enumerate(rows):
-            at = len(r.prompt) + len(r.out)  # the position this step writes
+        for b, (r, at) in enumerate(zip(rows, positions)):  # at: the position this step writes
             if at < regions.length(r.kv_start):
                 continue
             want = max(at + 1, self._reserve(r))
@@ -553,11 +573,11 @@ class Generator:
             new.append(row)
         return new
 
-    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, rows: list[_Row], shift: int,
+    def _decode(self, dec: StaticDecoder, tokens: torch.Tensor, rows: list[_Row], at: list[int],
                 idle: Sequence[int] = ()) -> torch.Tensor:
-        """The next step's logits; each row's token goes at position prompt + out + shift of its region (the batch
-        rows in `idle` write the pool's scratch position instead: their logits mean nothing)."""
-        positions = [len(r.prompt) + len(r.out) + shift for r in rows]
+        """The next step's logits; each row's token goes at its position in `at` (prompt + out) of its region (the
+        batch rows in `idle` write the pool's scratch position instead: their logits mean nothing)."""
+        positions = list(at)
         starts = [r.kv_start for r in rows]
         for b in idle:
             positions[b], starts[b] = 0, dec.capacity
@@ -624,9 +644,11 @@ class Generator:
             layer.select(idx, first)
         return mask[:, first:]
 
-    def _sample(self, logits: torch.Tensor, rows: list[_Row], params: SamplingTensors | None = None):
-        """Apply the min_new_tokens mask, draw each row's uniform (a seeded row's from its seed), then sample;
-        `params` are the rows' parameters as device tensors (built here when not given)."""
+    def _sample(self, logits: torch.Tensor, rows: list[_Row], params: SamplingTensors | None = None,
+                positions: list[int] | None = None):
+        """Apply the min_new_tokens mask, draw each row's uniform (a seeded row's from its seed and the position its
+        token takes), then sample; `params` are the rows' parameters as device tensors and `positions` their
+        prompt + out (each built here when not given)."""
         B, V = logits.shape
         masked = [(b, t) for b, r in enumerate(rows) if len(r.out) < r.cfg.min_new_tokens for t in r.mask_ids]
         if masked:  # every row still short of min_new_tokens, all at once: [b, token] pairs
@@ -637,8 +659,9 @@ class Generator:
         if not params.all_greedy:
             seeded = [b for b, r in enumerate(rows) if r.cfg.sampling_seed is not None and not r.cfg.greedy]
             if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
-                at = on_device([[_as_int64(rows[b].cfg.sampling_seed), len(rows[b].prompt) + len(rows[b].out)]
-                                for b in seeded], logits.device)  # [S, 2]
+                if positions is None:
+                    positions = [len(r.prompt) + len(r.out) for r in rows]
+                at = on_device([[rows[b].seed64, positions[b]] for b in seeded], logits.device)  # [S, 2]
                 drawn = seeded_uniform(at[:, 0], at[:, 1])  # [S], on the device (integer ops: the host's bits)
             if len(seeded) == B:
                 uniform = drawn

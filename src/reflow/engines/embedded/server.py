@@ -226,6 +226,7 @@ def _info_routes(app: FastAPI, state: EngineState) -> None:
                 DISK_FILES: True, GENERATE_CLOSING: True,
                 "max_running_requests": state.gen.max_batch_size, "context_length": state.gen.context_len,
                 "kv_reserve": state.gen.kv_reserve, "kv_moves": dict(state.gen.kv_moves),
+                "decode_time": dict(state.gen.decode_time),
                 "kv_cache_dtype": state.gen.kv_cache_dtype(),
                 "weight_version": state.gen.weight_version, "internal_states": [state.load()],
                 "frontend": "reflow-embedded", "memory_released": sorted(state.released),

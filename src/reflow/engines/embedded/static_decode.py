@@ -450,7 +450,8 @@ class StaticDecoder:
         n = tokens.shape[0]
         t = _bucket(max(positions) + 1, 64 if self.kernel == "gather" else 512)  # the kernels read each row's own
         # length (t only bounds it); the gather reads t positions of every row
-        assert all(p + s < self.capacity or (p, s) == (0, self.capacity) for p, s in zip(positions, starts)), \
+        cap = self.capacity
+        assert all(p + s < cap or (p == 0 and s == cap) for p, s in zip(positions, starts)), \
             "a row past the pool's end"  # (0, capacity): a row sitting the step out writes the scratch position
         b = min(batch_bucket(n), self.max_batch_size) if self.graphs else n
         self._tok[:n].copy_(tokens)
