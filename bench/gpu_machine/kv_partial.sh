@@ -6,15 +6,23 @@
 # 8 samples an iteration, 512 rows at once, max_new_tokens 1000, kv_mem_fraction 0.3, kv_reserve 0.5; random weights
 # ending responses at a steady rate (median MEDIAN tokens, 300 by default: the scratchpad task's worked responses have
 # a median of ~334-373 but a lighter tail than this geometric one, whose ~10 % past 1,000 are cut there).
-# Prints each run's table and `partial_rollout:` line; writes kv-<dtype>.json and partial-kv-<dtype>.log under $OUT.
+# Each KV dtype (KV_DTYPES, default "auto bf16") at each batch width (BATCHES, default 512: max_batch_size, the rows
+# decoding at once; 1024 takes the iteration's 1,024 samples in one wave, which a bf16 pool of 0.3 holds at kv_reserve
+# 0.5) runs in its own process. Prints each run's table (with the decode loop's ms a step and `dev wait`, the share
+# of it the host sat waiting for the device: near 0, host-bound) and `partial_rollout:` line; writes
+# kv-<dtype>[-b<batch>].json and partial-kv-<dtype>[-b<batch>].log under $OUT (no suffix at 512).
 #   OUT=$OUT bash bench/gpu_machine/kv_partial.sh [extra partial_rollout.py args]
+#   KV_DTYPES=bf16 BATCHES="512 1024" MODES=off,carry OUT=$OUT bash bench/gpu_machine/kv_partial.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-gpu-out}")
 for kv in ${KV_DTYPES:-auto bf16}; do
-  CHECK_KERNELS=0 TAG=kv-$kv OUT=$out bash bench/gpu_machine/partial.sh --prompts 128 --n 8 --max-new 1000 \
-    --median "${MEDIAN:-300}" --iterations "${ITERATIONS:-3}" --warmup-iterations 1 --dtype fp32 --tf32 \
-    --kv-mem-fraction 0.3 --kv-reserve 0.5 --max-batch-size 512 --modes "${MODES:-off,carry}" --kv-dtype "$kv" \
-    --json "$out/kv-$kv.json" "$@" > /dev/null 2>&1
-  echo "kv=$kv exit=$?"; grep -E '^(mode|off|carry|drop)|partial_rollout:|Error' "$out/partial-kv-$kv.log" | tail -8
+  for b in ${BATCHES:-512}; do
+    tag=kv-$kv; [ "$b" = 512 ] || tag=$tag-b$b
+    CHECK_KERNELS=0 TAG=$tag OUT=$out bash bench/gpu_machine/partial.sh --prompts 128 --n 8 --max-new 1000 \
+      --median "${MEDIAN:-300}" --iterations "${ITERATIONS:-3}" --warmup-iterations 1 --dtype fp32 --tf32 \
+      --kv-mem-fraction 0.3 --kv-reserve 0.5 --max-batch-size "$b" --modes "${MODES:-off,carry}" --kv-dtype "$kv" \
+      --json "$out/$tag.json" "$@" > /dev/null 2>&1
+    echo "kv=$kv batch=$b exit=$?"; grep -E '^(mode|off|carry|drop)|partial_rollout:|Error' "$out/partial-$tag.log" | tail -8
+  done
 done
