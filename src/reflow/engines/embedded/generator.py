@@ -436,7 +436,6 @@ class Generator:
         finish checks and bookkeeping run while the GPU decodes. Rows found finished have taken one step
         too many, which is dropped with them (its K/V lies inside their region, before its end)."""
         self._size_pool(dec, rows)
-        assert dec.regions is not None
         clock = self.decode_time
         began = time.perf_counter()
         try:
@@ -657,7 +656,7 @@ class Generator:
         params = params or SamplingTensors.of([r.cfg for r in rows], logits.device)
         uniform = None
         if not params.all_greedy:
-            seeded = [b for b, r in enumerate(rows) if r.cfg.sampling_seed is not None and not r.cfg.greedy]
+            seeded = [b for b, r in enumerate(rows) if r.seed64 is not None and not r.cfg.greedy]
             if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
                 if positions is None:
                     positions = [len(r.prompt) + len(r.out) for r in rows]
