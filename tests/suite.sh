@@ -80,6 +80,9 @@
 # load of both pytest processes (the rest 1125 passed in 2864 s; these 47 passed in 2619 s).
 # Then a local Ray start that hits that timeout is stopped and started once more (ray_connect); its test
 # (tests/test_ray_start_timeout.py, ~45 s, mostly Ray's own wait) runs beside, the main process being the longer.
+# Session 48 (the same VM class, slower still: the same tests 10-15 % over session 47's, e.g. test_retrain 93 -> 105 s,
+# the README walkthrough 280 -> 302 s; the decode loop's clock, a bench smoke): clean clone .ci/run at 0196e68 53m34s,
+# green (the rest 1125 passed in 3134 s; these 50 in 2838 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
