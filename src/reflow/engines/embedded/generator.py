@@ -86,6 +86,11 @@ def _to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
     return host, done.synchronize
 
 
+def _positions(rows: list[_Row]) -> list[int]:
+    """The position each row's next token takes: its prompt and what it generated so far."""
+    return [len(r.prompt) + len(r.out) for r in rows]
+
+
 def _as_int64(x: int) -> int:
     """A Python int as the int64 with the same low 64 bits (seeds past int64 hash as their low bits)."""
     return (x + (1 << 63)) % (1 << 64) - (1 << 63)
@@ -457,7 +462,7 @@ class Generator:
                 active += new
                 params = SamplingTensors.of([r.cfg for r in active], logits.device)
             assert logits is not None and params is not None, "a waiting row fits no region of an empty pool"
-            at = [len(r.prompt) + len(r.out) for r in active]  # the position each row's next token goes to
+            at = _positions(active)  # one list a step, for the draws, the regions and the decode
             tokens, lps = self._sample(logits, active, params, at)
             host, ready = _to_host(tokens, lps)
             ahead = None  # logits of the next step, launched before this step's tokens are read
@@ -576,7 +581,7 @@ class Generator:
                 idle: Sequence[int] = ()) -> torch.Tensor:
         """The next step's logits; each row's token goes at its position in `at` (prompt + out) of its region (the
         batch rows in `idle` write the pool's scratch position instead: their logits mean nothing)."""
-        positions = list(at)
+        positions = list(at) if idle else at  # a copy only where idle rows are rewritten below
         starts = [r.kv_start for r in rows]
         for b in idle:
             positions[b], starts[b] = 0, dec.capacity
@@ -658,8 +663,7 @@ class Generator:
         if not params.all_greedy:
             seeded = [b for b, r in enumerate(rows) if r.seed64 is not None and not r.cfg.greedy]
             if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
-                if positions is None:
-                    positions = [len(r.prompt) + len(r.out) for r in rows]
+                positions = _positions(rows) if positions is None else positions
                 at = on_device([[rows[b].seed64, positions[b]] for b in seeded], logits.device)  # [S, 2]
                 drawn = seeded_uniform(at[:, 0], at[:, 1])  # [S], on the device (integer ops: the host's bits)
             if len(seeded) == B:
