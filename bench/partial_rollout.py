@@ -165,10 +165,10 @@ def main() -> None:
                 before = dict(engine.generator.decode_time)
                 res[m] = run_off(clients, tok, args, sp) if m.startswith("off") else run_partial(clients, tok, args, sp, m)
                 res[m]["decode_time"] = {k: v - before[k] for k, v in engine.generator.decode_time.items()}
-                # the share of the decode loop's wall the host sat waiting for the device: near 0, the device
-                # waited for the host (host-bound); near 1, the host's bookkeeping hid behind the device's steps
-                res[m]["device_wait_share"] = (res[m]["decode_time"]["device_wait_s"]
-                                               / max(res[m]["decode_time"]["loop_s"], 1e-9))
+                # ms a step, and the share of the decode loop's wall the host sat waiting for the device: near 0,
+                # the device waited for the host (host-bound); near 1, the host's bookkeeping hid behind the steps
+                res[m]["decode"] = ro.decode_stats(before, engine.generator.decode_time)  # {} on the eager decoder
+                res[m]["device_wait_share"] = res[m]["decode"].get("decode_device_wait_share")
             kv_moves = dict(engine.generator.kv_moves)
             kv_held = engine.generator.kv_cache_dtype()
         finally:
@@ -192,8 +192,8 @@ def main() -> None:
            **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"}}
     print(f"{'mode':10} {'s/iter':>8} {'steady':>8} {'idle':>6} {'trained len':>11} {'ms/step':>8} {'dev wait':>8}")
     for k in res:
-        dt = res[k]["decode_time"]
-        static = f"{dt['loop_s'] / dt['steps'] * 1e3:8.2f} {res[k]['device_wait_share']:8.3f}" if dt["steps"] else \
+        dt = res[k]["decode"]
+        static = f"{dt['decode_ms_per_step']:8.2f} {dt['decode_device_wait_share']:8.3f}" if dt else \
             f"{'n/a':>8} {'n/a':>8}"  # the eager decoder (CPU): no static loop
         print(f"{k:10} {per[k]:8.3f} {steady[k]:8.3f} {res[k]['idle_fraction']:6.3f} {res[k]['trained_len_mean']:11.1f} "
               f"{static}")

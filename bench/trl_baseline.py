@@ -108,7 +108,7 @@ def train_trl(a, train_rows: list[dict], tokenizer) -> tuple[object, dict]:
     cfg = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="trl-"), per_device_train_batch_size=micro,
                      gradient_accumulation_steps=a.batch // micro, steps_per_generation=generation // micro,
                      num_generations=a.generations, max_completion_length=a.max_new, learning_rate=a.lr,
-                     lr_scheduler_type="constant", beta=0.0, epsilon=0.2, temperature=1.0, bf16=cuda,
+                     lr_scheduler_type="constant", beta=0.0, epsilon=0.2, temperature=a.temperature, bf16=cuda,
                      use_cpu=not cuda, logging_steps=10, max_steps=a.steps or 10**6, save_strategy="no", report_to=[],
                      seed=a.seed, disable_dropout=True)
     data = Dataset.from_list([{"prompt": r["prompt"], "label": str(r["label"])} for r in train_rows])
@@ -177,6 +177,8 @@ def main() -> None:
     p.add_argument("--generations", type=int, default=8, help="group size (reflow's n_samples_per_prompt)")
     p.add_argument("--lr", type=float, default=None, help="learning rate (default: the task's config's: addition 3e-5, "
                    "scratchpad 3e-6)")
+    p.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature of the completions TRL trains on (reflow's rollout.temperature)")
     p.add_argument("--max-new", type=int, default=None,
                    help="completion token limit, reflow's max_new_tokens (addition: 6; scratchpad: 1000)")
     p.add_argument("--out", default=None, help="write the figures as JSON here")

@@ -14,11 +14,13 @@ import httpx
 import pytest
 import torch
 
+from reflow.engines import rollout_stages as ro
 from reflow.engines.embedded.engine import EmbeddedEngine
 from reflow.engines.embedded.generator import Generator
 from reflow.engines.hf_io import load_causal_lm, load_tokenizer, set_tf32
 from reflow.engines.http_serve import bearer, new_api_key
 from reflow.engines.rollout_client import EngineClient, EngineError, generate_batch
+from reflow.engines.rollout_fns import RolloutSettings
 from reflow.engines.weights.buckets import BucketError, flatten, load_payload, serialize_bucket, unflatten
 from reflow.engines.weights.mapped import MAPPED
 from reflow.engines.weights.push import WeightSyncError, push_weights, verify_weights
@@ -155,7 +157,14 @@ def test_decode_fusion_reaches_the_static_decoder_on_gpus_only(tiny_policy, tok)
         assert info["kv_moves"] == {"grown": 0, "moved": 0, "preempted": 0}
         prompts = _ids(tok, PROMPTS[:3])
         params = {"temperature": 0.0, "max_new_tokens": 6}
+        settings = RolloutSettings([e.url()], params, 1, 60.0, KEY)
+        before = ro.decode_clock(settings)  # what a rollout's metrics read before and after its batch
         fused = e.generator.generate(prompts, params)
+        stats = ro.decode_stats(before, ro.decode_clock(settings))
+        assert stats["decode_steps"] == 6 and stats["decode_ms_per_step"] > 0, stats
+        assert 0 <= stats["decode_device_wait_share"] <= 1, stats
+        assert ro.decode_clock(RolloutSettings([e.url()], params, 1, 60.0, "not-the-key")) is None  # no figures
+        assert ro.decode_stats(None, before) == {} and ro.decode_stats(before, before) == {}
         assert e.generator._static is not None and e.generator._static.fused is not None  # the fused step ran
         plain = Generator(e.generator.model, e.generator.tokenizer, max_batch_size=8, decoder="static").generate(
             prompts, params)

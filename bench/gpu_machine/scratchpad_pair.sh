@@ -71,8 +71,11 @@ print(round(sum(x.get('response_tokens', 0) for x in m) / max(sum(x.get('samples
   "/tmp/gpurun/.reflow/runs/$exp/iterations/*/metrics.json")
 # the iterations the run made (fewer than asked where max_train_minutes ended it): its last committed checkpoint
 last=$(cat "/tmp/gpurun/.reflow/runs/$exp/checkpoints/latest"); iters=$((10#${last#iter_}))
-printf 'exp=%s\niters=%s\nseconds=%s\ncommand_s=%s\nsps=%s\ntokens=%s\n' "$exp" "$iters" "$seconds" "$command_s" \
-  "$sps" "$tokens" > "$env_file"
+# the sampling temperature and rate reflow ran with (its run's config.yaml, overrides applied), which TRL then gets too
+read -r temp lr < <(python3 -c "import sys, yaml; c = yaml.safe_load(open(sys.argv[1])); \
+print(c['rollout']['temperature'], c['trainer']['lr'])" "/tmp/gpurun/.reflow/runs/$exp/config.yaml")
+printf 'exp=%s\niters=%s\nseconds=%s\ncommand_s=%s\nsps=%s\ntokens=%s\ntemp=%s\nlr=%s\n' "$exp" "$iters" "$seconds" \
+  "$command_s" "$sps" "$tokens" "$temp" "$lr" > "$env_file"
 fi
 [ "$step" = reflow ] && exit 0
 . "$env_file"
@@ -80,7 +83,8 @@ cd /tmp/gpurun
 ckpt=$(ls -d ".reflow/runs/$exp/checkpoints/iter_$(printf %06d "$iters")")  # the run's last (see above)
 rm -f "$out/trl-scratchpad.json"
 python3 "$repo/bench/trl_baseline.py" --task scratchpad --policy "$policy" --data "$data" --reflow-model "$ckpt/model" \
-  --seconds "$seconds" --clock "${CLOCK:-training}" --out "$out/trl-scratchpad.json" 2>&1 \
+  --seconds "$seconds" --clock "${CLOCK:-training}" --temperature "${temp:-1.0}" ${lr:+--lr "$lr"} \
+  --out "$out/trl-scratchpad.json" 2>&1 \
   | tee "$out/trl-scratchpad.log" | grep -E '^trl:|Error|error' | tail -5 || true
 [ -s "$out/trl-scratchpad.json" ] || { echo "scratchpad_pair.sh: TRL wrote no figures (see trl-scratchpad.log)" >&2; exit 1; }
 python3 - "$out/trl-scratchpad.json" "$policy/bootstrap.json" "$out/gpu-long-task.json" \

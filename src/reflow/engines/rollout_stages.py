@@ -102,12 +102,46 @@ def generate_timed(settings: RolloutSettings, batch: BatchRequest,
     (engines/partial_rollout.py), with partial rollouts the rounds' statistics. Two returns, so the caller
     waits for the small one without fetching the batch into another task (one Ray task and a batch
     transfer less per rollout)."""
+    before = decode_clock(settings)
     out = generate(settings, batch, carry)
     lengths = lengths_stats([len(r) for r in out.response_ids])
     idle = {"engine_idle_fraction": lengths.get("wait_all_idle_fraction", 0.0)}
     return out, {"generate_engine_s": float(out.extra.get("generate_s", 0.0)),
                  "generate_server_s": float(out.extra.get("server_s", 0.0)), **lengths, **idle,
-                 **out.extra.get("partial_stats", {})}
+                 **out.extra.get("partial_stats", {}), **decode_stats(before, decode_clock(settings))}
+
+
+def decode_clock(settings: RolloutSettings) -> dict[str, float] | None:
+    """The engines' decode-loop clocks summed (the embedded engine's /server_info `decode_time`: steps, the loop's
+    seconds, the seconds its host sat waiting for the device); None where an engine keeps none (SGLang) or does
+    not answer (the batch's own requests then say what is wrong)."""
+    total = {"steps": 0.0, "loop_s": 0.0, "device_wait_s": 0.0}
+    for url in settings.urls:
+        client = EngineClient(url, timeout=10.0, api_key=settings.api_key)
+        try:
+            clock = client.server_info().get("decode_time")
+        except Exception:  # noqa: BLE001 - a statistic, never a reason to fail the batch
+            return None
+        finally:
+            client.close()
+        if not isinstance(clock, dict):
+            return None
+        for key in total:
+            total[key] += float(clock.get(key, 0.0))
+    return total
+
+
+def decode_stats(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """What the engines' decode loops did between two clocks (`decode_clock`): steps, ms a step, and the share of
+    the loop's wall the host waited for the device (near 0: the loop is host-bound; near 1: device-bound). Other
+    requests served meanwhile (an evaluation beside the rollout) are counted too. {} without both clocks."""
+    if before is None or after is None:
+        return {}
+    steps, wall, wait = (after[k] - before[k] for k in ("steps", "loop_s", "device_wait_s"))
+    if steps <= 0 or wall <= 0:
+        return {}
+    return {"decode_steps": steps, "decode_ms_per_step": 1000.0 * wall / steps,
+            "decode_device_wait_share": wait / wall}
 
 
 def carry_of(batch: RolloutBatch) -> list[dict]:
