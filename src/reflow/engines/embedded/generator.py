@@ -91,11 +91,6 @@ def _positions(rows: list[_Row]) -> list[int]:
     return [len(r.prompt) + len(r.out) for r in rows]
 
 
-def _as_int64(x: int) -> int:
-    """A Python int as the int64 with the same low 64 bits (seeds past int64 hash as their low bits)."""
-    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
-
-
 def prefill_groups(lengths: list[int], budget: int | None = None) -> list[list[int]]:
     """Prompts (by index) for each prefill call: all at once where their padded batch (count x longest) fits
     `budget` tokens, else length-sorted groups, longest first, each filled while its padded size fits (a prompt
@@ -147,7 +142,6 @@ class _Row:
     finish: dict | None = None
     kv_start: int = -1  # where its KV region starts in the static decoder's pool (kv_pool.py)
     group: int = -1  # its group under a closing call (Generator.generate's `close`)
-    seed64: int | None = None  # cfg.sampling_seed as the int64 its draws hash (None: unseeded)
 
 
 class _Closer:
@@ -381,8 +375,7 @@ class Generator:
         stops = frozenset(cfg.stop_token_ids) | self.eos_ids
         row = _Row(prompt=prompt, cfg=cfg, rid=rid, sample_id=sample_id,
                    stop_ids=frozenset() if cfg.ignore_eos else stops, mask_ids=sorted(stops),
-                   max_new=min(cfg.max_new_tokens, self.context_len - len(prompt)),
-                   seed64=None if cfg.sampling_seed is None else _as_int64(cfg.sampling_seed))
+                   max_new=min(cfg.max_new_tokens, self.context_len - len(prompt)))
         if row.max_new == 0:
             row.finish = {"type": "length", "length": row.max_new}
         return row
@@ -654,18 +647,19 @@ class Generator:
         token takes), then sample; `params` are the rows' parameters as device tensors and `positions` their
         prompt + out (each built here when not given)."""
         B, V = logits.shape
-        masked = [(b, t) for b, r in enumerate(rows) if len(r.out) < r.cfg.min_new_tokens for t in r.mask_ids]
-        if masked:  # every row still short of min_new_tokens, all at once: [b, token] pairs
-            at = on_device(masked, logits.device)
-            logits[at[:, 0], at[:, 1]] = float("-inf")
         params = params or SamplingTensors.of([r.cfg for r in rows], logits.device)
+        if params.any_min_new:  # every row still short of min_new_tokens, all at once: [b, token] pairs
+            masked = [(b, t) for b, r in enumerate(rows) if len(r.out) < r.cfg.min_new_tokens for t in r.mask_ids]
+            if masked:
+                at = on_device(masked, logits.device)
+                logits[at[:, 0], at[:, 1]] = float("-inf")
         uniform = None
         if not params.all_greedy:
-            seeded = [b for b, r in enumerate(rows) if r.seed64 is not None and not r.cfg.greedy]
+            seeded = params.seeded  # the seeds live on the device with the batch's parameters
             if seeded:  # one hashed draw per seeded row, all rows at once (the rollout seeds every sample)
                 positions = _positions(rows) if positions is None else positions
-                at = on_device([[rows[b].seed64, positions[b]] for b in seeded], logits.device)  # [S, 2]
-                drawn = seeded_uniform(at[:, 0], at[:, 1])  # [S], on the device (integer ops: the host's bits)
+                at = on_device(positions if len(seeded) == B else [positions[b] for b in seeded], logits.device)
+                drawn = seeded_uniform(params.seeds, at)  # [S], on the device (integer ops: the host's bits)
             if len(seeded) == B:
                 uniform = drawn
             else:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -116,13 +117,33 @@ class SamplingTensors:
         return SamplingTensors(tuple(self.cfgs[k] for k in keep), self.temperature[idx], self.top_p[idx],
                                self.top_k[idx], self.min_p[idx])
 
-    @property
+    @cached_property  # once per batch composition, not once per decode step (the rows' configs are frozen)
     def all_greedy(self) -> bool:
         return all(c.greedy for c in self.cfgs)
 
-    @property
+    @cached_property
+    def seeded(self) -> list[int]:
+        """The batch rows that draw from their own sampling_seed (the rollout seeds every sample)."""
+        return [b for b, c in enumerate(self.cfgs) if c.sampling_seed is not None and not c.greedy]
+
+    @cached_property
+    def seeds(self) -> torch.Tensor:
+        """The `seeded` rows' seeds as int64 [S] on the device (a seed past int64 hashes as its low 64 bits)."""
+        return on_device([as_int64(self.cfgs[b].sampling_seed) for b in self.seeded], self.temperature.device)
+
+    @cached_property
+    def any_min_new(self) -> bool:
+        """Whether any row masks its stop tokens until it has min_new_tokens."""
+        return any(c.min_new_tokens > 0 for c in self.cfgs)
+
+    @cached_property
     def filtered(self) -> bool:
         return any(c.top_p < 1.0 or c.top_k != -1 or c.min_p > 0 for c in self.cfgs)
+
+
+def as_int64(x: int) -> int:
+    """A Python int as the int64 with the same low 64 bits (seeds past int64 hash as their low bits)."""
+    return (x + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
