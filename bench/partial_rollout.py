@@ -104,6 +104,62 @@ def run_partial(clients, tok, args, sp, mode: str) -> dict:
             "rounds_mean": statistics.mean(rounds), "carried_samples_mean": statistics.mean(carried)}
 
 
+def anatomy(gen, ctx: int, replays: int = 30) -> dict:
+    """One decode step of the whole batch (gen.max_batch_size rows, each `ctx` tokens into its own region), on the
+    device alone: its CUDA graph replayed `replays` times (a GPU engine), or the graph-free step run so (CPU); then
+    the graph-free step profiled, its kernels' summed device time (CUDA) and the top ops. Against the loop's ms a
+    step (`decode` of each mode), the rest of a step is the host's or the wait between launches."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from reflow.engines.embedded.static_decode import batch_bucket
+
+    dec = gen.static_decoder()
+    if dec is None or dec.regions is None:
+        return {"skipped": "no static decoder with a KV pool (the eager CPU engine)"}
+    b = min(batch_bucket(gen.max_batch_size), dec.max_batch_size) if dec.graphs else gen.max_batch_size
+    room = dec.capacity // b
+    if room <= ctx:
+        return {"skipped": f"{b} rows of {ctx} tokens do not fit the pool's {dec.capacity} positions"}
+    t = 512 * -(-(ctx + 1) // 512)  # the kernels' key bucket (static_decode.decode: 512 with the Triton kernel)
+    cuda = dec._at.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    with torch.inference_mode(), gen.lock:
+        dec._tok[:b].fill_(5)
+        dec._at[0, :b].fill_(ctx)
+        dec._at[1, :b].copy_(torch.arange(b, device=dec._at.device) * room)
+        if dec.graphs:
+            graph = dec._graphs.get((b, t)) or (dec._capture(b, t), dec._graphs[(b, t)])[1]
+            run = graph[0].replay
+        else:
+            def run():
+                dec._step(b, t)
+        for _ in range(3):
+            run()
+        sync()
+        began = time.perf_counter()
+        for _ in range(replays):
+            run()
+        sync()
+        step_ms = 1e3 * (time.perf_counter() - began) / replays
+        dec._step(b, t)
+        sync()
+        with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+            for _ in range(3):
+                dec._step(b, t)
+            sync()
+    out = {"rows": b, "ctx": ctx, "keys_bucket": t, "device_step_ms": step_ms, "graphs": bool(dec.graphs)}
+    if cuda:
+        events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+        out.update(kernels_per_step=len(events) / 3, kernel_ms_per_step=sum(e.device_time for e in events) / 3e3)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=12,
+                                      max_name_column_width=50)
+    out["top"] = table
+    print(f"anatomy: {json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in out.items() if k != 'top'})}"
+          f"\n{table}", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -136,6 +192,11 @@ def main() -> None:
     ap.add_argument("--modes", default="off,carry,drop,carry_rounds,off_again",
                     help="in this order; carry/drop close in one call per engine (the embedded engine's way), "
                          "carry_rounds/drop_rounds in rounds of --chunk tokens (SGLang's)")
+    ap.add_argument("--anatomy", type=int, default=0, metavar="CTX",
+                    help="after the modes: one decode step of the full batch (max_batch_size rows, each CTX tokens "
+                         "into its region) timed on the device alone (its CUDA graph replayed, or the graph-free step "
+                         "on CPU) and profiled by kernel, beside the loop's ms a step: how much of a step is the "
+                         "device's")
     ap.add_argument("--json", type=Path, help="write the figures here")
     args = ap.parse_args()
     if not 0 <= args.warmup_iterations < args.iterations:
@@ -169,6 +230,8 @@ def main() -> None:
                 # the device waited for the host (host-bound); near 1, the host's bookkeeping hid behind the steps
                 res[m]["decode"] = ro.decode_stats(before, engine.generator.decode_time)  # {} on the eager decoder
                 res[m]["device_wait_share"] = res[m]["decode"].get("decode_device_wait_share")
+            if args.anatomy:
+                res_anatomy = anatomy(engine.generator, args.anatomy)
             kv_moves = dict(engine.generator.kv_moves)
             kv_held = engine.generator.kv_cache_dtype()
         finally:
@@ -189,7 +252,8 @@ def main() -> None:
            "seconds_per_iteration_steady": steady,
            **{"partial_speedup_steady" if k == "carry" else f"{k}_speedup_steady": off_steady / steady[k] for k in steady
               if not k.startswith("off")},
-           **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"}}
+           **{f"idle_fraction_{k}": v["idle_fraction"] for k, v in res.items() if k != "off_again"},
+           **({"anatomy": res_anatomy} if args.anatomy else {})}
     print(f"{'mode':10} {'s/iter':>8} {'steady':>8} {'idle':>6} {'trained len':>11} {'ms/step':>8} {'dev wait':>8}")
     for k in res:
         dt = res[k]["decode"]

@@ -70,6 +70,26 @@ def test_partial_rollout_benchmark_runs_on_cpu(tmp_path):
     assert res["partial_speedup_steady"] > 0 and res["shape"]["warmup_iterations"] == 1
 
 
+def test_partial_rollout_anatomy_times_and_profiles_a_full_batch_step(tiny_policy):
+    """bench/partial_rollout.py --anatomy's step of the whole batch (on a GPU its CUDA graph replayed), here the
+    graph-free static step of a CPU generator: timed, profiled, and refused where the rows cannot fit the pool."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import partial_rollout
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from reflow.engines.embedded.generator import Generator
+    from reflow.engines.hf_io import load_causal_lm, load_tokenizer
+
+    tok = load_tokenizer(str(tiny_policy))
+    gen = Generator(load_causal_lm(str(tiny_policy)).eval(), tok, max_batch_size=4, decoder="static", kv_tokens=256)
+    gen.generate([tok.encode("1+2=")], {"max_new_tokens": 2})  # the pool is sized by the first call
+    res = partial_rollout.anatomy(gen, 40, replays=2)
+    assert (res["rows"], res["ctx"], res["keys_bucket"], res["graphs"]) == (4, 40, 512, False), res
+    assert res["device_step_ms"] > 0 and "Self CPU" in res["top"]
+    assert "do not fit" in partial_rollout.anatomy(gen, 100)["skipped"]  # 4 rows x 101 positions > 256
+
+
 def test_decode_host_benchmark_runs_on_cpu(tmp_path):
     """bench/decode_host.py (the static decode loop's host work a step), one tree at a toy size (its --baseline
     takes another tree through bench/_trees.importable, as rollout_generate.py's above)."""

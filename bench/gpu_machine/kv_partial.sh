@@ -13,6 +13,8 @@
 # kv-<dtype>[-b<batch>].json and partial-kv-<dtype>[-b<batch>].log under $OUT (no suffix at 512).
 #   OUT=$OUT bash bench/gpu_machine/kv_partial.sh [extra partial_rollout.py args]
 #   KV_DTYPES=bf16 BATCHES="512 1024" MODES=off,carry OUT=$OUT bash bench/gpu_machine/kv_partial.sh
+#   ... kv_partial.sh --anatomy 300: then one step of the full batch at 300 tokens a row, timed on the device alone
+#   (its CUDA graph replayed) and profiled by kernel, beside the loop's ms a step
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=$(realpath -m "${OUT:-gpu-out}")
@@ -24,5 +26,6 @@ for kv in ${KV_DTYPES:-auto bf16}; do
       --kv-mem-fraction 0.3 --kv-reserve 0.5 --max-batch-size "$b" --modes "${MODES:-off,carry}" --kv-dtype "$kv" \
       --json "$out/$tag.json" "$@" > /dev/null 2>&1
     echo "kv=$kv batch=$b exit=$?"; grep -E '^(mode|off|carry|drop)|partial_rollout:|Error' "$out/partial-$tag.log" | tail -8
+    grep -A 16 '^anatomy:' "$out/partial-$tag.log" || true  # with --anatomy CTX: the device's share of a step
   done
 done
