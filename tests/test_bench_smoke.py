@@ -143,3 +143,15 @@ def test_scratchpad_breakdown_tallies_sizes_pass_at_k_and_mixed_groups(tmp_path,
     # every other sample right: each group of 4 holds 2, so every group is mixed and solved at least once
     assert r["sampled_accuracy"] == 0.5 and r["pass_at_4"] == 1.0 and r["mixed_groups"] == 1.0
     assert all(v["sampled"] == 0.5 and v["pass_at_4"] == 1.0 for v in table.values())
+
+
+def test_response_codec_benchmark_runs_on_cpu(tmp_path):
+    """bench/response_codec.py (the /generate answer's json vs orjson), at a toy size: both ways round-trip the
+    engine's answer and the ratios are printed."""
+    out = tmp_path / "codec.json"
+    p = subprocess.run([sys.executable, str(REPO / "bench" / "response_codec.py"), "--samples", "8", "--tokens", "10",
+                        "--rounds", "2", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    assert "response_codec: encode_ratio=" in p.stdout, p.stdout
+    res = json.loads(out.read_text())
+    assert res["encode_ratio"] > 0 and res["decode_ratio"] > 0 and res["shape"]["bytes"] > 0

@@ -774,3 +774,17 @@ def test_weights_by_name_copies_only_the_rows_asked_for(tok):
     bias = next(n for n, t in gen.model.named_parameters() if t.dim() == 1)  # a 1-D tensor: its first entries
     assert torch.equal(torch.tensor(_weights_by_name(state, {"name": bias, "truncate_size": 2})),
                        gen.get_weight(bias)[:2].float())
+
+
+def test_non_finite_log_probs_answer_500_naming_the_weights_not_a_bare_error(tiny_policy, tok):
+    """A policy whose logits are NaN (a diverged update pushed) gets a 500 that says what is wrong, never a response
+    with NaN log-probs (the JSON encoder would write them as null) nor a bare 'Internal Server Error'."""
+    e = EmbeddedEngine(str(tiny_policy), "nan-engine", threads=1, api_key=KEY)
+    try:
+        with torch.no_grad():
+            e.generator.model.model.norm.weight.fill_(float("nan"))  # every logit NaN
+        r = httpx.post(f"{e.url()}/generate", headers=AUTH, timeout=60, json={
+            "input_ids": _ids(tok, ["1+1="])[0], "sampling_params": {"max_new_tokens": 3}, "return_logprob": True})
+        assert r.status_code == 500 and "non-finite log-prob" in r.text and "weights last pushed" in r.text, r.text
+    finally:
+        e.shutdown()

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
+import orjson
 
 from reflow.engines.http_serve import bearer
 
@@ -90,7 +91,7 @@ class EngineClient:
             raise EngineError(self.url, endpoint, r.status_code, _server_message(r) + missing)
         if parse == "text" or not r.content:
             return r.text
-        return r.json()
+        return orjson.loads(r.content)  # a batch's per-token log-probs, ~2-3x faster than json (a ValueError as r.json())
 
     def _served_by(self) -> str:
         """For a 404's message: the SGLang version the server reports, beside the ones reflow is tested against

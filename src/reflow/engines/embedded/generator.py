@@ -381,6 +381,10 @@ class Generator:
         return row
 
     def _record(self, r: _Row) -> dict:
+        if not math.isfinite(sum(r.logprobs)):  # NaN/inf propagate through the sum: one C pass a row
+            raise FloatingPointError(f"sample {r.sample_id}: a non-finite log-prob (NaN or inf) among its "
+                                     f"{len(r.logprobs)} tokens: the policy's logits are not finite (check the "
+                                     f"weights last pushed and the trainer's loss)")
         return {
             "output_ids": list(r.out), "text": self._text(r), "finish_reason": r.finish,
             "output_token_logprobs": [[lp, t, None] for lp, t in zip(r.logprobs, r.out)],
