@@ -83,6 +83,8 @@
 # Session 48 (the same VM class, slower still: the same tests 10-15 % over session 47's, e.g. test_retrain 93 -> 105 s,
 # the README walkthrough 280 -> 302 s; the decode loop's clock, a bench smoke): clean clone .ci/run at 0196e68 53m34s,
 # green (the rest 1125 passed in 3134 s; these 50 in 2838 s).
+# Session 49 (the same VM class; two bench smokes and an engine test added): clean clone .ci/run at d2ec4dc 54m13s,
+# green (the rest 1126 passed in 3163 s; these 52 in 2897 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
