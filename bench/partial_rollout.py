@@ -112,16 +112,13 @@ def anatomy(gen, ctx: int, replays: int = 30) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from reflow.engines.embedded.static_decode import batch_bucket
-
     dec = gen.static_decoder()
     if dec is None or dec.regions is None:
         return {"skipped": "no static decoder with a KV pool (the eager CPU engine)"}
-    b = min(batch_bucket(gen.max_batch_size), dec.max_batch_size) if dec.graphs else gen.max_batch_size
+    b, t = dec.step_shape(gen.max_batch_size, ctx)  # the shape decode() gives this batch: its graph's
     room = dec.capacity // b
     if room <= ctx:
         return {"skipped": f"{b} rows of {ctx} tokens do not fit the pool's {dec.capacity} positions"}
-    t = 512 * -(-(ctx + 1) // 512)  # the kernels' key bucket (static_decode.decode: 512 with the Triton kernel)
     cuda = dec._at.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     with torch.inference_mode(), gen.lock:

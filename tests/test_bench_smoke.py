@@ -85,7 +85,7 @@ def test_partial_rollout_anatomy_times_and_profiles_a_full_batch_step(tiny_polic
     gen = Generator(load_causal_lm(str(tiny_policy)).eval(), tok, max_batch_size=4, decoder="static", kv_tokens=256)
     gen.generate([tok.encode("1+2=")], {"max_new_tokens": 2})  # the pool is sized by the first call
     res = partial_rollout.anatomy(gen, 40, replays=2)
-    assert (res["rows"], res["ctx"], res["keys_bucket"], res["graphs"]) == (4, 40, 512, False), res
+    assert (res["rows"], res["ctx"], res["keys_bucket"], res["graphs"]) == (4, 40, 64, False), res  # decode()'s shape
     assert res["device_step_ms"] > 0 and "Self CPU" in res["top"]
     assert "do not fit" in partial_rollout.anatomy(gen, 100)["skipped"]  # 4 rows x 101 positions > 256
 

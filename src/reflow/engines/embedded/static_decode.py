@@ -443,17 +443,22 @@ class StaticDecoder:
             qs, k, v, self._ar[:b + 1] * G, first, G, t, 0.0, False, False, scale=self.scaling, seqused_k=seen)[0]
         return out.view(b, G, self.kv_heads, -1).transpose(1, 2)  # [b, Hkv, G, D]
 
+    def step_shape(self, n: int, last: int) -> tuple[int, int]:
+        """(batch rows, keys) of the step that decodes `n` rows whose furthest writes position `last`: the rows
+        rounded up to a graph's batch bucket (graphs only), the keys to a power of two (the kernels read each row's
+        own length, t only bounds it; the gather reads t positions of every row)."""
+        b = min(batch_bucket(n), self.max_batch_size) if self.graphs else n
+        return b, _bucket(last + 1, 64 if self.kernel == "gather" else 512)
+
     def decode(self, tokens: torch.Tensor, positions: list[int], starts: list[int]) -> torch.Tensor:
         """Logits float32 [n, V] after feeding `tokens` [n] at `positions` in the regions at `starts` (rows
         0..n-1 of the batch). The caller waits for step k's results before asking for step k+2 (the pinned
         buffers' turn)."""
         n = tokens.shape[0]
-        t = _bucket(max(positions) + 1, 64 if self.kernel == "gather" else 512)  # the kernels read each row's own
-        # length (t only bounds it); the gather reads t positions of every row
+        b, t = self.step_shape(n, max(positions))
         cap = self.capacity
         assert all(p + s < cap or (p == 0 and s == cap) for p, s in zip(positions, starts)), \
             "a row past the pool's end"  # (0, capacity): a row sitting the step out writes the scratch position
-        b = min(batch_bucket(n), self.max_batch_size) if self.graphs else n
         self._tok[:n].copy_(tokens)
         staged = self._at_host[self._turn]
         self._turn ^= 1
