@@ -95,6 +95,7 @@ def ray_cluster():
     """A real local Ray cluster shared by the whole test session."""
     import ray
 
+    from reflow.infra.cluster import forkserver
     from reflow.infra.cluster.ray_connect import _closed_local_cluster, inherited_by_workers
     from reflow.infra.cluster.ray_head import private_temp_dir, worker_pool_config
 
@@ -104,13 +105,25 @@ def ray_cluster():
     tmp = private_temp_dir()
     _closed_local_cluster(tmp.parent)
     env = {"TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"], "TOKENIZERS_PARALLELISM": "false"}
+    # Workers forked from a process that has imported torch, transformers and DeepSpeed (infra/cluster/forkserver.py):
+    # a trainer rank ready on ~4x less CPU; starting actors was ~40 % of the suite's CPU (bench/RESULTS.md 55).
+    # REFLOW_TEST_FORK_WORKERS=0 starts them as a run's own cluster does.
+    fork, job_env = None, None
+    if os.environ.get("REFLOW_TEST_FORK_WORKERS", "1") != "0":
+        fork, env[forkserver.ENV] = forkserver.start(tmp.parent)
+        job_env = forkserver.runtime_env()
     # The worker pool a run's own cluster gets (infra/cluster/ray_head.py): no idle workers started up front; the
-    # workers' environment inherited, as a run's own cluster passes it (no runtime_env: no setup_worker.py per worker).
-    with inherited_by_workers(env):
-        ctx = ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True,
-                       _system_config=worker_pool_config(8))
-    yield ctx
-    ray.shutdown()
+    # workers' environment inherited, as a run's own cluster passes it.
+    try:
+        with inherited_by_workers(env):
+            ctx = ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True,
+                           _system_config=worker_pool_config(8), runtime_env=job_env)
+        yield ctx
+        ray.shutdown()
+    finally:
+        if fork is not None:
+            fork.kill()
+            fork.wait()
 
 
 def _named_actors() -> set[tuple[str, str]]:

@@ -1,0 +1,166 @@
+"""Ray workers forked from a process that has already imported torch, transformers and DeepSpeed.
+
+Ray starts every worker as a fresh interpreter, and a trainer rank or engine then spends most of its start importing:
+~8 s of a tiny trainer rank's ~10 s of CPU on a 2-core VM (bench/RESULTS.md 55). Ray has no fork server for workers,
+so this is one:
+
+- `start(folder)` runs the server (`python forkserver.py --serve <socket>`): it imports the modules workers need
+  (`MODULES`), binds a Unix socket in `folder` (make it private: only this user may ask it to fork), and forks one
+  child per request. Not Ray: its C++ core reads the worker's job id from the environment once, when it is loaded,
+  so a server that had loaded it forks workers that abort (`Check failed: !job_id_env.empty()`).
+- `runtime_env(socket)` is the job's runtime_env: `py_executable` makes the raylet start this file's client as the
+  worker's interpreter (`python forkserver.py --client default_worker.py ...`). The client hands the server its argv,
+  environment, working folder and stdio (the socket's path comes in the environment, REFLOW_FORK_SERVER); the forked
+  child takes them and runs Ray's default_worker.py as `__main__`. The client stays the process the raylet started:
+  it forwards signals to the child and exits with its status, and the child exits when the client goes (a kill).
+  Where the server cannot be reached the client execs the interpreter: the worker starts as Ray would have.
+
+Used by the test session's Ray cluster (tests/conftest.py): 32 end-to-end tests in 158 s and 215 s of machine CPU
+against 284 s and 452 s started plainly (RESULTS 55). Not yet for the clusters a run starts itself.
+"""
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's interpreter: import nothing heavy here
+    import json
+    import os
+    import signal
+    import socket
+
+    argv = sys.argv[2:]
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(os.environ["REFLOW_FORK_SERVER"])
+    except (KeyError, OSError):  # no server: start as Ray would have
+        os.execv(sys.executable, [sys.executable, *argv])
+    request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}
+    socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+    answers = conn.makefile("r")
+    child = json.loads(answers.readline())["pid"]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
+        signal.signal(sig, lambda num, _frame: os.kill(child, num))
+    line = answers.readline()
+    sys.exit(json.loads(line)["status"] if line else 1)
+
+import json  # noqa: E402
+import os  # noqa: E402
+import select  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ENV = "REFLOW_FORK_SERVER"
+# What a trainer rank, an engine and the iteration's task workers import (torch and transformers under them) that
+# does not import Ray (the critic's and the stage cache's modules do; they load in the worker, over these);
+# DeepSpeed through ds_rank.import_deepspeed, which leaves out two imports a CPU rank never uses.
+MODULES = ("torch", "transformers.models.llama.modeling_llama", "reflow.engines.train.trainer",
+           "reflow.engines.embedded.engine", "reflow.rl.algorithms", "pandas")
+
+
+def serve(path: str, modules: tuple[str, ...] = MODULES) -> None:
+    """Import `modules`, listen on `path`, fork a worker per request; report each child's exit to its client."""
+    import importlib
+
+    if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
+        sys.path.pop(0)  # run as a script: its own folder first on the path would shadow nothing today, but never mind
+    t0 = time.process_time()
+    for name in modules:
+        importlib.import_module(name)
+    from reflow.engines.train.ds_rank import import_deepspeed
+
+    import_deepspeed()
+    if "ray._raylet" in sys.modules:
+        raise RuntimeError("the fork server imported Ray's core; its workers would abort: keep Ray out of MODULES")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    print(json.dumps({"ready": True, "import_cpu_s": round(time.process_time() - t0, 2)}), flush=True)
+    children: dict[int, socket.socket] = {}
+    while True:
+        readable, _, _ = select.select([server], [], [], 0.2)
+        while children:  # reaped here, not in threads: a child forked while another thread held a lock inherits it held
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            conn = children.pop(pid, None)
+            if conn is not None:
+                try:
+                    conn.sendall(json.dumps({"status": os.waitstatus_to_exitcode(status)}).encode() + b"\n")
+                except OSError:  # deliberate: the client is gone already (killed), nobody to tell
+                    pass
+                conn.close()
+        if not readable:
+            continue
+        conn, _ = server.accept()
+        if conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8] != os.getuid().to_bytes(4, sys.byteorder):
+            conn.close()  # another user's process: never fork for it
+            continue
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        request = json.loads(message)
+        pid = os.fork()
+        if pid == 0:
+            _become_worker(server, conn, fds, request)
+        for fd in fds:
+            os.close(fd)
+        conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
+        children[pid] = conn
+
+
+def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], request: dict) -> None:
+    """In the forked child: the client's stdio, environment and folder, then Ray's worker as __main__."""
+    import random
+    import runpy
+    import threading
+
+    server.close()
+    conn.close()
+    for i, fd in enumerate(fds):
+        os.dup2(fd, i)
+        os.close(fd)
+    os.environ.clear()
+    os.environ.update(request["env"])
+    os.chdir(request["cwd"])
+    random.seed()  # each child draws its own sequence, not the server's
+    client = os.pidfd_open(request["client"])
+
+    def client_gone() -> None:  # the raylet killed the process it started: this one goes with it
+        select.select([client], [], [])
+        os._exit(1)
+
+    threading.Thread(target=client_gone, daemon=True).start()
+    sys.argv = list(request["argv"])
+    sys.path[0] = os.path.dirname(sys.argv[0])  # as `python default_worker.py` would have it
+    try:
+        runpy.run_path(sys.argv[0], run_name="__main__")
+    except SystemExit as e:
+        os._exit(e.code if isinstance(e.code, int) else 1)
+    os._exit(0)
+
+
+def start(folder: Path, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """Start a fork server with its socket in `folder` (one only this user can enter); returns it and the socket's
+    path once it is ready. The caller kills it when its cluster is down."""
+    path = str(folder / "fork.sock")
+    root = str(Path(__file__).resolve().parents[3])  # src/: reflow importable as in the caller
+    env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen([sys.executable, __file__, "--serve", path], stdout=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + timeout_s
+    assert proc.stdout is not None
+    for line in proc.stdout:  # DeepSpeed prints a warning on stdout as it is imported
+        if line.startswith('{"ready"'):
+            return proc, path
+        if time.monotonic() > deadline:
+            break
+    proc.kill()
+    raise RuntimeError(f"the fork server did not start (exit status {proc.wait()})")
+
+
+def runtime_env() -> dict:
+    """The job runtime_env whose workers start through the fork server named in REFLOW_FORK_SERVER."""
+    return {"py_executable": f"{sys.executable} {__file__} --client"}
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
+    serve(sys.argv[2])
