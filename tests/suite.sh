@@ -85,6 +85,9 @@
 # green (the rest 1125 passed in 3134 s; these 50 in 2838 s).
 # Session 49 (the same VM class; two bench smokes and an engine test added): clean clone .ci/run at d2ec4dc 54m13s,
 # green (the rest 1126 passed in 3163 s; these 52 in 2897 s).
+# Session 50 (the test session's Ray workers forked from a process that imported torch, transformers and DeepSpeed,
+# infra/cluster/forkserver.py; starting actors was ~39 % of the suite's CPU): clean clone .ci/run at 967fab4 38m48s, green
+# (the rest 1126 passed in 1700 s, against 3163 s; these 52 in 2263 s, now the longer: next, the same for their clusters).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
