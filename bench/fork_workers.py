@@ -94,7 +94,8 @@ def main() -> None:
     med = {name: {k: statistics.median(x[k] for x in runs if x["variant"] == name) for k in ("ready_s", "cpu_s")}
            for name in variants}
     same = len({d for x in runs for d in x["digests"]}) == 1
-    summary = {"ranks": args.ranks, "rounds": args.rounds,                **{f"{k}_{name}": v for name, m in med.items() for k, v in m.items()},
+    summary = {"ranks": args.ranks, "rounds": args.rounds,
+               **{f"{k}_{name}": v for name, m in med.items() for k, v in m.items()},
                "cpu_ratio_plain_over_forked": round(med["plain"]["cpu_s"] / med["forked"]["cpu_s"], 2),
                "ready_ratio_plain_over_forked": round(med["plain"]["ready_s"] / med["forked"]["ready_s"], 2),
                "cpu_saved_per_rank_s": round((med["plain"]["cpu_s"] - med["forked"]["cpu_s"]) / args.ranks, 2),

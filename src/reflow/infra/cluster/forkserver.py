@@ -8,7 +8,7 @@ so this is one:
   (`MODULES`), binds a Unix socket in `folder` (make it private: only this user may ask it to fork), and forks one
   child per request. Not Ray: its C++ core reads the worker's job id from the environment once, when it is loaded,
   so a server that had loaded it forks workers that abort (`Check failed: !job_id_env.empty()`).
-- `runtime_env(socket)` is the job's runtime_env: `py_executable` makes the raylet start this file's client as the
+- `runtime_env()` is the job's runtime_env: `py_executable` makes the raylet start this file's client as the
   worker's interpreter (`python forkserver.py --client default_worker.py ...`). The client hands the server its argv,
   environment, working folder and stdio (the socket's path comes in the environment, REFLOW_FORK_SERVER); the forked
   child takes them and runs Ray's default_worker.py as `__main__`. The client stays the process the raylet started:
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import sys
 
+ENV = "REFLOW_FORK_SERVER"  # the server's socket, in the environment the workers inherit
+
 if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's interpreter: import nothing heavy here
     import json
     import os
@@ -31,7 +33,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's inter
     argv = sys.argv[2:]
     try:
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        conn.connect(os.environ["REFLOW_FORK_SERVER"])
+        conn.connect(os.environ[ENV])
     except (KeyError, OSError):  # no server: start as Ray would have
         os.execv(sys.executable, [sys.executable, *argv])
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}
@@ -51,7 +53,6 @@ import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-ENV = "REFLOW_FORK_SERVER"
 # What a trainer rank, an engine and the iteration's task workers import (torch and transformers under them) that
 # does not import Ray (the critic's and the stage cache's modules do; they load in the worker, over these);
 # DeepSpeed through ds_rank.import_deepspeed, which leaves out two imports a CPU rank never uses.
@@ -64,7 +65,7 @@ def serve(path: str, modules: tuple[str, ...] = MODULES) -> None:
     import importlib
 
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
-        sys.path.pop(0)  # run as a script: its own folder first on the path would shadow nothing today, but never mind
+        sys.path.pop(0)  # run as a script: its own folder would come first on the path, ahead of the stdlib
     t0 = time.process_time()
     for name in modules:
         importlib.import_module(name)
@@ -139,20 +140,17 @@ def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], r
     os._exit(0)
 
 
-def start(folder: Path, timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+def start(folder: Path) -> tuple[subprocess.Popen, str]:
     """Start a fork server with its socket in `folder` (one only this user can enter); returns it and the socket's
-    path once it is ready. The caller kills it when its cluster is down."""
+    path once it is ready, or raises if it exits first. The caller kills it when its cluster is down."""
     path = str(folder / "fork.sock")
     root = str(Path(__file__).resolve().parents[3])  # src/: reflow importable as in the caller
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen([sys.executable, __file__, "--serve", path], stdout=subprocess.PIPE, text=True, env=env)
-    deadline = time.monotonic() + timeout_s
     assert proc.stdout is not None
     for line in proc.stdout:  # DeepSpeed prints a warning on stdout as it is imported
         if line.startswith('{"ready"'):
             return proc, path
-        if time.monotonic() > deadline:
-            break
     proc.kill()
     raise RuntimeError(f"the fork server did not start (exit status {proc.wait()})")
 
