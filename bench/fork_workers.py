@@ -52,11 +52,13 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="fork_workers_"))
     policy = demo_policy(work / "policy", hidden=32, layers=2, mlp=64)
-    server, sock = forkserver.start(work)
+    server = forkserver.start(work, watch=os.getpid())
+    if not server.wait_ready(300):
+        raise SystemExit(f"the fork server did not listen within 300 s (its log: {server.log})")
     try:  # the server goes with this process whatever happens
         tmp = private_temp_dir()
         _closed_local_cluster(tmp.parent)
-        with inherited_by_workers({forkserver.ENV: sock, "TOKENIZERS_PARALLELISM": "false"}):
+        with inherited_by_workers({forkserver.ENV: server.path, "TOKENIZERS_PARALLELISM": "false"}):
             ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=False,
                      _system_config=worker_pool_config(8))
         settings = RankSettings(precision="fp32", lr=1e-3, lr_schedule="constant", warmup_steps=0, total_steps=10,
@@ -90,7 +92,7 @@ def main() -> None:
                       f"weights {run['digests']}", flush=True)
     finally:
         ray.shutdown()
-        server.kill()
+        server.stop()
     med = {name: {k: statistics.median(x[k] for x in runs if x["variant"] == name) for k in ("ready_s", "cpu_s")}
            for name in variants}
     same = len({d for x in runs for d in x["digests"]}) == 1

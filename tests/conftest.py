@@ -110,20 +110,21 @@ def ray_cluster():
     # REFLOW_TEST_FORK_WORKERS=0 starts them as a run's own cluster does.
     fork, job_env = None, None
     if os.environ.get("REFLOW_TEST_FORK_WORKERS", "1") != "0":
-        fork, env[forkserver.ENV] = forkserver.start(tmp.parent)
-        job_env = forkserver.runtime_env()
+        fork = forkserver.start(tmp.parent, watch=os.getpid())
+        env[forkserver.ENV], job_env = fork.path, forkserver.runtime_env()
     # The worker pool a run's own cluster gets (infra/cluster/ray_head.py): no idle workers started up front; the
     # workers' environment inherited, as a run's own cluster passes it.
     try:
         with inherited_by_workers(env):
             ctx = ray.init(num_cpus=8, include_dashboard=False, _temp_dir=str(tmp), log_to_driver=True,
                            _system_config=worker_pool_config(8), runtime_env=job_env)
+        if fork is not None and not fork.wait_ready(180):
+            raise RuntimeError(f"the fork server did not listen within 180 s (its log: {fork.log})")
         yield ctx
         ray.shutdown()
     finally:
         if fork is not None:
-            fork.kill()
-            fork.wait()
+            fork.stop()
 
 
 def _named_actors() -> set[tuple[str, str]]:

@@ -181,7 +181,7 @@ def _connect_ray(cfg, early=None) -> None:
     """Ray for the flow's runtime, started while Prefect's server finishes starting (or joined: `early` started
     it beside the preflight, and then the actors begin too); not when the run's checkpoint already reached
     num_iterations (the flow then trains nothing and starts no cluster)."""
-    from reflow.infra.cluster.ray_connect import connect, namespace_for
+    from reflow.infra.cluster.ray_connect import connect_for, namespace_for
 
     done = _already_done(cfg)
     if early is not None and (description := early.join()) is not None:
@@ -194,7 +194,7 @@ def _connect_ray(cfg, early=None) -> None:
     if done:
         return
     logging.getLogger("reflow.ray").info(
-        connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)))
+        connect_for(cfg.cluster, namespace_for(cfg.cluster.namespace_prefix, cfg.experiment)))
 
 
 def _begin_runtime(cfg, beside_preflight: bool = False) -> bool:

@@ -4,9 +4,9 @@ Ray starts every worker as a fresh interpreter, and a trainer rank or engine the
 ~8 s of a tiny trainer rank's ~10 s of CPU on a 2-core VM (bench/RESULTS.md 55). Ray has no fork server for workers,
 so this is one:
 
-- `start(folder)` runs the server (`python forkserver.py --serve <socket>`): it imports the modules workers need
-  (`MODULES`), binds a Unix socket in `folder` (make it private: only this user may ask it to fork), and forks one
-  child per request. Not Ray: its C++ core reads the worker's job id from the environment once, when it is loaded,
+- `start(folder)` runs the server (`python forkserver.py --serve <socket> ...`) and returns while it imports the
+  modules workers need (`MODULES`); then it listens on a Unix socket in `folder` (make it private: only this user may
+  ask it to fork; a peer of another uid is refused anyway), and forks one child per request. Not Ray: its C++ core reads the worker's job id from the environment once, when it is loaded,
   so a server that had loaded it forks workers that abort (`Check failed: !job_id_env.empty()`).
 - `runtime_env()` is the job's runtime_env: `py_executable` makes the raylet start this file's client as the
   worker's interpreter (`python forkserver.py --client default_worker.py ...`). The client hands the server its argv,
@@ -15,8 +15,9 @@ so this is one:
   it forwards signals to the child and exits with its status, and the child exits when the client goes (a kill).
   Where the server cannot be reached the client execs the interpreter: the worker starts as Ray would have.
 
-Used by the test session's Ray cluster (tests/conftest.py): 32 end-to-end tests in 158 s and 215 s of machine CPU
-against 284 s and 452 s started plainly (RESULTS 55). Not yet for the clusters a run starts itself.
+Used by the local clusters runs start themselves (infra/cluster/ray_connect.py, config cluster.fork_workers) and by
+the test session's (tests/conftest.py): 32 end-to-end tests in 158 s and 215 s of machine CPU against 284 s and 452 s
+started plainly (RESULTS 55).
 """
 from __future__ import annotations
 
@@ -55,32 +56,43 @@ from pathlib import Path  # noqa: E402
 
 # What a trainer rank, an engine and the iteration's task workers import (torch and transformers under them) that
 # does not import Ray (the critic's and the stage cache's modules do; they load in the worker, over these);
-# DeepSpeed through ds_rank.import_deepspeed, which leaves out two imports a CPU rank never uses.
+# "deepspeed" through ds_rank.import_deepspeed, which leaves out two imports a CPU rank never uses.
 MODULES = ("torch", "transformers.models.llama.modeling_llama", "reflow.engines.train.trainer",
-           "reflow.engines.embedded.engine", "reflow.rl.algorithms", "pandas")
+           "reflow.engines.embedded.engine", "reflow.rl.algorithms", "pandas", "deepspeed")
 
 
-def serve(path: str, modules: tuple[str, ...] = MODULES) -> None:
-    """Import `modules`, listen on `path`, fork a worker per request; report each child's exit to its client."""
+def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULES) -> None:
+    """Import `modules`, listen on `path`, fork a worker per request; report each child's exit to its client. With
+    `watch` (a pid: the process that started the cluster), exit when that process does."""
     import importlib
 
     if sys.path and sys.path[0] == os.path.dirname(os.path.abspath(__file__)):
         sys.path.pop(0)  # run as a script: its own folder would come first on the path, ahead of the stdlib
     t0 = time.process_time()
     for name in modules:
-        importlib.import_module(name)
-    from reflow.engines.train.ds_rank import import_deepspeed
+        if name == "deepspeed":
+            from reflow.engines.train.ds_rank import import_deepspeed
 
-    import_deepspeed()
+            import_deepspeed()
+        else:
+            importlib.import_module(name)
     if "ray._raylet" in sys.modules:
         raise RuntimeError("the fork server imported Ray's core; its workers would abort: keep Ray out of MODULES")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
+        raise RuntimeError("the fork server's imports initialised CUDA; its workers could not use the GPU")
+    watched = [os.pidfd_open(watch)] if watch is not None else []
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(path)
-    server.listen(64)
+    server.bind(path + ".new")  # bound under another name, listening, then renamed: a client that finds the path can
+    server.listen(64)           # connect (before, it starts its worker plainly)
+    os.rename(path + ".new", path)
     print(json.dumps({"ready": True, "import_cpu_s": round(time.process_time() - t0, 2)}), flush=True)
     children: dict[int, socket.socket] = {}
     while True:
-        readable, _, _ = select.select([server], [], [], 0.2)
+        readable, _, _ = select.select([server, *watched], [], [], 0.2)
+        if watched and watched[0] in readable:  # the cluster's starter is gone: so is the cluster
+            os.unlink(path)
+            return
         while children:  # reaped here, not in threads: a child forked while another thread held a lock inherits it held
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
@@ -92,7 +104,7 @@ def serve(path: str, modules: tuple[str, ...] = MODULES) -> None:
                 except OSError:  # deliberate: the client is gone already (killed), nobody to tell
                     pass
                 conn.close()
-        if not readable:
+        if server not in readable:
             continue
         conn, _ = server.accept()
         if conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8] != os.getuid().to_bytes(4, sys.byteorder):
@@ -123,6 +135,10 @@ def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], r
     os.environ.clear()
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
+    # What a fresh interpreter would have put on sys.path from the worker's PYTHONPATH (a job's runtime_env may set
+    # one the server's lacks), ahead of the rest as there.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = extra
     random.seed()  # each child draws its own sequence, not the server's
     client = os.pidfd_open(request["client"])
 
@@ -140,19 +156,46 @@ def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], r
     os._exit(0)
 
 
-def start(folder: Path) -> tuple[subprocess.Popen, str]:
-    """Start a fork server with its socket in `folder` (one only this user can enter); returns it and the socket's
-    path once it is ready, or raises if it exits first. The caller kills it when its cluster is down."""
+class Server:
+    """A fork server this process started (`start`): its socket's path, its log, and the means to wait for and stop it."""
+
+    def __init__(self, proc: subprocess.Popen, path: str, log: Path) -> None:
+        self.proc, self.path, self.log = proc, path, log
+
+    def wait_ready(self, timeout_s: float) -> bool:
+        """Whether the server listens within `timeout_s` (its imports: ~8 s of CPU on a 2-core VM); raises if it exited
+        first (its log says why)."""
+        deadline = time.monotonic() + timeout_s
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None:
+                tail = self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+                raise RuntimeError(f"the fork server exited with status {self.proc.returncode} before it listened "
+                                   f"(its log, {self.log}):\n{tail}")
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def stop(self) -> None:
+        """Stop it (the workers it forked go with their own clients, not with it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def start(folder: Path, watch: int | None = None, modules: tuple[str, ...] = MODULES) -> Server:
+    """Start a fork server with its socket in `folder` (one only this user can enter) and its output in
+    `folder/fork-server.log`; returns at once, while it imports `modules` (`Server.wait_ready`). With `watch` (a pid)
+    it exits when that process does; otherwise the caller stops it when its cluster is down."""
     path = str(folder / "fork.sock")
-    root = str(Path(__file__).resolve().parents[3])  # src/: reflow importable as in the caller
+    root = str(Path(__file__).resolve().parents[3])  # src/ (or site-packages): reflow importable as in the caller
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
-    proc = subprocess.Popen([sys.executable, __file__, "--serve", path], stdout=subprocess.PIPE, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:  # DeepSpeed prints a warning on stdout as it is imported
-        if line.startswith('{"ready"'):
-            return proc, path
-    proc.kill()
-    raise RuntimeError(f"the fork server did not start (exit status {proc.wait()})")
+    log = folder / "fork-server.log"
+    cmd = [sys.executable, __file__, "--serve", path, "--modules", ",".join(modules),
+           *(["--watch", str(watch)] if watch is not None else [])]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return Server(proc, path, log)
 
 
 def runtime_env() -> dict:
@@ -160,5 +203,6 @@ def runtime_env() -> dict:
     return {"py_executable": f"{sys.executable} {__file__} --client"}
 
 
-if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:
-    serve(sys.argv[2])
+if __name__ == "__main__" and sys.argv[1:2] == ["--serve"]:  # --serve PATH --modules a,b [--watch PID]
+    serve(sys.argv[2], int(sys.argv[6]) if sys.argv[5:6] == ["--watch"] else None,
+          tuple(m for m in sys.argv[4].split(",") if m))

@@ -16,6 +16,7 @@ import psutil
 import ray
 from ray._private import auto_init_hook
 
+from reflow.infra.cluster import forkserver
 from reflow.infra.cluster.ray_head import (
     private_temp_dir,
     ray_env,
@@ -30,6 +31,7 @@ log = logging.getLogger("reflow.ray")
 _ATTACHED: list[str] = []  # the address this process attached to (empty: a cluster of its own, or none)
 _CONNECTED: list[str] = []  # what connect() did first in this process (the CLI connects before the flow runs)
 _QUIET: list[bool] = [False]  # the CLI asked for a quiet terminal (ops/console.py sets it)
+_FORK: list[forkserver.Server] = []  # the fork server of the local cluster this process started last, if any
 
 # Passed to every worker so actors find the same JIT-extension cache and stay quiet.
 # S3-compatible endpoints and regions (not secrets) go along too, so model paths and disk pushes
@@ -75,16 +77,32 @@ def inherited_by_workers(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None) -> str:
-    """Attach to (or start) Ray; return a short description for the logs.
+def connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None,
+            fork_workers: bool = False) -> str:
+    """Attach to (or start) Ray; return a short description for the logs. `fork_workers`: a local cluster's workers
+    start through a fork server (`fork_workers_wanted`).
 
     Already-initialised Ray (tests, a notebook) is reused as it is.
     """
     if ray.is_initialized():
         how = f" ({_CONNECTED[0]})" if _CONNECTED else ""
         return f"reusing the Ray cluster this process is already connected to{how}"
-    _CONNECTED[:] = [_connect(address, num_cpus, namespace, logging_level)]
+    _CONNECTED[:] = [_connect(address, num_cpus, namespace, logging_level, fork_workers)]
     return _CONNECTED[0]
+
+
+def connect_for(cluster, namespace: str, logging_level: int | None = None) -> str:
+    """`connect` with a run's cluster settings (config `cluster`)."""
+    return connect(cluster.address, cluster.num_cpus, namespace, logging_level, fork_workers_wanted(cluster))
+
+
+def fork_workers_wanted(cluster) -> bool:
+    """cluster.fork_workers resolved: auto is on where the run's actors use no GPU (cluster.gpus off, or no NVIDIA GPU
+    here). Not yet on GPUs: the server imports DeepSpeed, whose accelerator probe may touch the CUDA driver, and a
+    process forked after that cannot use the GPU; unmeasured there."""
+    if cluster.fork_workers != "auto":
+        return cluster.fork_workers == "on"
+    return cluster.gpus == "off" or not has_nvidia_gpu()
 
 
 def quiet_ray(on: bool) -> None:
@@ -97,7 +115,8 @@ def ray_logging_level() -> int:
     return logging.WARNING if _QUIET[0] else logging.INFO
 
 
-def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None) -> str:
+def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_level: int | None = None,
+             fork_workers: bool = False) -> str:
     signing.hold_env_key()  # a local cluster's processes inherit this environment: the signing key stays here
     level = ray_logging_level() if logging_level is None else logging_level
     address = address or os.environ.get("RAY_ADDRESS")
@@ -123,13 +142,17 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_
     # ray.init try to join a dead cluster), inside a folder only this user can enter.
     tmp = private_temp_dir()
     _closed_local_cluster(tmp.parent)
+    env, job_env = worker_env(), None
+    if fork_workers:  # it imports while Ray starts
+        env[forkserver.ENV], job_env = _start_fork_server(tmp.parent), forkserver.runtime_env()
     for attempt in range(1, _LOCAL_START_ATTEMPTS + 1):
         if attempt > 1:  # a fresh temp dir beside the first, under the same token (Ray keeps the one it read)
             tmp = tmp.parent / f"r{attempt}"
         try:
-            with inherited_by_workers(worker_env()):
+            with inherited_by_workers(env):
                 ray.init(num_cpus=cpus, namespace=namespace, include_dashboard=False, _temp_dir=str(tmp),
-                         log_to_driver=True, logging_level=level, _system_config=worker_pool_config(cpus))
+                         log_to_driver=True, logging_level=level, _system_config=worker_pool_config(cpus),
+                         runtime_env=job_env)
             break
         except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception for this; any other is re-raised
             if attempt == _LOCAL_START_ATTEMPTS or _START_TIMEOUT not in str(e):
@@ -137,7 +160,33 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_
             log.warning("the local Ray cluster in %s did not start: %s (Ray waits a fixed 30 s for its node to "
                         "register; a loaded machine?): stopping what it started and starting once more", tmp, e)
             _stop_local_start(tmp)
-    return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth)"
+    forked = ", workers forked from a warm process" if fork_workers and _fork_server_ready() else ""
+    return f"started a local Ray cluster ({cpus} logical CPUs, temp dir {tmp}, loopback only, token auth{forked})"
+
+
+# How long a run waits, after Ray is up, for its fork server to listen (its imports: ~8 s of CPU on a 2-core VM). Past
+# it the run goes on: a worker that finds no server starts as Ray would start it.
+_FORK_READY_S = 120.0
+
+
+def _start_fork_server(private: Path) -> str:
+    """A fork server for the local cluster about to start (infra/cluster/forkserver.py), its socket in the cluster's
+    private folder; it exits with this process. One at a time: a server of an earlier cluster is stopped."""
+    while _FORK:
+        _FORK.pop().stop()
+    _FORK.append(forkserver.start(private, watch=os.getpid()))
+    return _FORK[0].path
+
+
+def _fork_server_ready() -> bool:
+    try:
+        if _FORK[0].wait_ready(_FORK_READY_S):
+            return True
+        log.warning("the fork server did not listen within %.0f s (its log: %s): workers start as Ray starts them "
+                    "until it does", _FORK_READY_S, _FORK[0].log)
+    except RuntimeError as e:
+        log.warning("%s; workers start as Ray starts them (cluster.fork_workers=off leaves the server out)", e)
+    return False
 
 
 # Ray's message when its node did not register in the GCS within its fixed wait (ray/_private/node.py: 30 s, a local
@@ -173,10 +222,10 @@ class EarlyConnect:
     running). A failed start is not reported here: the normal connect that follows says why."""
 
     def __init__(self, num_cpus: int | None, namespace: str, verbose: bool,
-                 then: Callable[[], object] | None = None) -> None:
+                 then: Callable[[], object] | None = None, fork_workers: bool = False) -> None:
         self.description: str | None = None
         self._then, self.then_result = then, None  # what `then` returned (read after `join`)
-        self._args = (None, num_cpus, namespace, logging.INFO if verbose else logging.WARNING)
+        self._args = (None, num_cpus, namespace, logging.INFO if verbose else logging.WARNING, fork_workers)
         self._done, self._stopped = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="reflow-ray-start", daemon=True)
 
@@ -188,7 +237,8 @@ class EarlyConnect:
         wanted = c.start_early if c.start_early is not None else (c.gpus != "off" and has_nvidia_gpu())
         if not wanted or c.address or os.environ.get("RAY_ADDRESS") or ray.is_initialized():
             return None
-        early = cls(c.num_cpus, namespace_for(c.namespace_prefix, cfg.experiment), verbose, then)
+        early = cls(c.num_cpus, namespace_for(c.namespace_prefix, cfg.experiment), verbose, then,
+                    fork_workers_wanted(c))
         early._thread.start()
         return early
 

@@ -38,7 +38,7 @@ from reflow.engines.train.critic import CriticGroup
 from reflow.engines.train.group import TrainerGroup, TrainerInitError
 from reflow.engines.train.settings import Precision, weights_precision
 from reflow.infra.cluster import actors, placement
-from reflow.infra.cluster.ray_connect import attached_to_running_cluster, connect, namespace_for
+from reflow.infra.cluster.ray_connect import attached_to_running_cluster, connect_for, namespace_for
 from reflow.infra.config.schema import RunConfig, dump_config
 from reflow.infra.config.settings import (
     critic_rank_settings,
@@ -372,7 +372,7 @@ def build_runtime(cfg: RunConfig, ahead: bool = False) -> Runtime:
     if ahead and not ray.is_initialized():
         raise RuntimeError("Ray was stopped before the run's actors began (a failed preflight)")
     if not ahead:
-        log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
+        log.info(connect_for(cfg.cluster, namespace))
     persistent = attached_to_running_cluster()
     # On a long-lived cluster the inputs are checked before its actors are touched; on a cluster of the run's own
     # (its actors die with it) they are read while the actors start: the tokenizer and 50k prompts took seconds of
@@ -658,7 +658,7 @@ def build_eval_runtime(cfg: RunConfig) -> Runtime:
     _, eval_prompts = load_prompts(cfg, tokenizer)
     eval_sets = load_eval_sets(cfg, tokenizer, eval_prompts)
     namespace = _eval_namespace(cfg)
-    log.info(connect(cfg.cluster.address, cfg.cluster.num_cpus, namespace))
+    log.info(connect_for(cfg.cluster, namespace))
     api_key = runtime_api_key(namespace, cfg.rollout.num_engines)
     engines = _check_engines(cfg, namespace, _start_engines(cfg, namespace, api_key), api_key)
     urls = ray.get([e.url.remote() for e in engines])

@@ -1,0 +1,187 @@
+"""The fork server Ray workers start through (infra/cluster/forkserver.py): what a forked worker gets from its client
+(argv, environment, folder, stdio, exit status, signals), the client's fallback when no server answers, who may ask
+it to fork, and how it and its children end. Servers here import a stdlib module instead of torch (their imports are
+not what is tested), except the last test's: a local cluster a driver starts with fork_workers, whose workers must
+come out of the real server."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from reflow.infra.cluster import forkserver
+from tests.other_user import as_other_user, needs_root
+
+LIGHT = ("email.message",)  # a module the light servers import, and no child of a plain interpreter has
+
+
+def _wait(cond, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def server():
+    folder = Path(tempfile.mkdtemp(prefix="reflow_fork_test_"))  # 0700, as a cluster's private folder
+    s = forkserver.start(folder, watch=os.getpid(), modules=LIGHT)
+    assert s.wait_ready(60), s.log.read_text()
+    yield s
+    s.stop()
+
+
+# What a forked worker reports: whether it came warm (the server's import), and what it got from its client.
+PROBE = textwrap.dedent("""
+    import json, os, sys
+    warm = "email.message" in sys.modules
+    line = sys.stdin.readline().strip()
+    print(json.dumps({"warm": warm, "argv": sys.argv[1:], "env": os.environ.get("PROBE_ENV"), "cwd": os.getcwd(),
+                      "stdin": line, "pid": os.getpid(), "ppid": os.getppid(),
+                      "path_has": os.environ.get("PROBE_PATH", "") in sys.path}), flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+    sys.exit(int(sys.argv[1]))
+""")
+
+
+def _client(script: Path, *args: str, env: dict[str, str], cwd: Path, **kw) -> subprocess.Popen:
+    """A worker's start as the raylet makes it with the runtime_env: the client as its interpreter."""
+    cmd = forkserver.runtime_env()["py_executable"].split() + [str(script), *args]
+    return subprocess.Popen(cmd, env=env, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_a_forked_worker_gets_its_clients_argv_env_folder_stdio_and_exit_status(server, tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    extra = tmp_path / "on_path"
+    env = {**os.environ, forkserver.ENV: server.path, "PROBE_ENV": "from the client", "PROBE_PATH": str(extra),
+           "PYTHONPATH": os.pathsep.join([str(extra), os.environ.get("PYTHONPATH", "")])}
+    proc = _client(script, "3", "b c", env=env, cwd=tmp_path)
+    out, err = proc.communicate("a line for stdin\n", timeout=60)
+    got = json.loads(out.splitlines()[-1])
+    assert proc.returncode == 3, (out, err)
+    assert got["warm"], "the worker was not forked from the server (its import is missing)"
+    assert got["argv"] == ["3", "b c"] and got["env"] == "from the client" and got["cwd"] == str(tmp_path)
+    assert got["stdin"] == "a line for stdin" and "to stderr" in err
+    assert got["ppid"] == server.proc.pid and got["pid"] != proc.pid
+    assert got["path_has"], "the client's PYTHONPATH did not reach the forked worker's sys.path"
+
+
+def test_without_a_server_the_client_starts_the_worker_plainly(tmp_path):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    for missing in ({}, {forkserver.ENV: str(tmp_path / "no.sock")}):
+        env = {k: v for k, v in os.environ.items() if k != forkserver.ENV} | missing
+        proc = _client(script, "4", env=env, cwd=tmp_path)
+        out, err = proc.communicate("x\n", timeout=60)
+        got = json.loads(out.splitlines()[-1])
+        assert proc.returncode == 4, (out, err)
+        assert not got["warm"] and got["pid"] == proc.pid  # the interpreter exec'd in the client's own process
+
+
+def test_signals_reach_the_worker_and_a_killed_client_takes_it_along(server, tmp_path):
+    script = tmp_path / "waits.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(7))
+        print(os.getpid(), flush=True)
+        time.sleep(120)
+    """))
+    env = {**os.environ, forkserver.ENV: server.path}
+    proc = _client(script, env=env, cwd=tmp_path)
+    child = int(proc.stdout.readline())
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 7  # forwarded, and the worker's status came back
+    assert _wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE)
+
+    proc = _client(script, env=env, cwd=tmp_path)
+    child = int(proc.stdout.readline())
+    proc.kill()  # as the raylet kills a worker: the client cannot forward this
+    proc.wait(30)
+    assert _wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE), \
+        "the forked worker outlived its killed client"
+
+
+@needs_root
+def test_another_user_cannot_make_it_fork():
+    """The socket sits in a folder only its owner can enter; even where another user can reach it (here: a server
+    in an open folder), a peer of another uid gets no child."""
+    folder = Path(tempfile.mkdtemp(prefix="reflow_fork_open_"))
+    os.chmod(folder, 0o777)
+    s = forkserver.start(folder, watch=os.getpid(), modules=LIGHT)
+    try:
+        assert s.wait_ready(60), s.log.read_text()
+        os.chmod(s.path, 0o777)
+        before = {c.pid for c in psutil.Process(s.proc.pid).children()}
+
+        def ask(path: str) -> str:
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect(path)
+            request = {"argv": ["-c", "pass"], "env": {}, "cwd": "/", "client": os.getpid()}
+            try:
+                socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+                conn.settimeout(10)
+                return conn.makefile("r").readline()
+            except (BrokenPipeError, ConnectionResetError):  # closed before the request was read
+                return ""
+
+        assert as_other_user(ask, s.path) == ""  # closed without an answer
+        assert {c.pid for c in psutil.Process(s.proc.pid).children()} == before
+    finally:
+        s.stop()
+
+
+def test_the_server_ends_with_the_process_it_watches_and_reports_a_failed_start(tmp_path):
+    owner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    s = forkserver.start(tmp_path, watch=owner.pid, modules=LIGHT)
+    assert s.wait_ready(60)
+    owner.kill()
+    owner.wait()
+    assert s.proc.wait(30) == 0 and not os.path.exists(s.path)
+
+    (tmp_path / "b").mkdir()
+    broken = forkserver.start(tmp_path / "b", watch=os.getpid(), modules=("reflow_no_such_module",))
+    with pytest.raises(RuntimeError, match="reflow_no_such_module"):
+        broken.wait_ready(60)
+
+
+def test_a_local_cluster_started_with_fork_workers_runs_its_workers_forked(tmp_path):
+    """A driver's own local cluster (ray_connect.connect, as `reflow train` starts one with cluster.fork_workers on):
+    its worker comes out of the real server, warm (torch imported before the task's own import), and the server
+    goes when the driver does."""
+    code = textwrap.dedent("""
+        import json, os, sys
+        import psutil, ray
+        from reflow.infra.cluster.ray_connect import connect
+        print(connect(None, 2, "forktest", fork_workers=True), file=sys.stderr)
+
+        @ray.remote
+        def where():
+            import sys
+            parent = psutil.Process(os.getppid())
+            return {"warm": "transformers.models.llama.modeling_llama" in sys.modules, "parent": parent.cmdline(),
+                    "parent_pid": parent.pid}
+
+        print(json.dumps(ray.get(where.remote())))
+    """)
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "workers forked from a warm process" in r.stderr
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["warm"] and "--serve" in got["parent"], got
+    assert _wait(lambda: not psutil.pid_exists(got["parent_pid"])), "the fork server outlived its driver"
