@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -43,6 +44,15 @@ def listeners(root: int) -> list[tuple[str, str, int]]:
     return out
 
 
+def _gone_soon(pid: int, timeout_s: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -62,7 +72,7 @@ def _client(address: str, env: dict[str, str], home: Path) -> subprocess.Complet
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     d = tmp_path_factory.mktemp("cluster")
-    info, started = ray_head.up(d, port=_free_port(), num_cpus=1)
+    info, started = ray_head.up(d, port=_free_port(), num_cpus=1, fork_workers="off")  # its own tests: test_forkserver
     assert started
     try:
         yield d, info
@@ -109,25 +119,40 @@ def test_head_listens_on_loopback_only(head, tmp_path):
 
 
 def test_local_cluster_of_a_flow_is_loopback_and_token_authenticated(tmp_path):
-    """No RAY_ADDRESS: the flow's own cluster, started by `connect`, inside a fresh process."""
+    """No RAY_ADDRESS: the flow's own cluster, started by `connect`, inside a fresh process, with its workers forked
+    from a warm process as a run's are where no GPU is (cluster.fork_workers auto; infra/cluster/forkserver.py): the
+    forked workers are the driver's descendants too, so their sockets are counted; the fork server goes with the
+    driver."""
     code = textwrap.dedent("""
-        import json, os, ray
+        import json, os, sys, psutil, ray
         from tests.test_cluster_security import listeners
         from reflow.infra.cluster.ray_connect import connect
-        connect(None, 1, "reflow-sec")
+        print(connect(None, 1, "reflow-sec", fork_workers=True), file=sys.stderr)
         assert ray.get(ray.remote(lambda: 42).remote()) == 42
+
+        @ray.remote
+        def where():
+            parent = psutil.Process(os.getppid())
+            return {"warm": "transformers.models.llama.modeling_llama" in sys.modules, "parent": parent.cmdline(),
+                    "parent_pid": parent.pid, "nice": os.nice(0)}
+
         from ray._raylet import AuthenticationMode, get_authentication_mode
-        print("RESULT", json.dumps({"listeners": listeners(os.getpid()), "nice": ray.get(ray.remote(lambda: os.nice(0)).remote()),
+        print("RESULT", json.dumps({"listeners": listeners(os.getpid()), "worker": ray.get(where.remote()),
                                     "token": get_authentication_mode() == AuthenticationMode.TOKEN}))
         ray.shutdown()
     """)
     base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     p = subprocess.run([sys.executable, "-c", code], env={**base, "HOME": str(tmp_path)}, capture_output=True,
-                       text=True, timeout=180, cwd=REPO)
+                       text=True, timeout=240, cwd=REPO)
     line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, p.stdout[-2000:] + p.stderr[-3000:]
     res = json.loads(line.removeprefix("RESULT "))
-    assert res["token"] and res["nice"] == 0, res
+    worker = res["worker"]
+    assert res["token"] and worker["nice"] == 0, res
+    assert "workers forked from a warm process" in p.stderr, p.stderr[-3000:]
+    assert worker["warm"] and "--serve" in worker["parent"], worker
+    assert not psutil.pid_exists(worker["parent_pid"]) or _gone_soon(worker["parent_pid"]), \
+        "the fork server outlived its driver"
     assert res["listeners"], "no listening sockets found: the check would pass vacuously"
     open_ = [f for f in res["listeners"] if f[1] not in LOOPBACK]
     assert not open_, f"Ray processes listening beyond loopback: {open_}"

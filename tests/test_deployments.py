@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 # The tests tell one story on one experiment (see above), so they keep their order under
@@ -169,6 +170,9 @@ def test_train_deployment_run(stack):
     assert "| prompt | response | reward |" in samples["data"]
     stack.first_actors = stack.actors()
     assert {"engine-0", "policy-trainer-0"} <= set(stack.first_actors)
+    # Started through the fork server `reflow cluster up` put beside the head (no GPU here: its auto is on).
+    parent = psutil.Process(stack.first_actors["policy-trainer-0"]["pid"]).parent()  # (status has no engine pid)
+    assert parent is not None and "--serve" in parent.cmdline(), parent and parent.cmdline()
 
 
 def test_bad_parameters_fail_validation(stack):

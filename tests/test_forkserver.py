@@ -1,8 +1,8 @@
 """The fork server Ray workers start through (infra/cluster/forkserver.py): what a forked worker gets from its client
 (argv, environment, folder, stdio, exit status, signals), the client's fallback when no server answers, who may ask
 it to fork, and how it and its children end. Servers here import a stdlib module instead of torch (their imports are
-not what is tested), except the last test's: a local cluster a driver starts with fork_workers, whose workers must
-come out of the real server."""
+not what is tested); the real server's workers: test_cluster_security (a run's own local cluster) and
+test_deployments (`reflow cluster up`'s)."""
 from __future__ import annotations
 
 import json
@@ -49,7 +49,7 @@ PROBE = textwrap.dedent("""
     warm = "email.message" in sys.modules
     line = sys.stdin.readline().strip()
     print(json.dumps({"warm": warm, "argv": sys.argv[1:], "env": os.environ.get("PROBE_ENV"), "cwd": os.getcwd(),
-                      "stdin": line, "pid": os.getpid(), "ppid": os.getppid(),
+                      "stdin": line, "pid": os.getpid(), "ppid": os.getppid(), "pgid": os.getpgid(0),
                       "path_has": os.environ.get("PROBE_PATH", "") in sys.path}), flush=True)
     print("to stderr", file=sys.stderr, flush=True)
     sys.exit(int(sys.argv[1]))
@@ -77,6 +77,8 @@ def test_a_forked_worker_gets_its_clients_argv_env_folder_stdio_and_exit_status(
     assert got["argv"] == ["3", "b c"] and got["env"] == "from the client" and got["cwd"] == str(tmp_path)
     assert got["stdin"] == "a line for stdin" and "to stderr" in err
     assert got["ppid"] == server.proc.pid and got["pid"] != proc.pid
+    # Its own process group, as Ray's own workers: the raylet kills a finished worker's group
+    assert got["pgid"] == got["pid"] != os.getpgid(server.proc.pid)
     assert got["path_has"], "the client's PYTHONPATH did not reach the forked worker's sys.path"
 
 
@@ -113,6 +115,34 @@ def test_signals_reach_the_worker_and_a_killed_client_takes_it_along(server, tmp
     proc.wait(30)
     assert _wait(lambda: not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE), \
         "the forked worker outlived its killed client"
+
+
+def test_after_its_code_changed_workers_start_plainly(tmp_path, monkeypatch):
+    """A long-lived server must not hand out code older than a plain start would import: once a file it imported
+    changes, each client is told so and execs the interpreter itself."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "reflow_probe_mod.py").write_text("VALUE = 1\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(code), os.environ.get("PYTHONPATH", "")]))
+    s = forkserver.start(tmp_path, watch=os.getpid(), modules=("reflow_probe_mod",))
+    try:
+        assert s.wait_ready(60), s.log.read_text()
+        script = tmp_path / "probe.py"
+        script.write_text("import os, sys; print('reflow_probe_mod' in sys.modules, os.getpid()); sys.exit(5)\n")
+        env = {**os.environ, forkserver.ENV: s.path}
+        warm = []
+        for _ in range(2):
+            proc = _client(script, env=env, cwd=tmp_path)
+            out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 5, (out, err)
+            imported, pid = out.split()
+            warm.append((imported == "True", int(pid) == proc.pid))
+            later = time.time() + 5
+            os.utime(code / "reflow_probe_mod.py", (later, later))  # an edit
+        assert warm == [(True, False), (False, True)]  # forked, then the client's own interpreter
+        assert "reflow_probe_mod.py changed" in s.log.read_text()
+    finally:
+        s.stop()
 
 
 @needs_root
@@ -156,32 +186,3 @@ def test_the_server_ends_with_the_process_it_watches_and_reports_a_failed_start(
     broken = forkserver.start(tmp_path / "b", watch=os.getpid(), modules=("reflow_no_such_module",))
     with pytest.raises(RuntimeError, match="reflow_no_such_module"):
         broken.wait_ready(60)
-
-
-def test_a_local_cluster_started_with_fork_workers_runs_its_workers_forked(tmp_path):
-    """A driver's own local cluster (ray_connect.connect, as `reflow train` starts one with cluster.fork_workers on):
-    its worker comes out of the real server, warm (torch imported before the task's own import), and the server
-    goes when the driver does."""
-    code = textwrap.dedent("""
-        import json, os, sys
-        import psutil, ray
-        from reflow.infra.cluster.ray_connect import connect
-        print(connect(None, 2, "forktest", fork_workers=True), file=sys.stderr)
-
-        @ray.remote
-        def where():
-            import sys
-            parent = psutil.Process(os.getppid())
-            return {"warm": "transformers.models.llama.modeling_llama" in sys.modules, "parent": parent.cmdline(),
-                    "parent_pid": parent.pid}
-
-        print(json.dumps(ray.get(where.remote())))
-    """)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env,
-                       cwd=tmp_path)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert "workers forked from a warm process" in r.stderr
-    got = json.loads(r.stdout.splitlines()[-1])
-    assert got["warm"] and "--serve" in got["parent"], got
-    assert _wait(lambda: not psutil.pid_exists(got["parent_pid"])), "the fork server outlived its driver"

@@ -473,12 +473,15 @@ def cmd_cluster(args) -> None:
 
     if args.cluster_command == "up":
         info, started = cluster.up(args.state_dir, port=args.port, num_cpus=args.num_cpus, host=args.host,
-                                   resources=_resources_arg(args.resources))
+                                   resources=_resources_arg(args.resources), fork_workers=args.fork_workers)
         print(f"reflow: Ray head {'started' if started else 'already running'} at {info.address} "
               f"(pid {info.pid}, {info.num_cpus} CPUs). Attach flows and workers with:")
         print(" ".join(f"export {k}={v};" for k, v in info.env().items()))
         print(f"reflow: token authentication on (token in {info.token_path}, readable by you only); "
               f"listening on {info.address.rsplit(':', 1)[0]} only")
+        if info.fork_socket:
+            print("reflow: workers start forked from a process that has imported torch, transformers and DeepSpeed "
+                  "(--fork-workers off: as Ray starts them)")
     elif args.cluster_command == "status":
         st = cluster.status(args.state_dir)
         print(json.dumps(st, indent=2, default=str) if args.json else _status_text(st))
@@ -658,6 +661,11 @@ def build_parser() -> argparse.ArgumentParser:
                             help="custom Ray resources of the head node, e.g. '{\"reflow_engine_node\": 1}' "
                                  "(rollout.node_resources / trainer.node_resources place actors by them; "
                                  "docs/scale-out.md)")
+            cp.add_argument("--fork-workers", choices=("auto", "on", "off"), default="auto",
+                            help="start this node's Ray workers by forking a process that has imported torch, "
+                                 "transformers and DeepSpeed, so an actor skips those imports (flows attaching "
+                                 "with cluster.fork_workers=off do not). auto (default): on where this machine has "
+                                 "no NVIDIA GPU (not yet measured on GPUs)")
             cp.add_argument("--host", default="127.0.0.1",
                             help="address to listen on (default %(default)s: loopback only). Give this machine's "
                                  "address only for a multi-node cluster: Ray then listens on every interface, "

@@ -40,7 +40,11 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's inter
     request = {"argv": argv, "env": dict(os.environ), "cwd": os.getcwd(), "client": os.getpid()}
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     answers = conn.makefile("r")
-    child = json.loads(answers.readline())["pid"]
+    answer = json.loads(answers.readline() or "{}")
+    if "pid" not in answer:  # refused (its imports are stale: the code changed since): start as Ray would have
+        conn.close()
+        os.execv(sys.executable, [sys.executable, *argv])
+    child = answer["pid"]
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1):
         signal.signal(sig, lambda num, _frame: os.kill(child, num))
     line = answers.readline()
@@ -81,6 +85,7 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
         raise RuntimeError("the fork server's imports initialised CUDA; its workers could not use the GPU")
+    stamps = _stamps()
     watched = [os.pidfd_open(watch)] if watch is not None else []
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     server.bind(path + ".new")  # bound under another name, listening, then renamed: a client that finds the path can
@@ -112,6 +117,14 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
             continue
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         request = json.loads(message)
+        changed = _changed(stamps)
+        if changed is not None:  # a worker forked now would run the code as it was: the client starts it plainly
+            print(f"{changed} changed since this server imported it: workers start as Ray starts them", flush=True)
+            for fd in fds:
+                os.close(fd)
+            conn.sendall(json.dumps({"stale": changed}).encode() + b"\n")
+            conn.close()
+            continue
         pid = os.fork()
         if pid == 0:
             _become_worker(server, conn, fds, request)
@@ -121,12 +134,40 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
         children[pid] = conn
 
 
+def _stamps() -> dict[str, int]:
+    """The modification time of every imported module's file (~3,000 after torch, transformers and DeepSpeed)."""
+    out = {}
+    for module in list(sys.modules.values()):
+        f = getattr(module, "__file__", None)
+        if f and f not in out:
+            try:
+                out[f] = os.stat(f).st_mtime_ns
+            except OSError:  # deliberate: a module without a file on disk (zip, frozen) cannot go stale here
+                pass
+    return out
+
+
+def _changed(stamps: dict[str, int]) -> str | None:
+    """The first imported file that changed (or went) since `stamps`, else None: checked before each fork, so a
+    long-lived cluster's workers never run code older than what a plain start would import."""
+    for f, mtime in stamps.items():
+        try:
+            if os.stat(f).st_mtime_ns != mtime:
+                return f
+        except OSError:
+            return f
+    return None
+
+
 def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], request: dict) -> None:
     """In the forked child: the client's stdio, environment and folder, then Ray's worker as __main__."""
     import random
     import runpy
     import threading
 
+    # Its own process group, as Ray starts each worker: after a worker exits the raylet kills the group it was in
+    # (what the worker spawned goes with it); in the server's, that took the server and every other worker along.
+    os.setpgid(0, 0)
     server.close()
     conn.close()
     for i, fd in enumerate(fds):
@@ -183,10 +224,12 @@ class Server:
         self.proc.wait()
 
 
-def start(folder: Path, watch: int | None = None, modules: tuple[str, ...] = MODULES) -> Server:
+def start(folder: Path, watch: int | None = None, modules: tuple[str, ...] = MODULES,
+          new_session: bool = False) -> Server:
     """Start a fork server with its socket in `folder` (one only this user can enter) and its output in
     `folder/fork-server.log`; returns at once, while it imports `modules` (`Server.wait_ready`). With `watch` (a pid)
-    it exits when that process does; otherwise the caller stops it when its cluster is down."""
+    it exits when that process does; otherwise the caller stops it when its cluster is down. `new_session`: it
+    outlives the caller (a head's, which `reflow cluster up` leaves running)."""
     path = str(folder / "fork.sock")
     root = str(Path(__file__).resolve().parents[3])  # src/ (or site-packages): reflow importable as in the caller
     env = os.environ | {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
@@ -194,7 +237,8 @@ def start(folder: Path, watch: int | None = None, modules: tuple[str, ...] = MOD
     cmd = [sys.executable, __file__, "--serve", path, "--modules", ",".join(modules),
            *(["--watch", str(watch)] if watch is not None else [])]
     with open(log, "ab") as out:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=new_session)
     return Server(proc, path, log)
 
 

@@ -18,6 +18,7 @@ from ray._private import auto_init_hook
 
 from reflow.infra.cluster import forkserver
 from reflow.infra.cluster.ray_head import (
+    has_nvidia_gpu,
     private_temp_dir,
     ray_env,
     read_head,
@@ -97,9 +98,11 @@ def connect_for(cluster, namespace: str, logging_level: int | None = None) -> st
 
 
 def fork_workers_wanted(cluster) -> bool:
-    """cluster.fork_workers resolved: auto is on where the run's actors use no GPU (cluster.gpus off, or no NVIDIA GPU
-    here). Not yet on GPUs: the server imports DeepSpeed, whose accelerator probe may touch the CUDA driver, and a
-    process forked after that cannot use the GPU; unmeasured there."""
+    """cluster.fork_workers resolved. Attaching (an address): whether to use the fork server `reflow cluster up`
+    started with the head, if it did (not off). A local cluster: on, off, or auto: on where the run's actors use no
+    GPU (cluster.gpus off, or no NVIDIA GPU here)."""
+    if cluster.address or os.environ.get("RAY_ADDRESS"):
+        return cluster.fork_workers != "off"
     if cluster.fork_workers != "auto":
         return cluster.fork_workers == "on"
     return cluster.gpus == "off" or not has_nvidia_gpu()
@@ -126,9 +129,14 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_
         head = read_head()
         if head is not None and head.address == address and "RAY_AUTH_TOKEN_PATH" not in os.environ:
             use_ray_env({k: v for k, v in head.env().items() if k != "RAY_ADDRESS"})
+        job_env: dict = {"env_vars": worker_env()}
+        forked = fork_workers and head is not None and head.address == address and head.fork_socket
+        if forked:  # the head's fork server (workers on other nodes find no socket there and start plainly)
+            job_env = {"env_vars": {**job_env["env_vars"], forkserver.ENV: head.fork_socket},
+                       **forkserver.runtime_env()}
         try:
-            ray.init(address=address, namespace=namespace, runtime_env={"env_vars": worker_env()},
-                     log_to_driver=True, logging_level=level)
+            ray.init(address=address, namespace=namespace, runtime_env=job_env, log_to_driver=True,
+                     logging_level=level)
         except ConnectionError as e:
             hint = ("" if os.environ.get("RAY_AUTH_TOKEN_PATH") or os.environ.get("RAY_AUTH_MODE") == "token" else
                     " Ray 2.60 clusters use token auth: export what `reflow cluster up` printed (RAY_AUTH_MODE, "
@@ -136,7 +144,7 @@ def _connect(address: str | None, num_cpus: int | None, namespace: str, logging_
             raise ConnectionError(f"cannot attach to the Ray cluster at {address}: {e}.{hint} Is it up? "
                                   f"(`reflow cluster status`)") from e
         _ATTACHED[:] = [address]
-        return f"connected to Ray at {address}"
+        return f"connected to Ray at {address}" + (", its workers forked from the head's warm process" if forked else "")
     cpus = num_cpus or max(4, os.cpu_count() or 1)
     # A fresh temp dir (a stale ray_current_cluster file from an earlier `ray stop` would make
     # ray.init try to join a dead cluster), inside a folder only this user can enter.
@@ -206,11 +214,6 @@ def _stop_local_start(tmp: Path) -> None:
         if p.pid != os.getpid() and str(tmp) in " ".join(p.info["cmdline"] or ()):
             with contextlib.suppress(psutil.Error):  # gone meanwhile
                 p.kill()
-
-
-def has_nvidia_gpu() -> bool:
-    """Whether this machine shows an NVIDIA GPU (its driver's control device), without importing torch."""
-    return Path("/dev/nvidiactl").exists()
 
 
 class EarlyConnect:

@@ -47,6 +47,7 @@ class HeadInfo:
     num_cpus: int
     started_at: float
     token_path: str = ""  # the head's auth token file (heads recorded before it existed: "")
+    fork_socket: str = ""  # the socket of the fork server beside the head (infra/cluster/forkserver.py); "": none
 
     def env(self) -> dict[str, str]:
         """What a shell, a Prefect worker or a test needs to attach flows to this head."""
@@ -149,6 +150,11 @@ def read_head(path: str | Path | None = None) -> HeadInfo | None:
     return info
 
 
+def has_nvidia_gpu() -> bool:
+    """Whether this machine shows an NVIDIA GPU (its driver's control device), without importing torch."""
+    return Path("/dev/nvidiactl").exists()
+
+
 def _port_open(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(0.5)
@@ -157,9 +163,12 @@ def _port_open(host: str, port: int) -> bool:
 
 def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int | None = None,
        host: str = "127.0.0.1", timeout_s: float = 60.0,
-       resources: dict[str, float] | None = None) -> tuple[HeadInfo, bool]:
+       resources: dict[str, float] | None = None, fork_workers: str = "auto") -> tuple[HeadInfo, bool]:
     """Start the head unless one is recorded and alive; returns (head, started_now). `resources`: Ray
-    custom resources of the head node (e.g. {"reflow_engine_node": 1}: engines asking for them run here)."""
+    custom resources of the head node (e.g. {"reflow_engine_node": 1}: engines asking for them run here).
+    `fork_workers` (on, off, auto: on where this machine has no NVIDIA GPU): a fork server beside the head, which
+    flows attaching with cluster.fork_workers not off start this node's workers through (infra/cluster/forkserver.py;
+    it ends with the head, and a worker whose code changed since it imported starts plainly)."""
     current = read_head(path)
     if current is not None:
         return current, False
@@ -183,6 +192,11 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
            "RAY_USAGE_STATS_ENABLED": "0", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
            **ray_setting_env(worker_pool_config(cpus))}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+    fork = None
+    if fork_workers == "on" or (fork_workers == "auto" and not has_nvidia_gpu()):
+        from reflow.infra.cluster import forkserver
+
+        fork = forkserver.start(tmp.parent, watch=proc.pid, new_session=True)  # it imports while the head starts
     deadline = time.monotonic() + timeout_s
     while not _port_open(host, port):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -192,8 +206,14 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
                                f"see {d / 'head.log'}")
         time.sleep(0.2)
     time.sleep(1.0)  # the GCS port opens before the raylet registers; let it settle
+    fork_socket = ""
+    if fork is not None:
+        try:
+            fork_socket = fork.path if fork.wait_ready(timeout_s) else ""
+        except RuntimeError as e:  # deliberate: the head works without it; say why it is missing
+            print(f"reflow: no fork server beside the head: {e}", file=sys.stderr)
     info = HeadInfo(address=f"{host}:{port}", pid=proc.pid, temp_dir=str(tmp), num_cpus=cpus,
-                    started_at=time.time(), token_path=str(token))
+                    started_at=time.time(), token_path=str(token), fork_socket=fork_socket)
     (d / "head.json").write_text(json.dumps(asdict(info), indent=2))
     return info, True
 
