@@ -88,6 +88,9 @@
 # Session 50 (the test session's Ray workers forked from a process that imported torch, transformers and DeepSpeed,
 # infra/cluster/forkserver.py; starting actors was ~39 % of the suite's CPU): clean clone .ci/run at 967fab4 38m48s, green
 # (the rest 1126 passed in 1700 s, against 3163 s; these 52 in 2263 s, now the longer: next, the same for their clusters).
+# Session 51 (the clusters runs and `reflow cluster up` start fork their workers too where no GPU is; test_deployments
+# alone 268 -> 233 s, test_resume 184 -> 172 s): test_preflight_cli and test_cluster_security (~115 s alone) moved to
+# the main process, the shorter one now.
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
@@ -100,8 +103,8 @@ fi
 # Beside: tests that start their own servers, clusters and `reflow` subprocesses (none uses the session's Ray cluster),
 # so the two processes overlap one's waiting with the other's computing.
 beside=(tests/test_deployments.py tests/test_resume.py tests/test_multinode.py tests/test_terminal.py
-        tests/test_storage_paths.py tests/test_preflight_cli.py tests/test_cluster_security.py tests/test_local_users.py
-        tests/test_bench_smoke.py tests/test_ui_browser.py tests/test_ray_start_timeout.py)
+        tests/test_storage_paths.py tests/test_local_users.py tests/test_bench_smoke.py tests/test_ui_browser.py
+        tests/test_ray_start_timeout.py)
 log=$(mktemp -t reflow-beside-XXXXXX.log)
 "$py" -m pytest -q --durations=15 "${order[@]}" "${beside[@]}" > "$log" 2>&1 &
 pid=$!
