@@ -88,8 +88,8 @@
 # Session 50 (the test session's Ray workers forked from a process that imported torch, transformers and DeepSpeed,
 # infra/cluster/forkserver.py; starting actors was ~39 % of the suite's CPU): clean clone .ci/run at 967fab4 38m48s, green
 # (the rest 1126 passed in 1700 s, against 3163 s; these 52 in 2263 s, now the longer: next, the same for their clusters).
-# Session 51 (the clusters runs and `reflow cluster up` start fork their workers too where no GPU is; test_deployments
-# alone 268 -> 233 s, test_resume 184 -> 172 s): test_preflight_cli and test_cluster_security (~115 s alone) moved to
+# Session 51 (`reflow cluster up` heads fork their workers too where no GPU is, test_deployments alone 268 -> 233 s; a
+# run's own cluster only with fork_workers=on): test_preflight_cli and test_cluster_security (~115 s alone) moved to
 # the main process, the shorter one now.
 set -uo pipefail
 py=$1; shift

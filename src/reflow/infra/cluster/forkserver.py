@@ -15,9 +15,10 @@ so this is one:
   it forwards signals to the child and exits with its status, and the child exits when the client goes (a kill).
   Where the server cannot be reached the client execs the interpreter: the worker starts as Ray would have.
 
-Used by the local clusters runs start themselves (infra/cluster/ray_connect.py, config cluster.fork_workers) and by
-the test session's (tests/conftest.py): 32 end-to-end tests in 158 s and 215 s of machine CPU against 284 s and 452 s
-started plainly (RESULTS 55).
+Used by `reflow cluster up`'s heads (infra/cluster/ray_head.py; runs attached to one use it, config
+cluster.fork_workers), by a run's own local cluster where cluster.fork_workers is on (infra/cluster/ray_connect.py),
+and by the test session's cluster (tests/conftest.py): 32 end-to-end tests in 158 s and 215 s of machine CPU against
+284 s and 452 s started plainly (RESULTS 55).
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's inter
     line = answers.readline()
     sys.exit(json.loads(line)["status"] if line else 1)
 
+import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import select  # noqa: E402
@@ -85,6 +87,10 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
         raise RuntimeError("the fork server's imports initialised CUDA; its workers could not use the GPU")
+    # What the imports made, out of every later collection's reach: a forked worker's collections would otherwise walk
+    # (and write the reference counts of) each of those objects, copying the pages the fork shared.
+    gc.collect()
+    gc.freeze()
     stamps = _stamps()
     watched = [os.pidfd_open(watch)] if watch is not None else []
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -99,13 +99,13 @@ def connect_for(cluster, namespace: str, logging_level: int | None = None) -> st
 
 def fork_workers_wanted(cluster) -> bool:
     """cluster.fork_workers resolved. Attaching (an address): whether to use the fork server `reflow cluster up`
-    started with the head, if it did (not off). A local cluster: on, off, or auto: on where the run's actors use no
-    GPU (cluster.gpus off, or no NVIDIA GPU here)."""
+    started with the head, if it did (auto, on). A local cluster: only on. Its server's imports cost more CPU than a
+    short run's few actors save: `bench/startup.py` (one `reflow train` of the demo, ABBA) spent 1.28x and 1.59x the
+    CPU with it, for a first iteration 0.74x and 1.05x as late (bench/RESULTS.md 56); a long-lived head's server
+    serves every run."""
     if cluster.address or os.environ.get("RAY_ADDRESS"):
         return cluster.fork_workers != "off"
-    if cluster.fork_workers != "auto":
-        return cluster.fork_workers == "on"
-    return cluster.gpus == "off" or not has_nvidia_gpu()
+    return cluster.fork_workers == "on"
 
 
 def quiet_ray(on: bool) -> None:
