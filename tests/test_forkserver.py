@@ -82,6 +82,27 @@ def test_a_forked_worker_gets_its_clients_argv_env_folder_stdio_and_exit_status(
     assert got["path_has"], "the client's PYTHONPATH did not reach the forked worker's sys.path"
 
 
+def test_a_forked_worker_ends_as_an_interpreter_would(server, tmp_path):
+    """Unflushed output reaches the pipe, atexit handlers run, and an uncaught exception is a traceback and status 1
+    (never a return into the server's loop)."""
+    env = {**os.environ, forkserver.ENV: server.path}
+    env.pop("PYTHONUNBUFFERED", None)
+    ends = {"exit": "import atexit, sys; atexit.register(print, 'atexit ran'); print('buffered'); sys.exit(6)",
+            "raise": "print('before'); raise KeyError('boom')",
+            "message": "import sys; sys.exit('a message')"}
+    got = {}
+    for name, code in ends.items():
+        script = tmp_path / f"{name}.py"
+        script.write_text(code + "\n")
+        proc = _client(script, env=env, cwd=tmp_path)
+        out, err = proc.communicate(timeout=60)
+        got[name] = (proc.returncode, out, err)
+    assert got["exit"][:2] == (6, "buffered\natexit ran\n"), got["exit"]
+    assert got["raise"][0] == 1 and got["raise"][1] == "before\n" and "KeyError: 'boom'" in got["raise"][2], got["raise"]
+    assert got["message"][0] == 1 and "a message" in got["message"][2], got["message"]
+    assert server.proc.poll() is None and len(psutil.Process(server.proc.pid).children()) == 0
+
+
 def test_without_a_server_the_client_starts_the_worker_plainly(tmp_path):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)

@@ -51,7 +51,6 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's inter
     line = answers.readline()
     sys.exit(json.loads(line)["status"] if line else 1)
 
-import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import select  # noqa: E402
@@ -87,10 +86,6 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
     torch = sys.modules.get("torch")
     if torch is not None and torch.cuda.is_initialized():  # a CUDA context does not survive fork
         raise RuntimeError("the fork server's imports initialised CUDA; its workers could not use the GPU")
-    # What the imports made, out of every later collection's reach: a forked worker's collections would otherwise walk
-    # (and write the reference counts of) each of those objects, copying the pages the fork shared.
-    gc.collect()
-    gc.freeze()
     stamps = _stamps()
     watched = [os.pidfd_open(watch)] if watch is not None else []
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -168,7 +163,6 @@ def _changed(stamps: dict[str, int]) -> str | None:
 def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], request: dict) -> None:
     """In the forked child: the client's stdio, environment and folder, then Ray's worker as __main__."""
     import random
-    import runpy
     import threading
 
     # Its own process group, as Ray starts each worker: after a worker exits the raylet kills the group it was in
@@ -196,11 +190,37 @@ def _become_worker(server: socket.socket, conn: socket.socket, fds: list[int], r
     threading.Thread(target=client_gone, daemon=True).start()
     sys.argv = list(request["argv"])
     sys.path[0] = os.path.dirname(sys.argv[0])  # as `python default_worker.py` would have it
+    os._exit(_run_main(sys.argv[0]))
+
+
+def _run_main(path: str) -> int:
+    """Run `path` as __main__ and end as an interpreter would: its exit status (an uncaught exception's traceback and
+    1; sys.exit's message and 1), the atexit handlers, and stdout and stderr flushed (os._exit would drop what a
+    pipe's buffer holds). Never returns into the server's loop, whatever the script raised."""
+    import atexit
+    import runpy
+    import traceback
+
+    status = 1
     try:
-        runpy.run_path(sys.argv[0], run_name="__main__")
+        runpy.run_path(path, run_name="__main__")
+        status = 0
     except SystemExit as e:
-        os._exit(e.code if isinstance(e.code, int) else 1)
-    os._exit(0)
+        if e.code is None or isinstance(e.code, int):
+            status = e.code or 0
+        else:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # deliberate: reported as the interpreter would, then the status
+        traceback.print_exc()
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # deliberate: a closed or broken stream has nothing left to write
+                pass
+    return status
 
 
 class Server:
