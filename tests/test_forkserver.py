@@ -161,9 +161,27 @@ def test_after_its_code_changed_workers_start_plainly(tmp_path, monkeypatch):
             later = time.time() + 5
             os.utime(code / "reflow_probe_mod.py", (later, later))  # an edit
         assert warm == [(True, False), (False, True)]  # forked, then the client's own interpreter
-        assert "reflow_probe_mod.py changed" in s.log.read_text()
+        assert "reflow_probe_mod.py changed since this server imported it" in s.log.read_text()
     finally:
         s.stop()
+
+
+@needs_root
+def test_a_client_in_another_network_namespace_starts_its_worker_plainly(server, tmp_path):
+    """Another raylet on the same filesystem but in its own network namespace (tests/test_multinode.py's second host)
+    finds the socket: a worker forked here would live in the server's network, not its node's. The server compares
+    the client's namespaces (by the kernel's peer pid) with its own and refuses."""
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    env = {**os.environ, forkserver.ENV: server.path}
+    cmd = ["unshare", "--net", *forkserver.runtime_env()["py_executable"].split(), str(script), "0"]
+    proc = subprocess.Popen(cmd, env=env, cwd=tmp_path, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate("x\n", timeout=60)
+    assert proc.returncode == 0, (out, err)
+    got = json.loads(out.splitlines()[-1])
+    assert not got["warm"] and got["pid"] == proc.pid, got  # its own interpreter, in its own namespace
+    assert "net namespace is not this server's" in server.log.read_text()
 
 
 @needs_root

@@ -42,7 +42,7 @@ if __name__ == "__main__" and sys.argv[1:2] == ["--client"]:  # a worker's inter
     socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
     answers = conn.makefile("r")
     answer = json.loads(answers.readline() or "{}")
-    if "pid" not in answer:  # refused (its imports are stale: the code changed since): start as Ray would have
+    if "pid" not in answer:  # refused (its code changed since it imported, another namespace): start as Ray would
         conn.close()
         os.execv(sys.executable, [sys.executable, *argv])
     child = answer["pid"]
@@ -55,6 +55,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import select  # noqa: E402
 import socket  # noqa: E402
+import struct  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -113,17 +114,19 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
         if server not in readable:
             continue
         conn, _ = server.accept()
-        if conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)[4:8] != os.getuid().to_bytes(4, sys.byteorder):
+        peer_pid, peer_uid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[:2]
+        if peer_uid != os.getuid():
             conn.close()  # another user's process: never fork for it
             continue
         message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
         request = json.loads(message)
-        changed = _changed(stamps)
-        if changed is not None:  # a worker forked now would run the code as it was: the client starts it plainly
-            print(f"{changed} changed since this server imported it: workers start as Ray starts them", flush=True)
+        request["client"] = peer_pid  # the kernel's word, in this server's pid namespace, not the client's
+        refused = _changed(stamps) or _other_namespace(peer_pid)
+        if refused is not None:  # a worker forked now would run old code, or in this server's namespaces: plainly
+            print(f"{refused}: this worker starts as Ray starts it", flush=True)
             for fd in fds:
                 os.close(fd)
-            conn.sendall(json.dumps({"stale": changed}).encode() + b"\n")
+            conn.sendall(json.dumps({"refused": refused}).encode() + b"\n")
             conn.close()
             continue
         pid = os.fork()
@@ -133,6 +136,22 @@ def serve(path: str, watch: int | None = None, modules: tuple[str, ...] = MODULE
             os.close(fd)
         conn.sendall(json.dumps({"pid": pid}).encode() + b"\n")
         children[pid] = conn
+
+
+NAMESPACES = ("net", "mnt", "pid", "ipc", "uts", "user", "cgroup")
+
+
+def _other_namespace(pid: int) -> str | None:
+    """Which namespace of process `pid` differs from this server's (a client in a network namespace of its own, e.g.
+    another raylet's on the same filesystem: its worker, forked here, would live in this server's network), or None."""
+    for ns in NAMESPACES:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"):
+                return f"the client's {ns} namespace is not this server's"
+        except OSError:  # deliberate: a namespace this kernel lacks is nobody's; a client gone is refused
+            if not os.path.exists(f"/proc/{pid}"):
+                return "the client is gone"
+    return None
 
 
 def _stamps() -> dict[str, int]:
@@ -154,9 +173,9 @@ def _changed(stamps: dict[str, int]) -> str | None:
     for f, mtime in stamps.items():
         try:
             if os.stat(f).st_mtime_ns != mtime:
-                return f
+                return f"{f} changed since this server imported it"
         except OSError:
-            return f
+            return f"{f} changed since this server imported it"
     return None
 
 
