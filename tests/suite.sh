@@ -90,7 +90,9 @@
 # (the rest 1126 passed in 1700 s, against 3163 s; these 52 in 2263 s, now the longer: next, the same for their clusters).
 # Session 51 (`reflow cluster up` heads fork their workers too where no GPU is, test_deployments alone 268 -> 233 s; a
 # run's own cluster only with fork_workers=on): test_preflight_cli and test_cluster_security (~115 s alone) moved to
-# the main process, the shorter one now.
+# the main process, the shorter one now. Clean clone .ci/run at db9a79f: 16m46s, green (the rest 1142 passed in 906 s;
+# these 44 in 973 s); a489c93 (session 50's) on the same VM that day: 20m20s, 1 failed (test_multinode's resumed run,
+# an engine's ready() timing out; the rest 1126 passed in 807 s; these 51 passed in 1185 s).
 set -uo pipefail
 py=$1; shift
 cd "$(dirname "$0")/.."
