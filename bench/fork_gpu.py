@@ -78,8 +78,11 @@ def main() -> None:
                 print(json.dumps(got), flush=True)
     finally:
         server.stop()
-    med = {k: {m: statistics.median(x[m] for x in runs if x["kind"] == k and m in x) if any(
-        x["kind"] == k and m in x for x in runs) else None for m in ("ready_s", "cpu_s")} for k in ("plain", "forked")}
+    def median(kind: str, key: str) -> float | None:
+        values = [x[key] for x in runs if x["kind"] == kind and key in x]
+        return statistics.median(values) if values else None
+
+    med = {k: {m: median(k, m) for m in ("ready_s", "cpu_s")} for k in ("plain", "forked")}
     forked = [x for x in runs if x["kind"] == "forked"]
     summary = {"forked_ok": bool(forked) and all(x["rc"] == 0 and x.get("warm") and x.get("finite") for x in forked),
                "plain_ok": all(x["rc"] == 0 for x in runs if x["kind"] == "plain"), "server_ready_s": round(server_s, 2),

@@ -6,8 +6,9 @@ so this is one:
 
 - `start(folder)` runs the server (`python forkserver.py --serve <socket> ...`) and returns while it imports the
   modules workers need (`MODULES`); then it listens on a Unix socket in `folder` (make it private: only this user may
-  ask it to fork; a peer of another uid is refused anyway), and forks one child per request. Not Ray: its C++ core reads the worker's job id from the environment once, when it is loaded,
-  so a server that had loaded it forks workers that abort (`Check failed: !job_id_env.empty()`).
+  ask it to fork; a peer of another uid is refused anyway), and forks one child per request. Not Ray: its C++ core
+  reads the worker's job id from the environment once, when it is loaded, so a server that had loaded it forks
+  workers that abort (`Check failed: !job_id_env.empty()`).
 - `runtime_env()` is the job's runtime_env: `py_executable` makes the raylet start this file's client as the
   worker's interpreter (`python forkserver.py --client default_worker.py ...`). The client hands the server its argv,
   environment, working folder and stdio (the socket's path comes in the environment, REFLOW_FORK_SERVER); the forked
@@ -172,9 +173,10 @@ def _changed(stamps: dict[str, int]) -> str | None:
     long-lived cluster's workers never run code older than what a plain start would import."""
     for f, mtime in stamps.items():
         try:
-            if os.stat(f).st_mtime_ns != mtime:
-                return f"{f} changed since this server imported it"
-        except OSError:
+            same = os.stat(f).st_mtime_ns == mtime
+        except OSError:  # gone
+            same = False
+        if not same:
             return f"{f} changed since this server imported it"
     return None
 

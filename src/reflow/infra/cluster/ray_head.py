@@ -209,7 +209,12 @@ def up(path: str | Path | None = None, port: int = DEFAULT_PORT, num_cpus: int |
     fork_socket = ""
     if fork is not None:
         try:
-            fork_socket = fork.path if fork.wait_ready(timeout_s) else ""
+            if fork.wait_ready(timeout_s):
+                fork_socket = fork.path
+            else:  # unrecorded, no run would ask it: not left importing and idling for the head's lifetime
+                fork.stop()
+                print(f"reflow: no fork server beside the head: it did not listen within {timeout_s:.0f} s "
+                      f"(its log: {fork.log})", file=sys.stderr)
         except RuntimeError as e:  # deliberate: the head works without it; say why it is missing
             print(f"reflow: no fork server beside the head: {e}", file=sys.stderr)
     info = HeadInfo(address=f"{host}:{port}", pid=proc.pid, temp_dir=str(tmp), num_cpus=cpus,
